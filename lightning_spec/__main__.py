@@ -1,0 +1,3 @@
+from lightning_spec.cli import main
+
+main()

@@ -1,0 +1,71 @@
+"""``lightning-spec fit|validate|test -c experiments/X.yaml`` (also installed as ``lightning``).
+
+A thin LightningCLI: the YAML schema is the typed ``__init__`` of ``DraftModule``, ``SpecDataModule`` and the
+parts they take. Defaults a user meets: MLflow tracking in ``sqlite:///mlflow.db`` of the working folder, the
+rich progress bar, and a checkpoint (drafter only) with ``last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import MLFlowLogger
+
+from lightning_spec.data.datamodule import SpecDataModule
+from lightning_spec.module import DraftModule
+
+TRAINER_DEFAULTS = {
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+        "init_args": {"experiment_name": "lightning_spec", "tracking_uri": "sqlite:///mlflow.db", "log_model": False},
+    },
+}
+
+
+class SaveConfigToTracker(SaveConfigCallback):
+    """Store the resolved YAML with the run: an MLflow artifact ``config.yaml`` (MLflow has no log folder)."""
+
+    def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        text = self.parser.dump(self.config, skip_none=False)
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):
+                logger.experiment.log_text(logger.run_id, text, "config.yaml")
+
+
+class SpecCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # the tokenizer of the data is the target's: one place to say which target
+        parser.link_arguments("model.target", "data.target")
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
+        # A YAML `trainer.callbacks:` list replaces defaults wholesale; add ours unless the user chose their own.
+        given = list(config.get("callbacks") or []) + list(callbacks)
+        if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
+            callbacks.append(RichProgressBar())
+        if config.get("enable_checkpointing", True) is not False and not any(
+            isinstance(c, ModelCheckpoint) for c in given
+        ):
+            callbacks.append(ModelCheckpoint(save_last=True))
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def main(args: list[str] | None = None) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    SpecCLI(
+        DraftModule,
+        SpecDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_callback=SaveConfigToTracker,
+        save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
+        args=args,
+        auto_configure_optimizers=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

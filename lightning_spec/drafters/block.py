@@ -1,0 +1,340 @@
+"""BlockDrafter: the DFlash block-parallel drafter (Chen, Liang, Liu 2026; METHODS.md §2.2).
+
+Reads top to bottom:
+1. Context: features of chosen target layers, concatenated, fused by ``fc`` + RMSNorm -> H_ctx (N, S, H).
+2. Every draft layer injects H_ctx into its keys and values (KV injection): K = [W_K H_ctx ; W_K h],
+   V = [W_V H_ctx ; W_V h]; queries come from the block only.
+3. A block is ``[anchor, MASK x K]`` (K + 1 positions) embedded with the target's frozen embedding (the mask
+   is a learned vector). Attention is bidirectional inside the block; the block sees context strictly before
+   the anchor, because at inference the anchor (the bonus token) has no target hidden state yet.
+4. Slot t = 1..K predicts x_{n+t} through the target's frozen LM head, optionally restricted to a reduced
+   draft vocabulary (the d2t / t2d maps of METHODS.md §2.1).
+
+Naming: ``block_size`` = K = draft proposals per round (DESIGN.md). DFlash papers count the anchor in their
+block, so their B = 16 is ``block_size: 15`` here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_spec.drafters.base import Drafter, DraftOutput, Proposal, rms_norm
+from lightning_spec.sampling import SamplingConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotary embedding (half-split convention, as HF Llama). x (..., T, D), pos broadcastable to (..., T)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # (D/2,)
+    ang = pos.float()[..., None] * inv  # (..., T, D/2)
+    cos, sin = ang.cos(), ang.sin()
+    cos, sin = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class DraftLayer(nn.Module):
+    """A Llama-style decoder layer whose keys/values also cover the injected context."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_norm = RMSNorm(hidden, eps)
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.post_norm = RMSNorm(hidden, eps)
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def kv(self, x: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
+        """Keys (rotated) and values of ``x`` (N, T, H) at positions ``pos`` (N, T): each (N, kv_heads, T, D)."""
+        n, t, _ = x.shape
+        k = self.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rope(k, pos[:, None], theta), v
+
+    def forward(self, h: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None, theta: float):
+        """h (N, Q, H) block hidden states at positions pos (N, Q); ctx_k/v (N, kv_heads, S, D); mask (N, Q, S + Q)."""
+        n, q_len, _ = h.shape
+        x = self.input_norm(h)
+        q = self.q_proj(x).view(n, q_len, self.heads, self.head_dim).transpose(1, 2)
+        q = rope(q, pos[:, None], theta)  # (N, heads, Q, D)
+        k_blk, v_blk = self.kv(x, pos, theta)
+        k = torch.cat([ctx_k, k_blk], dim=2)  # (N, kv_heads, S + Q, D)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
+        h = h + self.o_proj(attn.transpose(1, 2).reshape(n, q_len, -1))
+        x = self.post_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class BlockDraftState:
+    """Decoding context: per-layer keys/values of the fused features of committed positions 0..length-1."""
+
+    keys: list[Tensor]  # per layer (1, kv_heads, length, D)
+    values: list[Tensor]
+    length: int
+
+
+class BlockDrafter(Drafter):
+    """DFlash-style block drafter.
+
+    Args:
+        block_size: K, draft proposals per round (the block holds the anchor plus K masks).
+        num_layers: draft decoder layers.
+        target_layers: 0-indexed target layers whose outputs form the context. Default: ``num_layers + 2``
+            layers spread uniformly over 1..L-3, plus the last-but-one layer, as DFlash.
+        num_anchors: anchors sampled per training sequence (uniformly, without replacement, where a label follows).
+        draft_vocab_size: restrict the LM head to the most frequent target tokens of the training data
+            (None = the full target vocabulary). Filled from the data the first time ``fit`` sets up.
+        intermediate_size: MLP width; default the target's.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 8,
+        num_layers: int = 1,
+        target_layers: list[int] | None = None,
+        num_anchors: int = 64,
+        draft_vocab_size: int | None = None,
+        intermediate_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if block_size < 1:
+            raise ValueError(f"drafter.block_size must be >= 1, got {block_size}.")
+        if num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}.")
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.target_layers = list(target_layers) if target_layers is not None else []
+        self.num_anchors = num_anchors
+        self.draft_vocab_size = draft_vocab_size
+        self.intermediate_size = intermediate_size
+        self.built = False
+
+    def config_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "num_layers": self.num_layers,
+            "target_layers": self.target_layers,
+            "num_anchors": self.num_anchors,
+            "draft_vocab_size": self.draft_vocab_size,
+            "intermediate_size": self.intermediate_size,
+        }
+
+    # ------------------------------------------------------------------------------------------- building
+    def bind(self, target: Any) -> None:
+        super().bind(target)
+        cfg = target.config
+        if not self.target_layers:
+            self.target_layers = default_target_layers(target.num_layers, self.num_layers + 2)
+        target.check_layers(self.target_layers)
+        if self.built:
+            return
+        hidden = target.hidden_size
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        inter = self.intermediate_size or cfg.intermediate_size
+        eps = getattr(cfg, "rms_norm_eps", 1e-6)
+        rope_params = getattr(cfg, "rope_parameters", None) or {}
+        self.rope_theta = float(rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)
+        self.ctx_norm = RMSNorm(hidden, eps)
+        self.layers = nn.ModuleList(
+            DraftLayer(hidden, heads, kv_heads, head_dim, inter, eps) for _ in range(self.num_layers)
+        )
+        self.norm = RMSNorm(hidden, eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        vocab = target.vocab_size
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= vocab:
+            raise ValueError(
+                f"drafter.draft_vocab_size={self.draft_vocab_size} must be in 1..{vocab} (the target vocabulary)."
+            )
+        vd = self.draft_vocab_size or vocab
+        # vocab_ids[i] = target id of draft id i (sorted); METHODS' d2t[i] = vocab_ids[i] - i.
+        self.register_buffer("vocab_ids", torch.arange(vd), persistent=True)
+        self.register_buffer("vocab_ready", torch.tensor(self.draft_vocab_size is None), persistent=True)
+        self._init_weights(target)
+        self.to(target.device)
+        self.built = True
+
+    @torch.no_grad()
+    def _init_weights(self, target: Any) -> None:
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=std)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):  # GPT-2 residual scaling
+                    p.div_(math.sqrt(2 * self.num_layers))
+        # The final norm feeds the frozen target LM head: start from the target's own final norm scale.
+        final_norm = getattr(target.base, "norm", None)
+        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+            self.norm.weight.copy_(final_norm.weight.detach().to(self.norm.weight.dtype))
+        self.mask_embedding.copy_(target.embed_tokens.weight.mean(0))
+
+    @torch.no_grad()
+    def set_vocab(self, token_counts: Tensor) -> None:
+        """Pick the ``draft_vocab_size`` most frequent target tokens (METHODS.md §2.1 reduced vocabulary)."""
+        vd = self.vocab_ids.numel()
+        top = token_counts.float().topk(vd).indices.sort().values
+        self.vocab_ids.copy_(top.to(self.vocab_ids.device))
+        self.vocab_ready.fill_(True)
+
+    @property
+    def t2d(self) -> Tensor:
+        """bool (V,): which target tokens the draft vocabulary contains."""
+        mask = torch.zeros(self.target.vocab_size, dtype=torch.bool, device=self.vocab_ids.device)
+        return mask.index_fill_(0, self.vocab_ids, True)
+
+    @property
+    def d2t(self) -> Tensor:
+        """(Vd,): target_id = draft_id + d2t[draft_id] (EAGLE-3 convention)."""
+        return self.vocab_ids - torch.arange(self.vocab_ids.numel(), device=self.vocab_ids.device)
+
+    def head_weight(self) -> Tensor:
+        """The frozen LM head rows of the draft vocabulary: (Vd, H)."""
+        w = self.target.lm_head.weight
+        return w if self.vocab_ids.numel() == w.shape[0] else w.index_select(0, self.vocab_ids)
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """Frozen-head logits over the draft vocabulary: (..., H) -> (..., Vd). Also used for target logits."""
+        return hidden @ self.head_weight().t()
+
+    def to_draft_ids(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Target ids -> (draft ids, contained mask); ids the draft vocab lacks map to 0 with contained False."""
+        if self.vocab_ids.numel() == self.target.vocab_size:
+            return ids, torch.ones_like(ids, dtype=torch.bool)
+        pos = torch.searchsorted(self.vocab_ids, ids.clamp(min=0)).clamp(max=self.vocab_ids.numel() - 1)
+        contained = self.vocab_ids[pos] == ids
+        return torch.where(contained, pos, torch.zeros_like(pos)), contained
+
+    def context(self, features: Tensor) -> Tensor:
+        """(N, S, len(target_layers) * H) -> fused context H_ctx (N, S, H)."""
+        return self.ctx_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def embed_block(self, anchor_tokens: Tensor) -> Tensor:
+        """(...,) anchor ids -> (..., K + 1, H): the anchor's frozen embedding, then K learned mask vectors."""
+        emb = self.target.embed_tokens(anchor_tokens).to(self.mask_embedding.dtype)  # (..., H)
+        masks = self.mask_embedding.expand(*anchor_tokens.shape, self.block_size, -1)
+        return torch.cat([emb[..., None, :], masks], dim=-2)
+
+    # ------------------------------------------------------------------------------------------- training
+    def sample_anchors(self, loss_mask: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """Up to ``num_anchors`` anchors per sequence, uniformly without replacement among positions n whose
+        next token is supervised (loss_mask[n + 1]). Returns anchors (N, A) and keep (N, A) bool."""
+        n, s = loss_mask.shape
+        candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
+        candidate[:, :-1] = loss_mask[:, 1:].bool()  # (N, S)
+        a = min(self.num_anchors, s)
+        scores = torch.rand(n, s, generator=generator, device=loss_mask.device if generator is None else "cpu")
+        scores = scores.to(loss_mask.device).masked_fill(~candidate, -1.0)
+        top = scores.topk(a, dim=-1)
+        keep = top.values >= 0  # (N, A)
+        anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
+        anchors, order = anchors.masked_fill(~keep, s).sort(dim=-1)  # sorted; unused slots last
+        keep = keep.gather(1, order)
+        return anchors.masked_fill(~keep, 0), keep
+
+    def forward(self, batch: dict[str, Tensor], features: Tensor, generator: torch.Generator | None = None):
+        """Training forward. batch: input_ids (N, S), loss_mask (N, S); features (N, S, F) of the target layers."""
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        n, s = ids.shape
+        k = self.block_size
+        anchors, keep = self.sample_anchors(loss_mask, generator)  # (N, A)
+        a = anchors.shape[1]
+        ctx = self.context(features)  # (N, S, H)
+        ctx_pos = torch.arange(s, device=ids.device).expand(n, s)  # (N, S)
+        offs = torch.arange(k + 1, device=ids.device)  # (K+1,)
+        blk_pos = (anchors[..., None] + offs).reshape(n, a * (k + 1))  # (N, A(K+1))
+        h = self.embed_block(ids.gather(1, anchors)).reshape(n, a * (k + 1), -1)  # (N, A(K+1), H)
+        # mask (N, A(K+1), S + A(K+1)): context strictly before the anchor; the whole own block.
+        q_anchor = anchors.repeat_interleave(k + 1, dim=1)  # (N, Q)
+        ctx_ok = ctx_pos[:, None, :] < q_anchor[..., None]  # (N, Q, S)
+        blk_id = torch.arange(a, device=ids.device).repeat_interleave(k + 1)  # (Q,)
+        blk_ok = (blk_id[:, None] == blk_id[None, :]).expand(n, -1, -1)  # (N, Q, Q)
+        mask = torch.cat([ctx_ok, blk_ok], dim=-1)
+        for layer in self.layers:
+            ck, cv = layer.kv(ctx, ctx_pos, self.rope_theta)
+            h = layer(h, blk_pos, ck, cv, mask, self.rope_theta)
+        h = self.norm(h).view(n, a, k + 1, -1)[:, :, 1:]  # (N, A, K, H) prediction slots
+        logits = self.draft_logits(h)  # (N, A, K, Vd)
+        # labels x_{n+t}, t = 1..K; valid where inside the sequence, supervised, kept, and in the draft vocab
+        lab_pos = anchors[..., None] + offs[1:]  # (N, A, K)
+        inside = lab_pos < s
+        lab_pos = lab_pos.clamp(max=s - 1)
+        labels = ids.gather(1, lab_pos.reshape(n, -1)).view(n, a, k)
+        supervised = loss_mask.gather(1, lab_pos.reshape(n, -1)).view(n, a, k)
+        draft_labels, contained = self.to_draft_ids(labels)
+        valid = inside & supervised & keep[..., None] & contained
+        return DraftOutput(logits=logits, labels=draft_labels, valid=valid, anchors=anchors)
+
+    # ------------------------------------------------------------------------------------------- decoding
+    @torch.no_grad()
+    def begin(self, features: Tensor) -> BlockDraftState:
+        state = BlockDraftState(keys=[torch.empty(0)] * len(self.layers), values=[torch.empty(0)] * len(self.layers),
+                                length=0)
+        self.extend(state, features)
+        return state
+
+    @torch.no_grad()
+    def extend(self, state: BlockDraftState, features: Tensor) -> None:
+        t = features.shape[1]
+        ctx = self.context(features)  # (1, T, H)
+        pos = torch.arange(state.length, state.length + t, device=ctx.device)[None]
+        for i, layer in enumerate(self.layers):
+            k, v = layer.kv(ctx, pos, self.rope_theta)
+            if state.length:
+                k, v = torch.cat([state.keys[i], k], 2), torch.cat([state.values[i], v], 2)
+            state.keys[i], state.values[i] = k, v
+        state.length += t
+
+    @torch.no_grad()
+    def propose(self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None) -> Proposal:
+        k = self.block_size
+        h = self.embed_block(anchor.reshape(1))  # (1, K+1, H)
+        pos = torch.arange(state.length, state.length + k + 1, device=h.device)[None]
+        for i, layer in enumerate(self.layers):
+            if state.length:
+                ck, cv = state.keys[i], state.values[i]
+            else:  # empty context (a one-token prompt): the block attends to itself only
+                ck = cv = h.new_zeros(1, layer.kv_heads, 0, layer.head_dim)
+            h = layer(h, pos, ck, cv, None, self.rope_theta)
+        logits = self.draft_logits(self.norm(h[0, 1:]))  # (K, Vd)
+        if sampling.greedy:
+            return Proposal(tokens=self.vocab_ids[logits.argmax(-1)], probs=None)
+        q = sampling.probs(logits)  # (K, Vd)
+        tokens = self.vocab_ids[sampling.sample(q, generator)]
+        if q.shape[-1] != self.target.vocab_size:
+            q = q.new_zeros(k, self.target.vocab_size).index_copy_(1, self.vocab_ids, q)
+        return Proposal(tokens=tokens, probs=q)
+
+
+def default_target_layers(num_target_layers: int, count: int) -> list[int]:
+    """``count`` layers spread uniformly over 1..L-3 (DFlash: [1, 9, 17, 25, 33] for 36 layers)."""
+    lo, hi = 1, max(1, num_target_layers - 3)
+    if count <= 1:
+        return [hi]
+    return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})

@@ -1,0 +1,218 @@
+"""DraftModule: target + drafter + objective, one ``training_step`` for every method (DESIGN.md "Data flow").
+
+Reduction. The objective returns ``LossTerms(num, den)``. We back-propagate the *numerator* of each micro-batch
+and, just before the optimizer step, divide the accumulated gradients by the global Σ den (summed over the
+accumulation window and all DDP ranks). So batch 8 x accumulation 1 and batch 1 x accumulation 8 give the same
+gradient, and 2 ranks give the same gradient as 1 rank with the doubled batch.
+
+Checkpoints hold the drafter only: the frozen target's weights are stripped on save and re-attached on load;
+``load_drafter`` rebuilds a drafter from a checkpoint (see ``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from lightning_spec.assets import cache_dir
+from lightning_spec.checkpoint import CKPT_KEY
+from lightning_spec.drafters.base import Drafter, DraftOutput
+from lightning_spec.feature_cache import FeatureCache, cache_key
+from lightning_spec.metrics import RatioOfSums
+from lightning_spec.objectives.objective import Objective
+from lightning_spec.target import load_target
+
+
+class DraftModule(L.LightningModule):
+    """Trains ``drafter`` against the frozen ``target`` with ``objective``.
+
+    Args:
+        drafter: the draft model (e.g. ``lightning_spec.drafters.BlockDrafter``).
+        objective: the training objective (``lightning_spec.objectives.Objective`` and its parts).
+        target: packaged name (``smollm2-135m-instruct``, ``tiny-random``), HF hub id or local folder.
+        target_dtype: dtype of the frozen target: ``float32`` on CPU, ``bfloat16`` on GPUs.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_ratio: fraction of the optimizer steps with a linear warm-up.
+        min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
+        feature_cache: ``memory`` keeps target features of training examples after their first use (fp16);
+            ``disk`` also writes them under ``$LIGHTNING_SPEC_CACHE/features`` for the next run; ``off``
+            recomputes the target forward every step.
+    """
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        objective: Objective | None = None,
+        target: str = "smollm2-135m-instruct",
+        target_dtype: str = "float32",
+        lr: float = 6e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_ratio: float = 0.04,
+        min_lr_ratio: float = 0.1,
+        feature_cache: Literal["memory", "disk", "off"] = "memory",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["drafter", "objective"])
+        if feature_cache not in ("memory", "disk", "off"):
+            raise ValueError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
+        self.target = load_target(target, dtype=target_dtype) if isinstance(target, str) else load_target(target)
+        self.target_spec = target if isinstance(target, str) else self.target.name
+        self.drafter = drafter
+        self.drafter.bind(self.target)
+        self.objective = objective if objective is not None else Objective()
+        self.val_loss = RatioOfSums()
+        self._den_accum = torch.zeros((), dtype=torch.float64)
+        self._features: FeatureCache | None = None
+
+    # --------------------------------------------------------------------------------------------- set-up
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is None:
+            return
+        max_length = getattr(dm, "max_length", None)
+        if max_length is not None and self.drafter.block_size + 2 > max_length:
+            raise ValueError(
+                f"drafter.block_size={self.drafter.block_size} needs data.max_length >= block_size + 2 "
+                f"(got {max_length}); raise data.max_length or lower drafter.block_size."
+            )
+        ready = getattr(self.drafter, "vocab_ready", None)
+        if stage == "fit" and ready is not None and not bool(ready):
+            self.drafter.set_vocab(dm.token_counts(self.target.vocab_size))
+        if stage == "fit" and self.hparams.feature_cache != "off" and hasattr(dm, "fingerprint"):
+            key = cache_key(self.target.fingerprint, self.drafter.target_layers, dm.fingerprint)
+            directory = cache_dir() / "features" if self.hparams.feature_cache == "disk" else None
+            self._features = FeatureCache(key, directory)
+
+    # ------------------------------------------------------------------------------------------- features
+    def target_features(self, batch: dict[str, Tensor], use_cache: bool) -> tuple[Tensor, Tensor]:
+        """Context features (N, S, F) and final normed hidden states (N, S, H) of the frozen target."""
+        ids = batch["input_ids"]
+        layers = self.drafter.target_layers
+        cache = self._features if use_cache else None
+        if cache is None or "index" not in batch:
+            out = self.target(ids, layers=layers, logits=False)  # right padding: causal, no mask needed
+            return out.features, out.last_hidden
+        index = batch["index"].tolist()
+        lengths = batch["attention_mask"].sum(1).tolist()
+        missing = [i for i, x in enumerate(index) if x not in cache]
+        if missing:
+            out = self.target(ids[missing], layers=layers, logits=False)
+            for j, i in enumerate(missing):
+                cache.put(index[i], out.features[j, : lengths[i]], out.last_hidden[j, : lengths[i]])
+        n, s = ids.shape
+        feats = ids.new_zeros((n, s, len(layers) * self.target.hidden_size), dtype=torch.float32)
+        last = ids.new_zeros((n, s, self.target.hidden_size), dtype=torch.float32)
+        for i, x in enumerate(index):
+            f, h = cache.get(x)
+            feats[i, : f.shape[0]] = f.to(feats.device, feats.dtype)
+            last[i, : h.shape[0]] = h.to(last.device, last.dtype)
+        return feats, last
+
+    def target_logits(self, draft: DraftOutput, last_hidden: Tensor) -> Tensor:
+        """Target logits over the draft vocabulary for every slot: position n + t - 1 predicts x_{n+t}."""
+        n, a, k = draft.valid.shape
+        pos = (draft.anchors[..., None] + torch.arange(k, device=draft.anchors.device)).clamp(
+            max=last_hidden.shape[1] - 1
+        )  # (N, A, K): n + t - 1 for t = 1..K
+        h = last_hidden.gather(1, pos.reshape(n, -1, 1).expand(-1, -1, last_hidden.shape[-1]))  # (N, A*K, H)
+        return self.drafter.draft_logits(h.to(self.drafter.fc.weight.dtype)).view(n, a, k, -1)  # (N, A, K, Vd)
+
+    def draft_step(self, batch: dict[str, Tensor], use_cache: bool) -> tuple[DraftOutput, Any]:
+        features, last = self.target_features(batch, use_cache)
+        draft = self.drafter(batch, features)
+        draft.domain_id = batch.get("domain_id")
+        if self.objective.needs_target:
+            with torch.no_grad():
+                draft.target_logits = self.target_logits(draft, last)
+        return draft, self.objective(draft)
+
+    # ------------------------------------------------------------------------------------------- training
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        draft, terms = self.draft_step(batch, use_cache=True)
+        self._den_accum = self._den_accum.to(terms.den.device) + terms.den.detach().double()
+        n = batch["input_ids"].shape[0]
+        self.log("train/loss", terms.value, prog_bar=True, batch_size=n)
+        with torch.no_grad():
+            valid = draft.valid
+            hits = (draft.logits.argmax(-1) == draft.labels) & valid  # (N, A, K)
+            acc = hits.sum((0, 1)).float() / valid.sum((0, 1)).clamp_min(1)  # (K,)
+        self.log("train/acc/t1", acc[0], batch_size=n)
+        self.log(f"train/acc/t{acc.numel()}", acc[-1], batch_size=n)
+        return terms.num  # divided by the global Σ den in on_before_optimizer_step
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        den = self._den_accum.clone()
+        if self.trainer.world_size > 1:
+            den = self.trainer.strategy.reduce(den, reduce_op="sum")
+        # Lightning divided each micro-batch loss by accumulate_grad_batches and DDP averaged over ranks.
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / max(float(den), 1e-12)
+        for p in self.drafter.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        self._den_accum = torch.zeros_like(self._den_accum)
+
+    def on_train_epoch_end(self) -> None:
+        if self._features is not None:
+            self._features.save()
+
+    # ----------------------------------------------------------------------------------------- validation
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        _, terms = self.draft_step(batch, use_cache=False)
+        self.val_loss.update(terms.num.detach(), terms.den)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.val_loss.update_count:
+            self.log("val/loss", self.val_loss.compute())
+        self.val_loss.reset()
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        if self.val_loss.update_count:
+            self.log("test/loss", self.val_loss.compute())
+        self.val_loss.reset()
+
+    # ------------------------------------------------------------------------------------------ optimizer
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.drafter.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.drafter.parameters() if p.requires_grad and p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = int(hp.warmup_ratio * total)
+
+        def schedule(step: int) -> float:  # linear warm-up, then cosine to min_lr_ratio
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
+        checkpoint[CKPT_KEY] = {
+            "drafter_class": f"{type(self.drafter).__module__}.{type(self.drafter).__qualname__}",
+            "drafter_config": self.drafter.config_dict(),
+            "target": self.target_spec,
+            "target_fingerprint": self.target.fingerprint,
+            "target_vocab_size": self.target.vocab_size,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        own = self.state_dict()
+        checkpoint["state_dict"].update({k: v for k, v in own.items() if k.startswith("target.")})

@@ -1,0 +1,69 @@
+"""SamplingConfig: the distribution tokens are drawn from (METHODS.md §1.1, "sampling configuration must match").
+
+One implementation serves the decoding engine (verification and drafting), the objectives (target
+distributions p) and the offline evaluator, so training and evaluation always agree on p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Temperature / top-p / top-k warps of the logits.
+
+    Args:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it before the softmax.
+        top_p: nucleus filtering: keep the smallest set of tokens whose probability reaches ``top_p`` (1 = off).
+        top_k: keep the ``top_k`` most likely tokens (0 = off). Applied before ``top_p``, as in transformers.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def logprobs(self, logits: Tensor) -> Tensor:
+        """Log of the warped distribution; filtered tokens get -inf. Greedy: a one-hot on the argmax."""
+        logits = logits.float()
+        if self.greedy:
+            out = torch.full_like(logits, float("-inf"))
+            return out.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+        logits = logits / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(-1)
+            # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
+            drop_sorted = (probs.cumsum(-1) - probs) >= self.top_p
+            drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return logits.log_softmax(-1)
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """The warped distribution over the last dim: (..., V) -> (..., V), rows sum to 1."""
+        return self.logprobs(logits).exp()
+
+    def sample(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """One token per row of ``probs`` (..., V) -> (...,); greedy takes the argmax."""
+        if self.greedy:
+            return probs.argmax(-1)
+        flat = probs.reshape(-1, probs.shape[-1])
+        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

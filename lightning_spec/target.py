@@ -1,0 +1,177 @@
+"""Target: the frozen LLM whose outputs must not change (DESIGN.md "Words").
+
+It gives a drafter what it asks for — hidden states of chosen layers and the final normed hidden state — and
+runs prefill/verify forwards against a KV cache that is cropped after a rejection. Nothing here trains.
+
+Layer convention: ``layers=[l, ...]`` are 0-indexed decoder layers and the feature of layer ``l`` is the
+output of that layer, i.e. HF ``hidden_states[l + 1]`` (index 0 is the embedding output). In recent
+transformers the entry of the *last* layer is already passed through the final norm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_spec.assets import resolve_target_folder
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward returns. ``features`` is None when no layers were asked for."""
+
+    logits: Tensor | None  # (N, T, V) or None when not asked for
+    features: Tensor | None  # (N, T, len(layers) * H), concatenated in the order of ``layers``
+    last_hidden: Tensor  # (N, T, H) final normed hidden state: logits = lm_head(last_hidden)
+
+
+class Target(nn.Module):
+    """A frozen HF causal LM. Eval mode, grads off, never saved in a drafter checkpoint."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, name: str | None = None) -> None:
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
+        self._fingerprint: str | None = None
+
+    def train(self, mode: bool = True) -> Target:
+        """The target is frozen: it stays in eval mode whatever Lightning asks of the enclosing module."""
+        return super().train(False)
+
+    # ------------------------------------------------------------------------------------------ structure
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def base(self) -> nn.Module:
+        """The decoder stack without the LM head (``model.model`` for Llama/Qwen-style models)."""
+        return self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends a generation: the generation config's and the tokenizer's EOS."""
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """Name + config + a checksum of the weights: keys feature caches and rollouts to these exact weights."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(self.name.encode())
+            h.update(self.config.to_json_string(use_diff=False).encode())
+            for p in self.model.parameters():  # cheap: a few strided values per tensor, in fp64
+                flat = p.detach().reshape(-1)
+                h.update(flat[:: max(1, flat.numel() // 64)].double().cpu().numpy().tobytes())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def check_layers(self, layers: list[int]) -> None:
+        bad = [layer for layer in layers if not 0 <= layer < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"drafter.target_layers {bad} are outside the target's layers 0..{self.num_layers - 1}; "
+                "pick 0-indexed decoder layers of this target."
+            )
+
+    # ------------------------------------------------------------------------------------------- forwards
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,  # (N, T)
+        layers: list[int] | tuple[int, ...] = (),
+        attention_mask: Tensor | None = None,  # (N, T) 1 = real token; only for right-padded batches
+        cache: Any = None,
+        logits: bool = True,
+    ) -> TargetOutput:
+        """One frozen forward. With ``cache`` the tokens continue the cached sequence (positions follow it)."""
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "output_hidden_states": bool(layers)}
+        if cache is not None:
+            past = cache.get_seq_length()
+            kwargs[self._cache_kw] = cache
+            kwargs["use_cache"] = True
+            kwargs["position_ids"] = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
+        else:
+            kwargs["use_cache"] = False
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        out = self.base(**kwargs)
+        last = out.last_hidden_state  # (N, T, H)
+        feats = torch.cat([out.hidden_states[layer + 1] for layer in layers], dim=-1) if layers else None
+        return TargetOutput(logits=self.lm_head(last) if logits else None, features=feats, last_hidden=last)
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    @staticmethod
+    def crop(cache: Any, length: int) -> None:
+        """Drop cached positions >= ``length`` (the rejected part of a verified block)."""
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_target_folder(spec))
+
+
+def load_target(spec: Any, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> Target:
+    """A frozen ``Target`` from a packaged name, an HF hub id, a local folder, or a built ``transformers`` model.
+
+    Packaged names: ``smollm2-135m-instruct`` (converted once from the shipped GGUF) and ``tiny-random``
+    (2 layers, hidden 64, for tests). Compute in fp32 on CPU; pass ``dtype=torch.bfloat16`` on GPUs.
+    """
+    if isinstance(spec, Target):
+        return spec
+    if isinstance(spec, nn.Module):
+        return Target(spec.to(device), tokenizer=None)
+    if not isinstance(spec, str):
+        raise TypeError(f"model.target must be a name, a folder or a transformers model, not {type(spec).__name__}.")
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    folder = resolve_target_folder(spec)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    return Target(model, tokenizer=load_tokenizer(spec), name=spec)
