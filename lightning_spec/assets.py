@@ -109,7 +109,7 @@ def tiny_folder(vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 
 
     Built deterministically (fixed seed) so every machine gets the same weights; 2 layers, hidden 64.
     """
-    folder = cache_dir() / "targets" / f"{TINY}-v{vocab_size}-h{hidden_size}-l{num_layers}-s{seed}"
+    folder = cache_dir() / "targets" / f"{TINY}-v{vocab_size}-h{hidden_size}-l{num_layers}-s{seed}-r2"
     if (folder / "config.json").exists() and (folder / "tokenizer_config.json").exists():
         return folder
     import torch
@@ -126,21 +126,19 @@ def tiny_folder(vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,  # tied random weights make greedy decoding repeat the last token forever
+        initializer_range=0.3,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    # Sharpen the random target so its distributions are peaked, like a trained LM (greedy ties become rare
-    # and acceptance is neither ~0 nor ~1): scale the tied embedding.
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(8.0)
+    model = LlamaForCausalLM(config)  # initializer_range 0.3: peaked but varied next-token distributions
     tmp = folder.with_name(folder.name + ".partial")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(folder) if not folder.exists() else None
+    if not folder.exists():
+        tmp.rename(folder)
     return folder
 
 

@@ -8,6 +8,7 @@ rich progress bar, and a checkpoint (drafter only) with ``last.ckpt``.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -19,6 +20,8 @@ from lightning_spec.data.datamodule import SpecDataModule
 from lightning_spec.module import DraftModule
 
 TRAINER_DEFAULTS = {
+    # checkpoints go to runs/<mlflow experiment id>/<mlflow run id>/checkpoints (MLflow has no log folder)
+    "default_root_dir": "runs",
     "logger": {
         "class_path": "lightning.pytorch.loggers.MLFlowLogger",
         "init_args": {"experiment_name": "lightning_spec", "tracking_uri": "sqlite:///mlflow.db", "log_model": False},
@@ -41,6 +44,16 @@ class SpecCLI(LightningCLI):
         # the tokenizer of the data is the target's: one place to say which target
         parser.link_arguments("model.target", "data.target")
 
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        # Checked here, before Lightning sets up the data (which would fail first with a less useful message).
+        block, max_length = getattr(self.model.drafter, "block_size", None), getattr(self.datamodule, "max_length", None)
+        if block is not None and max_length is not None and block + 2 > max_length:
+            raise ValueError(
+                f"model.drafter.block_size={block} needs data.max_length >= block_size + 2 (got {max_length}); "
+                "raise data.max_length or lower model.drafter.block_size."
+            )
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
         # A YAML `trainer.callbacks:` list replaces defaults wholesale; add ours unless the user chose their own.
         given = list(config.get("callbacks") or []) + list(callbacks)
@@ -56,6 +69,26 @@ class SpecCLI(LightningCLI):
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    try:
+        run_cli(args)
+    except ValueError as err:
+        # Errors a user can cause are ValueErrors raised by our own code with one sentence naming the field:
+        # print that sentence, not a stack trace. Anything raised deeper (torch, transformers) keeps its trace.
+        if not _raised_here(err) or os.environ.get("LIGHTNING_SPEC_TRACEBACK"):
+            raise
+        print(f"lightning-spec: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _raised_here(err: BaseException) -> bool:
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}lightning_spec{os.sep}" in tb.tb_frame.f_code.co_filename
+
+
+def run_cli(args: list[str] | None = None) -> None:
+    """Run the CLI; user errors propagate as ValueError (``main`` turns them into one printed sentence)."""
     SpecCLI(
         DraftModule,
         SpecDataModule,

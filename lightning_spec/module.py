@@ -23,7 +23,7 @@ from lightning_spec.checkpoint import CKPT_KEY
 from lightning_spec.drafters.base import Drafter, DraftOutput
 from lightning_spec.feature_cache import FeatureCache, cache_key
 from lightning_spec.metrics import RatioOfSums
-from lightning_spec.objectives.objective import Objective
+from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.target import load_target
 
 
@@ -59,7 +59,8 @@ class DraftModule(L.LightningModule):
         feature_cache: Literal["memory", "disk", "off"] = "memory",
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["drafter", "objective"])
+        ignore = ["drafter", "objective"] + ([] if isinstance(target, str) else ["target"])
+        self.save_hyperparameters(ignore=ignore)  # drafter and objective are recorded below via describe()
         if feature_cache not in ("memory", "disk", "off"):
             raise ValueError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
         self.target = load_target(target, dtype=target_dtype) if isinstance(target, str) else load_target(target)
@@ -67,6 +68,12 @@ class DraftModule(L.LightningModule):
         self.drafter = drafter
         self.drafter.bind(self.target)
         self.objective = objective if objective is not None else Objective()
+        # Record what was trained, so MLflow can compare runs by block size, loss, gamma... (the objects
+        # themselves are not hyperparameters: the drafter is a module, the objective a tree of parts).
+        if "drafter" not in self.hparams:
+            self.hparams["drafter"] = describe(self.drafter)
+        if "objective" not in self.hparams:
+            self.hparams["objective"] = describe(self.objective)
         self.val_loss = RatioOfSums()
         self._den_accum = torch.zeros((), dtype=torch.float64)
         self._features: FeatureCache | None = None
@@ -79,8 +86,8 @@ class DraftModule(L.LightningModule):
         max_length = getattr(dm, "max_length", None)
         if max_length is not None and self.drafter.block_size + 2 > max_length:
             raise ValueError(
-                f"drafter.block_size={self.drafter.block_size} needs data.max_length >= block_size + 2 "
-                f"(got {max_length}); raise data.max_length or lower drafter.block_size."
+                f"model.drafter.block_size={self.drafter.block_size} needs data.max_length >= block_size + 2 "
+                f"(got {max_length}); raise data.max_length or lower model.drafter.block_size."
             )
         ready = getattr(self.drafter, "vocab_ready", None)
         if stage == "fit" and ready is not None and not bool(ready):
@@ -124,9 +131,29 @@ class DraftModule(L.LightningModule):
         h = last_hidden.gather(1, pos.reshape(n, -1, 1).expand(-1, -1, last_hidden.shape[-1]))  # (N, A*K, H)
         return self.drafter.draft_logits(h.to(self.drafter.fc.weight.dtype)).view(n, a, k, -1)  # (N, A, K, Vd)
 
+    def target_info(self, last_hidden: Tensor) -> TargetInfo:
+        """What an objective that picks its own anchors may read from the target (EDR: p_t at every position)."""
+        head = self.target.lm_head
+        return TargetInfo(
+            last_hidden=last_hidden,
+            logits=lambda h: head(h.to(head.weight.dtype)).float(),
+            vocab_ids=getattr(self.drafter, "vocab_ids", None),
+            eos_ids=self.target.eos_token_ids,
+        )
+
     def draft_step(self, batch: dict[str, Tensor], use_cache: bool) -> tuple[DraftOutput, Any]:
         features, last = self.target_features(batch, use_cache)
-        draft = self.drafter(batch, features)
+        select = getattr(self.objective, "select_anchors", None)
+        chosen = None
+        if select is not None:  # an objective that chooses its own anchors (EDR); None: the drafter samples
+            draft_fn = lambda anchors, keep: self.drafter(batch, features, anchors=anchors, keep=keep)
+            chosen = select(batch, draft_fn, self.target_info(last))
+        if chosen is None:
+            draft = self.drafter(batch, features)
+        else:
+            anchors, keep, extra = chosen
+            draft = self.drafter(batch, features, anchors=anchors, keep=keep)
+            draft.extra = extra
         draft.domain_id = batch.get("domain_id")
         if self.objective.needs_target:
             with torch.no_grad():
@@ -139,6 +166,8 @@ class DraftModule(L.LightningModule):
         self._den_accum = self._den_accum.to(terms.den.device) + terms.den.detach().double()
         n = batch["input_ids"].shape[0]
         self.log("train/loss", terms.value, prog_bar=True, batch_size=n)
+        for name, value in terms.metrics.items():  # objective-specific scalars, e.g. train/edr_expected_rounds
+            self.log(f"train/{name}", value, batch_size=n)
         with torch.no_grad():
             valid = draft.valid
             hits = (draft.logits.argmax(-1) == draft.labels) & valid  # (N, A, K)
@@ -216,3 +245,15 @@ class DraftModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         own = self.state_dict()
         checkpoint["state_dict"].update({k: v for k, v in own.items() if k.startswith("target.")})
+
+
+def describe(obj: Any) -> Any:
+    """A plain nested dict of an object's class and init-time attributes, for hyperparameter logging."""
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [describe(x) for x in obj]
+    if isinstance(obj, torch.nn.Module) and hasattr(obj, "config_dict"):
+        return {"class_path": f"{type(obj).__module__}.{type(obj).__qualname__}", "init_args": obj.config_dict()}
+    fields = {k: describe(v) for k, v in vars(obj).items() if not k.startswith("_")} if hasattr(obj, "__dict__") else {}
+    return {"class_path": f"{type(obj).__module__}.{type(obj).__qualname__}", "init_args": fields}

@@ -248,6 +248,13 @@ PACKAGED = {
 # ---------------------------------------------------------------------------------------------- ordinary
 
 
+def _is_blank(path: Path, head: int = 1 << 16) -> bool:
+    """An empty or whitespace-only file (only the first ``head`` bytes are read)."""
+    with open(path, "rb") as f:
+        data = f.read(head)
+    return len(data) < head and not data.strip()
+
+
 def _load_ordinary(source: Source) -> datasets.Dataset:
     """A local file/folder or a hub data set, through ``datasets`` (the hub only when the name is no path)."""
     path = Path(source.name).expanduser()
@@ -259,6 +266,10 @@ def _load_ordinary(source: Source) -> datasets.Dataset:
                 f"data source '{source.name}' is a {path.suffix or 'suffix-less'} file; use a .jsonl, .json or "
                 ".parquet file (or a folder of them)."
             )
+        if builder == "json" and _is_blank(path):
+            # datasets' JSON builder dies with a bare StopIteration on an empty file: treat it as zero rows,
+            # so the data module reports "gave no usable conversations" and names the source.
+            return datasets.Dataset.from_dict({"messages": []})
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     if path.is_dir():
         return datasets.load_dataset(str(path), split=source.split)

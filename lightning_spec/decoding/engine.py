@@ -39,6 +39,8 @@ class Generation:
 
 
 def _as_ids(input_ids: Any, device: torch.device) -> Tensor:
+    if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # a tokenizer's BatchEncoding
+        input_ids = input_ids["input_ids"]
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
     if ids.dim() == 2:
         if ids.shape[0] != 1:

@@ -29,6 +29,7 @@ class DraftOutput:
     anchors: Tensor  # (N, A) anchor positions n (0 where the anchor slot is unused)
     domain_id: Tensor | None = None  # (N,) domain of each sequence
     target_logits: Tensor | None = None  # (N, A, K, Vd) target logits at position n + t - 1 (the shift!)
+    extra: dict[str, Any] | None = None  # what an objective's select_anchors computed for its parts (EDR)
 
     @property
     def block_size(self) -> int:

@@ -96,6 +96,7 @@ class BlockDraftState:
     keys: list[Tensor]  # per layer (1, kv_heads, length, D)
     values: list[Tensor]
     length: int
+    last: Tensor | None = None  # (1, H) fused feature of position length - 1 (for the context shortcut)
 
 
 class BlockDrafter(Drafter):
@@ -110,6 +111,9 @@ class BlockDrafter(Drafter):
         draft_vocab_size: restrict the LM head to the most frequent target tokens of the training data
             (None = the full target vocabulary). Filled from the data the first time ``fit`` sets up.
         intermediate_size: MLP width; default the target's.
+        context_shortcut: also add a projection of the fused feature of position n - 1 (the last context
+            position, committed) to the input of every block slot. Not in DFlash, which reaches the context only
+            through attention; it gives a small, fast-trained drafter direct access to its strongest signal.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class BlockDrafter(Drafter):
         num_anchors: int = 64,
         draft_vocab_size: int | None = None,
         intermediate_size: int | None = None,
+        context_shortcut: bool = False,
     ) -> None:
         super().__init__()
         if block_size < 1:
@@ -132,6 +137,7 @@ class BlockDrafter(Drafter):
         self.num_anchors = num_anchors
         self.draft_vocab_size = draft_vocab_size
         self.intermediate_size = intermediate_size
+        self.context_shortcut = context_shortcut
         self.built = False
 
     def config_dict(self) -> dict[str, Any]:
@@ -142,6 +148,7 @@ class BlockDrafter(Drafter):
             "num_anchors": self.num_anchors,
             "draft_vocab_size": self.draft_vocab_size,
             "intermediate_size": self.intermediate_size,
+            "context_shortcut": self.context_shortcut,
         }
 
     # ------------------------------------------------------------------------------------------- building
@@ -168,6 +175,7 @@ class BlockDrafter(Drafter):
         )
         self.norm = RMSNorm(hidden, eps)
         self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        self.shortcut = nn.Linear(hidden, hidden, bias=False) if self.context_shortcut else None
         vocab = target.vocab_size
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= vocab:
             raise ValueError(
@@ -242,15 +250,14 @@ class BlockDrafter(Drafter):
         return torch.cat([emb[..., None, :], masks], dim=-2)
 
     # ------------------------------------------------------------------------------------------- training
-    def sample_anchors(self, loss_mask: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    def sample_anchors(self, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
         """Up to ``num_anchors`` anchors per sequence, uniformly without replacement among positions n whose
         next token is supervised (loss_mask[n + 1]). Returns anchors (N, A) and keep (N, A) bool."""
         n, s = loss_mask.shape
         candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
         candidate[:, :-1] = loss_mask[:, 1:].bool()  # (N, S)
         a = min(self.num_anchors, s)
-        scores = torch.rand(n, s, generator=generator, device=loss_mask.device if generator is None else "cpu")
-        scores = scores.to(loss_mask.device).masked_fill(~candidate, -1.0)
+        scores = torch.rand(n, s, device=loss_mask.device).masked_fill(~candidate, -1.0)
         top = scores.topk(a, dim=-1)
         keep = top.values >= 0  # (N, A)
         anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
@@ -258,18 +265,35 @@ class BlockDrafter(Drafter):
         keep = keep.gather(1, order)
         return anchors.masked_fill(~keep, 0), keep
 
-    def forward(self, batch: dict[str, Tensor], features: Tensor, generator: torch.Generator | None = None):
-        """Training forward. batch: input_ids (N, S), loss_mask (N, S); features (N, S, F) of the target layers."""
+    def forward(
+        self,
+        batch: dict[str, Tensor],
+        features: Tensor,
+        anchors: Tensor | None = None,
+        keep: Tensor | None = None,
+    ) -> DraftOutput:
+        """Training forward. batch: input_ids (N, S), loss_mask (N, S); features (N, S, F) of the target layers.
+
+        ``anchors`` (N, A) and ``keep`` (N, A) bool choose the blocks; by default ``sample_anchors`` draws them.
+        Objectives that pick anchors themselves (EDR's inclusion-probability sampling) pass them in.
+        """
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         n, s = ids.shape
         k = self.block_size
-        anchors, keep = self.sample_anchors(loss_mask, generator)  # (N, A)
+        if anchors is None:
+            anchors, keep = self.sample_anchors(loss_mask)  # (N, A)
+        elif keep is None:
+            keep = torch.ones_like(anchors, dtype=torch.bool)
         a = anchors.shape[1]
         ctx = self.context(features)  # (N, S, H)
         ctx_pos = torch.arange(s, device=ids.device).expand(n, s)  # (N, S)
         offs = torch.arange(k + 1, device=ids.device)  # (K+1,)
         blk_pos = (anchors[..., None] + offs).reshape(n, a * (k + 1))  # (N, A(K+1))
-        h = self.embed_block(ids.gather(1, anchors)).reshape(n, a * (k + 1), -1)  # (N, A(K+1), H)
+        h = self.embed_block(ids.gather(1, anchors))  # (N, A, K+1, H)
+        if self.shortcut is not None:  # the fused feature of position n - 1 (zeros for an anchor at 0)
+            prev = ctx.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, ctx.shape[-1]))  # (N, A, H)
+            h = h + (self.shortcut(prev) * (anchors > 0)[..., None])[:, :, None]
+        h = h.reshape(n, a * (k + 1), -1)  # (N, A(K+1), H)
         # mask (N, A(K+1), S + A(K+1)): context strictly before the anchor; the whole own block.
         q_anchor = anchors.repeat_interleave(k + 1, dim=1)  # (N, Q)
         ctx_ok = ctx_pos[:, None, :] < q_anchor[..., None]  # (N, Q, S)
@@ -310,11 +334,15 @@ class BlockDrafter(Drafter):
                 k, v = torch.cat([state.keys[i], k], 2), torch.cat([state.values[i], v], 2)
             state.keys[i], state.values[i] = k, v
         state.length += t
+        if t:
+            state.last = ctx[:, -1]
 
     @torch.no_grad()
     def propose(self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None) -> Proposal:
         k = self.block_size
         h = self.embed_block(anchor.reshape(1))  # (1, K+1, H)
+        if self.shortcut is not None and state.last is not None:
+            h = h + self.shortcut(state.last)[:, None]
         pos = torch.arange(state.length, state.length + k + 1, device=h.device)[None]
         for i, layer in enumerate(self.layers):
             if state.length:

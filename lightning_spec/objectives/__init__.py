@@ -1,10 +1,45 @@
-"""Training objectives as parts of one template (DESIGN.md "The one equation"); no Lightning in here."""
+"""Training objectives as parts of one template (DESIGN.md "The one equation"); no Lightning in here.
 
-from lightning_spec.objectives.losses import CE, KL, TV, Loss
-from lightning_spec.objectives.objective import LossTerms, Objective
-from lightning_spec.objectives.weights import AnchorUniform, AnchorWeight, ExpDecay, PositionWeight, Uniform
+Losses ℓ: CE, KL, ReverseKL, TV, JSD, LK, LKAlpha, BernoulliKL, TVMinusOne (E2E/WTV), NegProb (EAL), EDRCost.
+Block-position weights b: Uniform, ExpDecay, Geometric, AUFSupport, ValidPrefix, DPACE, E2EWeight, WTVWeight,
+EALWeight, EDRReach, PositionProduct (a product of weights). Anchor weights a: AnchorUniform, EDROccupancy.
+Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, and Mixture (weighted sums).
+"""
+
+from lightning_spec.objectives.edr import EDR, EDRCost, EDROccupancy, EDRReach
+from lightning_spec.objectives.losses import (
+    CE,
+    JSD,
+    KL,
+    LK,
+    TV,
+    BernoulliKL,
+    LKAlpha,
+    Loss,
+    NegProb,
+    ReverseKL,
+    TVMinusOne,
+)
+from lightning_spec.objectives.objective import E2E, EAL, WTV, LossTerms, Mixture, Objective, TargetInfo
+from lightning_spec.objectives.weights import (
+    DPACE,
+    AnchorUniform,
+    AnchorWeight,
+    AUFSupport,
+    E2EWeight,
+    EALWeight,
+    ExpDecay,
+    Geometric,
+    PositionProduct,
+    PositionWeight,
+    Uniform,
+    ValidPrefix,
+    WTVWeight,
+)
 
 __all__ = [
-    "CE", "KL", "TV", "AnchorUniform", "AnchorWeight", "ExpDecay", "Loss", "LossTerms", "Objective",
-    "PositionWeight", "Uniform",
+    "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "DPACE", "E2E", "E2EWeight", "EAL",
+    "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "Geometric", "JSD", "KL", "LK",
+    "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct", "PositionWeight",
+    "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "Uniform", "ValidPrefix", "WTV", "WTVWeight",
 ]

@@ -2,28 +2,62 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
-from lightning_spec.objectives.losses import CE, Loss
-from lightning_spec.objectives.weights import AnchorUniform, AnchorWeight, PositionWeight, Uniform
+from lightning_spec.objectives.losses import CE, Loss, NegProb, TVMinusOne
+from lightning_spec.objectives.weights import (
+    AnchorUniform,
+    AnchorWeight,
+    E2EWeight,
+    EALWeight,
+    PositionWeight,
+    Uniform,
+    WTVWeight,
+)
+from lightning_spec.sampling import SamplingConfig
+
+NORMALIZE = ("weight", "anchors", "slots", "sequences")
 
 
 @dataclass
 class LossTerms:
     """Numerator and normaliser of one micro-batch. The module sums both across gradient accumulation and
-    DDP ranks and divides once, so the gradient does not depend on how the batch was split."""
+    DDP ranks and divides once, so the gradient does not depend on how the batch was split.
+
+    ``metrics`` are extra scalars the objective wants logged (the module logs them as ``train/<name>``), e.g.
+    EDR's expected number of rounds, which the surrogate's value is not.
+    """
 
     num: Tensor  # scalar, carries the gradient
     den: Tensor  # scalar, no gradient
+    metrics: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def value(self) -> Tensor:
         return self.num.detach() / self.den.clamp_min(1e-12)
+
+
+@dataclass
+class TargetInfo:
+    """What an objective that picks its own anchors may read from the frozen target (no gradient).
+
+    ``last_hidden[:, s]`` gives the target's distribution of the token at position s + 1 (the shift).
+    """
+
+    last_hidden: Tensor  # (N, S, H) final normed hidden states
+    logits: Callable[[Tensor], Tensor]  # (..., H) -> (..., V) full-vocabulary target logits
+    vocab_ids: Tensor | None = None  # (Vd,) sorted target ids of the draft vocabulary; None = the full vocabulary
+    eos_ids: list[int] = field(default_factory=list)  # target ids that end a generation
+
+
+# draft_fn(anchors (N, A), keep (N, A) bool) -> DraftOutput: the drafter run from the given anchors
+DraftFn = Callable[[Tensor, Tensor], DraftOutput]
 
 
 class Objective:
@@ -34,7 +68,13 @@ class Objective:
         position_weight: b, e.g. ``Uniform``, ``ExpDecay``.
         anchor_weight: a, e.g. ``AnchorUniform``.
         normalize: Z. ``weight`` = Σ a·b over valid slots (SpecForge DFlash); ``anchors`` = number of anchors
-            with at least one valid slot; ``slots`` = number of valid slots (vLLM speculators).
+            with at least one valid slot; ``slots`` = number of valid slots (vLLM speculators); ``sequences`` =
+            number of sequences with at least one valid slot (EDR: the loss per rollout).
+
+    Hooks the module calls (both optional for parts):
+        ``select_anchors(batch, draft_fn, target) -> (anchors, keep, extra) | None``: a part that chooses the
+        anchors itself (EDR) implements it; ``None`` lets the drafter sample them. ``extra`` lands in
+        ``draft.extra`` for the parts to read; ``extra["metrics"]`` is returned in ``LossTerms.metrics``.
     """
 
     def __init__(
@@ -42,28 +82,161 @@ class Objective:
         loss: Loss | None = None,
         position_weight: PositionWeight | None = None,
         anchor_weight: AnchorWeight | None = None,
-        normalize: Literal["weight", "anchors", "slots"] = "weight",
+        normalize: Literal["weight", "anchors", "slots", "sequences"] = "weight",
     ) -> None:
         self.loss = loss if loss is not None else CE()
         self.position_weight = position_weight if position_weight is not None else Uniform()
         self.anchor_weight = anchor_weight if anchor_weight is not None else AnchorUniform()
-        if normalize not in ("weight", "anchors", "slots"):
-            raise ValueError(f"objective.normalize must be 'weight', 'anchors' or 'slots', got {normalize!r}.")
+        if normalize not in NORMALIZE:
+            choices = ", ".join(map(repr, NORMALIZE))
+            raise ValueError(f"objective.normalize must be one of {choices}, got {normalize!r}.")
         self.normalize = normalize
 
     @property
+    def parts(self) -> tuple[Any, ...]:
+        return self.loss, self.position_weight, self.anchor_weight
+
+    @property
     def needs_target(self) -> bool:
-        return self.loss.needs_target
+        """Whether any part reads ``draft.target_logits`` (the OR over the parts)."""
+        return any(getattr(part, "needs_target", False) for part in self.parts)
+
+    def select_anchors(
+        self, batch: dict[str, Tensor], draft_fn: DraftFn, target: TargetInfo
+    ) -> tuple[Tensor, Tensor, dict[str, Any]] | None:
+        """Anchors chosen by a part (the anchor weight first), or None: the drafter samples them."""
+        choosers = [p for p in (self.anchor_weight, self.position_weight, self.loss) if hasattr(p, "select_anchors")]
+        if len(choosers) > 1:
+            raise ValueError("At most one part of an objective may choose the anchors (select_anchors).")
+        return choosers[0].select_anchors(batch, draft_fn, target) if choosers else None
+
+    def slot_mask(self, draft: DraftOutput) -> Tensor:
+        """(N, A, K) bool: the slots that count. Default: the drafter's ``valid`` (supervised, in the draft vocab)."""
+        return draft.valid
 
     def __call__(self, draft: DraftOutput) -> LossTerms:
-        valid = draft.valid.float()  # (N, A, K)
+        mask = self.slot_mask(draft)  # (N, A, K)
+        valid = mask.float()
         ell = self.loss(draft)  # (N, A, K)
         w = self.anchor_weight(draft)[..., None] * self.position_weight(draft) * valid  # (N, A, K)
-        num = (w * torch.where(draft.valid, ell, torch.zeros_like(ell))).sum()
+        num = (w * torch.where(mask, ell, torch.zeros_like(ell))).sum()
         if self.normalize == "weight":
             den = w.detach().sum()
         elif self.normalize == "anchors":
-            den = draft.valid.any(-1).sum().float()
+            den = mask.any(-1).sum().float()
+        elif self.normalize == "sequences":
+            den = mask.flatten(1).any(-1).sum().float()
         else:
             den = valid.sum()
-        return LossTerms(num=num, den=den)
+        metrics = dict((draft.extra or {}).get("metrics", {}))
+        return LossTerms(num=num, den=den.to(num.dtype), metrics=metrics)
+
+
+# ------------------------------------------------------------------------------- ready-made loss/weight pairs
+class E2E(Objective):
+    """E2E-TV (Li et al. 2026c "Bebop", arXiv 2606.12370; METHODS.md §3.1 Table 1) as one YAML block:
+    ℓ = TV - 1 (``TVMinusOne``) with b_t = Π_{s<t}(1 - TV_s) (``E2EWeight``, no stop-gradient), so a block
+    contributes -Σ_k Π_{s≤k} α_s, minus its expected accepted length.
+
+    Args:
+        sampling: how p is formed from the target logits (and the draft temperature).
+        normalize: Z; ``anchors`` makes the value minus the mean expected accepted length per block.
+    """
+
+    def __init__(
+        self,
+        sampling: SamplingConfig = SamplingConfig(temperature=1.0),
+        normalize: Literal["weight", "anchors", "slots", "sequences"] = "anchors",
+    ) -> None:
+        super().__init__(TVMinusOne(sampling), E2EWeight(sampling), AnchorUniform(), normalize)
+
+
+class WTV(Objective):
+    """WTV (Xia et al., arXiv 2609.24150; METHODS.md §3.3, DERIVED) as one YAML block: L = -Σ_k Π_{j≤k} α^T_j
+    with p and q both at temperature T (no top-k/top-p): ``TVMinusOne`` + ``WTVWeight`` at T.
+
+    Args:
+        temperature: T > 0.
+        normalize: Z (``anchors``: minus the mean expected accepted length per block).
+    """
+
+    def __init__(
+        self, temperature: float = 1.0, normalize: Literal["weight", "anchors", "slots", "sequences"] = "anchors"
+    ) -> None:
+        weight = WTVWeight(temperature)
+        super().__init__(TVMinusOne(weight.sampling), weight, AnchorUniform(), normalize)
+
+
+class EAL(Objective):
+    """EAL (Xia et al., arXiv 2609.24150; METHODS.md §3.3, DERIVED) as one YAML block: L_EAL = -Σ_k Π_{j≤k}
+    q_j(y*_j), ``NegProb`` + ``EALWeight`` (gradient through every product).
+
+    Args:
+        token: ``target_argmax`` (y* = argmax p) or ``gold``.
+        normalize: Z (``anchors``: minus the mean EAL per block; ``slots`` ≈ the paper's optional 1/K).
+    """
+
+    def __init__(
+        self,
+        token: Literal["target_argmax", "gold"] = "target_argmax",
+        normalize: Literal["weight", "anchors", "slots", "sequences"] = "anchors",
+    ) -> None:
+        super().__init__(NegProb(token), EALWeight(token), AnchorUniform(), normalize)
+
+
+# ------------------------------------------------------------------------------------------------ mixtures
+class Mixture(Objective):
+    """A weighted sum of objectives, each with its own parts and normaliser, e.g. DSpark's
+    0.1·CE + 0.9·L1 with the decay on both (Cheng et al. 2026, METHODS.md §2.3; L1 = 2·TV, so 1.8·TV here).
+
+    Reduction. Component i returns (num_i, den_i); the mixture returns
+
+        num = D·Σ_i w_i·num_i / den_i,   den = D,   D = den_0 (the first component's normaliser),
+
+    so its value is Σ_i w_i·value_i. When every component has the same den (same ``normalize`` and the same
+    weights, as DSpark's pair), D / den_i = 1 and this is exactly Σ_i w_i num_i / Σ den: the module's sum over
+    micro-batches and ranks is then exactly invariant to how the batch is split. When the dens differ, each
+    micro-batch contributes its own ratio den_0/den_i, so the global gradient is a den_0-weighted average of
+    per-micro-batch mixtures: invariant only approximately (exactly if den_0/den_i is the same in every
+    micro-batch). Keeping one (num, den) pair per component through the module would be exact but would
+    change the module's reduction for every objective; give components the same ``normalize`` when it matters.
+
+    At most one component may choose anchors (EDR); the others are evaluated on the same blocks.
+
+    Args:
+        objectives: the components.
+        weights: w_i, one per component.
+    """
+
+    def __init__(self, objectives: list[Objective], weights: list[float]) -> None:
+        if len(objectives) != len(weights) or not objectives:
+            raise ValueError(
+                f"objective.objectives ({len(objectives)}) and objective.weights ({len(weights)}) must be "
+                "non-empty lists of the same length."
+            )
+        self.objectives = list(objectives)
+        self.weights = [float(w) for w in weights]
+
+    @property
+    def parts(self) -> tuple[Any, ...]:
+        return tuple(self.objectives)
+
+    def select_anchors(self, batch, draft_fn, target):
+        chosen = [c for c in (o.select_anchors(batch, draft_fn, target) for o in self.objectives) if c is not None]
+        if len(chosen) > 1:
+            raise ValueError("At most one component of a Mixture may choose the anchors (select_anchors).")
+        return chosen[0] if chosen else None
+
+    def slot_mask(self, draft: DraftOutput) -> Tensor:
+        masks = [o.slot_mask(draft) for o in self.objectives]
+        return torch.stack(masks).any(0)
+
+    def __call__(self, draft: DraftOutput) -> LossTerms:
+        terms = [o(draft) for o in self.objectives]
+        d = terms[0].den
+        num = sum(w * t.num * (d / t.den.clamp_min(1e-12)) for w, t in zip(self.weights, terms))
+        metrics: dict[str, Tensor] = {}
+        for i, t in enumerate(terms):
+            metrics.update(t.metrics)
+            metrics[f"mixture/{i}"] = t.value
+        return LossTerms(num=num, den=d, metrics=metrics)

@@ -1,0 +1,285 @@
+"""Plain vs speculative decoding speed on MT-Bench prompts, and where the time goes. One process, greedy.
+
+    .venv/bin/python benchmarks/decode_speed.py                      # untrained BlockDrafter (K=8), 8 prompts
+    .venv/bin/python benchmarks/decode_speed.py --drafter runs/x.ckpt --threads 1
+    .venv/bin/python benchmarks/decode_speed.py --breakdown          # + the 1-token vs (K+1)-token cost split
+
+Prints, on the same prompts and in the same process:
+  * tokens/s of plain decoding (``generate(..., drafter=None)``) and of speculative decoding, their ratio, MAL;
+  * the target forward time for 1 and for K+1 query tokens against a warm KV cache (median of ``--repeats``,
+    the cache cropped back after every run), and the drafter's time per proposal;
+  * engine efficiency = measured speculative tokens/s / (MAL / (draft + verify)): what the decoding loop
+    (prefill, acceptance, cache bookkeeping, Python) loses outside the two forwards;
+  * with ``--breakdown``: linear layers, LM head, attention and mask build for 1 vs K+1 query tokens.
+
+Without ``--drafter`` the drafter is an UNTRAINED ``BlockDrafter(block_size=8, num_layers=1,
+draft_vocab_size=4096)`` whose draft vocabulary comes from arbitrary counts (the prompts' own tokens): its MAL
+is ~1, so it measures the machinery, not a speedup. On a machine shared with another job pass
+``--threads 1``: OpenMP threads that have to wait for a busy core make every timing erratic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_spec import SamplingConfig, generate, load_drafter, load_target
+from lightning_spec.data import SpecDataModule
+
+
+class Timings:
+    """Wall-time samples per named function. ``run`` times every function once per repeat, interleaved, and
+    can be called several times (between prompts): a change of load on the machine hits every figure alike."""
+
+    def __init__(self, fns: dict, warmup: int = 2) -> None:
+        self.fns = fns
+        self.samples: dict = {name: [] for name in fns}
+        self.run(warmup, keep=False)
+
+    def run(self, repeats: int, keep: bool = True) -> None:
+        for _ in range(repeats):
+            for name, fn in self.fns.items():
+                start = time.perf_counter()
+                fn()
+                if keep:
+                    self.samples[name].append(time.perf_counter() - start)
+
+    def medians_ms(self) -> dict:
+        return {name: 1e3 * statistics.median(ts) for name, ts in self.samples.items()}
+
+
+def median_ms(fns: dict, repeats: int) -> dict:
+    timings = Timings(fns)
+    timings.run(repeats)
+    return timings.medians_ms()
+
+
+def mt_bench_prompts(target, count: int, seed: int) -> list[list[int]]:
+    """``count`` MT-Bench first-turn prompts, round-robin over its 8 categories, chat-templated."""
+    data = SpecDataModule(
+        target=target.name,
+        train_sources=["sharegpt"],  # required by the constructor, never read: only eval prompts are built
+        eval_sources=["mt-bench"],
+        eval_prompts_per_domain=count,
+        seed=seed,
+        tokenizer=target.tokenizer,
+    )
+    return [p["prompt_ids"] for p in data.eval_prompts()][:count]
+
+
+def untrained_drafter(target, block_size: int, prompts: list[list[int]]):
+    from lightning_spec.drafters.block import BlockDrafter
+
+    drafter = BlockDrafter(block_size=block_size, num_layers=1, draft_vocab_size=4096)
+    drafter.bind(target)
+    counts = torch.bincount(torch.tensor([t for p in prompts for t in p]), minlength=target.vocab_size)
+    drafter.set_vocab(counts.float() + torch.linspace(1, 0, target.vocab_size))  # ties broken by token id
+    return drafter.eval()
+
+
+def context_ids(prompts: list[list[int]], length: int) -> torch.Tensor:
+    """``length`` real tokens (the prompts concatenated, repeated if short) for the warm cache: (1, length)."""
+    flat = [t for p in prompts for t in p]
+    flat = (flat * (length // max(len(flat), 1) + 1))[:length]
+    return torch.tensor([flat])
+
+
+def forward_timings(target, drafter, ctx: torch.Tensor) -> Timings:
+    """Timers of: the plain step (1 token), the verify forward (K+1 tokens with the drafter's feature layers)
+    and one drafter proposal, all against a warm cache of ``ctx``, cropped back after every run."""
+    k, layers = drafter.block_size, list(drafter.target_layers)
+    cache = target.new_cache()
+    out = target(ctx, layers=layers, cache=cache, logits=False)
+    past = cache.get_seq_length()
+    gen = torch.Generator().manual_seed(0)
+    one = torch.randint(0, target.vocab_size, (1, 1), generator=gen)
+    block = torch.randint(0, target.vocab_size, (1, k + 1), generator=gen)
+
+    def step(ids, lay):
+        target(ids, layers=lay, cache=cache)
+        target.crop(cache, past)
+
+    state = drafter.begin(out.features)
+    anchor = one[0]
+    greedy = SamplingConfig()
+    return Timings(
+        {
+            "target_1": lambda: step(one, []),
+            "target_k1": lambda: step(block, layers),
+            "draft": lambda: drafter.propose(state, anchor, greedy),
+        }
+    )
+
+
+def breakdown(target, ctx: torch.Tensor, q_lens: list[int], repeats: int) -> list[tuple[str, list[float]]]:
+    """Per-forward cost of each part for every query length in ``q_lens`` (ms, medians), Llama-style targets.
+
+    Linear layers and the LM head are the real weights called with fresh activations, every layer in turn
+    (so weights stream from memory as in a forward); attention is the model's configured attention function
+    on the real KV cache shapes; mask is ``create_causal_mask`` against the real cache.
+    """
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    F = torch.nn.functional
+    cfg = target.config
+    layers = target.base.layers
+    linears = [m.weight for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    attn = layers[0].self_attn
+    attention = ALL_ATTENTION_FUNCTIONS[cfg._attn_implementation]
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    cache = target.new_cache()
+    target(ctx, cache=cache, logits=False)
+    past = cache.get_seq_length()
+    fns: dict[tuple[str, int], Callable[[], object]] = {}
+    for q in q_lens:
+        x = {w.shape[1]: torch.randn(q, w.shape[1]) for w in linears}
+        hidden = torch.randn(q, target.hidden_size)
+        emb = torch.randn(1, q, target.hidden_size)
+        pos = torch.arange(past, past + q)[None]
+        mask = create_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=None, cache=cache, position_ids=pos)
+        query = torch.randn(1, heads, q, head_dim)
+        kv = [
+            (torch.randn(1, kv_heads, past + q, head_dim), torch.randn(1, kv_heads, past + q, head_dim)) for _ in layers
+        ]
+        ids = torch.randint(0, target.vocab_size, (1, q))
+
+        def whole(ids=ids):
+            target(ids, cache=cache)
+            target.crop(cache, past)
+
+        fns["whole forward (with logits)", q] = whole
+        fns[f"linear layers ({len(linears)} matmuls)", q] = lambda x=x: [F.linear(x[w.shape[1]], w) for w in linears]
+        fns["LM head", q] = lambda hidden=hidden: F.linear(hidden, target.lm_head.weight)
+
+        def attend(query=query, kv=kv, mask=mask):
+            return [attention(attn, query, k, v, mask, dropout=0.0, scaling=attn.scaling) for k, v in kv]
+
+        fns[f"attention ({cfg._attn_implementation}, {len(layers)} layers)", q] = attend
+        fns["mask build", q] = lambda emb=emb, pos=pos: create_causal_mask(
+            config=cfg, inputs_embeds=emb, attention_mask=None, cache=cache, position_ids=pos
+        )
+    ms = median_ms(fns, repeats)
+    names = list(dict.fromkeys(name for name, _ in fns))
+    rows = [(name, [ms[name, q] for q in q_lens]) for name in names]
+    rest = [ms[names[0], q] - sum(ms[name, q] for name in names[1:]) for q in q_lens]
+    return rows + [("rest (norms, RoPE, cache, Python)", rest)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--drafter", help="a fit checkpoint (.ckpt) or exported folder; default: untrained")
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts (round-robin over categories)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--block-size", type=int, help="K; default 8 untrained, the checkpoint's otherwise")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
+    parser.add_argument("--repeats", type=int, default=20, help="repeats per forward timing (median)")
+    parser.add_argument("--cache-len", type=int, default=200, help="warm-cache length for the forward timings")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--breakdown", action="store_true", help="also split 1 vs K+1 token forwards by part")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target = load_target(args.target)
+    prompts = mt_bench_prompts(target, args.prompts, args.seed)
+    if args.drafter:
+        drafter = load_drafter(args.drafter, target=target)
+        label = f"{type(drafter).__name__} from {args.drafter}"
+        if args.block_size:
+            drafter.block_size = args.block_size
+    else:
+        drafter = untrained_drafter(target, args.block_size or 8, prompts)
+        label = "UNTRAINED BlockDrafter(num_layers=1, draft_vocab_size=4096)"
+    k = drafter.block_size
+    greedy = SamplingConfig()
+
+    # warm-up: both paths, every kernel shape the loop uses
+    for d in (None, drafter):
+        generate(target, prompts[0], 8, greedy, drafter=d)
+
+    ctx = context_ids(prompts, args.cache_len)
+    timings = forward_timings(target, drafter, ctx)
+    per_prompt = -(-args.repeats // len(prompts))  # the forward timings run between the prompts
+
+    plain_tokens = spec_tokens = rounds = 0
+    plain_s = spec_s = draft_s = verify_s = prefill_s = 0.0
+    same = 0
+    for ids in prompts:  # plain, speculative and the forward timings interleaved: load changes hit all alike
+        plain = generate(target, ids, args.max_new_tokens, greedy, drafter=None)
+        spec = generate(target, ids, args.max_new_tokens, greedy, drafter=drafter)
+        plain_tokens, plain_s = plain_tokens + len(plain.tokens), plain_s + plain.seconds
+        spec_tokens, spec_s, rounds = spec_tokens + len(spec.tokens), spec_s + spec.seconds, rounds + spec.rounds
+        draft_s, verify_s = draft_s + spec.draft_seconds, verify_s + spec.verify_seconds
+        same += plain.tokens == spec.tokens
+        # the prompt's prefill alone, to split the loop's own overhead from it (in no figure above)
+        start = time.perf_counter()
+        target(torch.tensor([ids[:-1]]), layers=list(drafter.target_layers), cache=target.new_cache(), logits=False)
+        prefill_s += time.perf_counter() - start
+        timings.run(per_prompt)
+    t = timings.medians_ms()
+    repeats = len(timings.samples["draft"])
+
+    mal = spec_tokens / max(rounds, 1)
+    plain_tps, spec_tps = plain_tokens / plain_s, spec_tokens / spec_s
+    ideal_spec = mal / ((t["draft"] + t["target_k1"]) / 1e3)
+    ideal_plain = 1 / (t["target_1"] / 1e3)
+    other_s = spec_s - draft_s - verify_s - prefill_s
+
+    print(f"\ndecode_speed  target={args.target}  drafter={label}  K={k}")
+    print(
+        f"  {len(prompts)} MT-Bench prompts, greedy, max_new_tokens={args.max_new_tokens}, "
+        f"threads={torch.get_num_threads()}, torch {torch.__version__}"
+    )
+    print(f"\n  {'':<24}{'tokens':>8}{'rounds':>8}{'MAL':>7}{'seconds':>9}{'tokens/s':>10}")
+    print(
+        f"  {'plain (drafter=None)':<24}{plain_tokens:>8}{plain_tokens:>8}{1.0:>7.2f}{plain_s:>9.2f}{plain_tps:>10.2f}"
+    )
+    print(f"  {f'speculative (K={k})':<24}{spec_tokens:>8}{rounds:>8}{mal:>7.2f}{spec_s:>9.2f}{spec_tps:>10.2f}")
+    print(
+        f"  speculative / plain tokens/s = {spec_tps / plain_tps:.2f}x   "
+        f"greedy outputs identical on {same}/{len(prompts)} prompts"
+    )
+    print(f"\n  forward times, warm cache of {ctx.shape[1]} tokens, median of {repeats} (ms)")
+    print(f"  {'target, 1 query token':<38}{t['target_1']:>8.1f}")
+    print(
+        f"  {f'target, K+1={k + 1} query tokens (verify)':<38}{t['target_k1']:>8.1f}"
+        f"   {t['target_k1'] / t['target_1']:.2f}x the 1-token forward"
+    )
+    print(f"  {'drafter, one proposal':<38}{t['draft']:>8.1f}")
+    print(f"  {'break-even MAL (draft+verify)/step':<38}{(t['draft'] + t['target_k1']) / t['target_1']:>8.2f}")
+    print("\n  engine efficiency = measured tokens/s / ideal tokens/s from the forward times above")
+    print(f"  {'':<38}{'ideal':>8}{'measured':>10}{'efficiency':>12}")
+    print(
+        f"  {'speculative: MAL / (draft + verify)':<38}{ideal_spec:>8.2f}{spec_tps:>10.2f}"
+        f"{spec_tps / ideal_spec:>12.0%}"
+    )
+    print(
+        f"  {'plain: 1 / (1-token forward)':<38}{ideal_plain:>8.2f}{plain_tps:>10.2f}{plain_tps / ideal_plain:>12.0%}"
+    )
+    print(
+        f"  speculative wall time: draft {draft_s / spec_s:.0%}, verify {verify_s / spec_s:.0%}, "
+        f"prefill {prefill_s / spec_s:.0%}, rest of the loop {other_s / spec_s:.0%}"
+    )
+    print(
+        f"  in the loop, per round: draft {1e3 * draft_s / rounds:.1f} ms, verify {1e3 * verify_s / rounds:.1f} ms "
+        f"(contexts of {min(map(len, prompts))}..{max(map(len, prompts)) + args.max_new_tokens} tokens)"
+    )
+
+    if args.breakdown:
+        q_lens = [1, k + 1]
+        rows = breakdown(target, ctx, q_lens, args.repeats)
+        print(f"\n  per-forward cost by part, warm cache of {ctx.shape[1]} tokens, median of {args.repeats} (ms)")
+        print(f"  {'part':<46}" + "".join(f"{f'q={q}':>9}" for q in q_lens) + f"{'delta':>9}")
+        for name, ms in rows:
+            print(f"  {name:<46}" + "".join(f"{m:>9.1f}" for m in ms) + f"{ms[-1] - ms[0]:>+9.1f}")
+
+
+if __name__ == "__main__":
+    main()

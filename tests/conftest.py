@@ -1,0 +1,156 @@
+"""Shared fixtures: tiny CPU targets and drafters whose acceptance we control.
+
+Every model here is tiny (2 layers, hidden <= 64) so the whole suite runs on a 2-core laptop.
+"""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_spec import load_target  # noqa: E402
+from lightning_spec.drafters import BlockDrafter, Drafter, Proposal  # noqa: E402
+from lightning_spec.target import Target  # noqa: E402
+
+# Tensors here are a few KB: intra-op threads only add synchronisation (measured ~100x slower decoding with
+# the default thread count while another job shares the 2 cores).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Target:
+    """The packaged ``tiny-random`` target: 2 layers, hidden 64, vocab 320, byte tokenizer with ChatML."""
+    return load_target("tiny-random")
+
+
+def random_llama(vocab_size: int = 96, hidden_size: int = 32, init: float = 0.3, seed: int = 0, eos=None) -> Target:
+    """A tiny random Llama wrapped as a ``Target`` (no tokenizer).
+
+    ``tiny-random`` is so sharpened that its greedy continuation repeats the last prompt token forever; with
+    ``init`` ~0.3 the greedy continuation varies from token to token and the top-2 logit gap stays >~1e-2,
+    far above the float noise between a one-token forward and a block forward.
+    ``eos=None`` gives a model that never stops (``target.eos_token_ids == []``).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4 if hidden_size >= 32 else 2,
+        num_key_value_heads=2 if hidden_size >= 32 else 1,
+        initializer_range=init,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return Target(LlamaForCausalLM(config), name=f"random-llama-v{vocab_size}-h{hidden_size}-s{seed}")
+
+
+@pytest.fixture(scope="session")
+def diverse_target() -> Target:
+    return random_llama()
+
+
+def block_drafter(target: Target, block_size: int = 4, seed: int = 0, **kwargs) -> BlockDrafter:
+    """A freshly initialised (untrained) ``BlockDrafter`` bound to ``target``, in eval mode."""
+    torch.manual_seed(seed)
+    drafter = BlockDrafter(block_size=block_size, num_layers=kwargs.pop("num_layers", 1), **kwargs)
+    drafter.bind(target)
+    return drafter.eval()
+
+
+class ReferenceDrafter(BlockDrafter):
+    """Proposes the target's own greedy continuation with one slot corrupted, so acceptance varies in 0..K.
+
+    ``reference`` is prompt + the plain greedy continuation (computed by plain decoding). A round whose
+    anchor sits at position ``n = state.length`` proposes ``reference[n + 1 : n + 1 + K]`` with slot
+    ``j = 7 n mod (K + 2)`` (0-based) replaced by another token: a correct engine accepts exactly ``j`` drafts,
+    or all K plus the bonus when ``j >= K``. The BlockDrafter machinery still runs (``super().propose`` on
+    the incremental state), and ``snapshots`` record the state the engine built, for consistency checks.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size=block_size, num_layers=1)
+        self.reference: list[int] = []
+        self.snapshots: list[tuple[int, list[torch.Tensor]]] = []
+
+    def propose(self, state, anchor, sampling, generator=None) -> Proposal:
+        super().propose(state, anchor, sampling, generator)  # exercises the KV state; its tokens are ignored
+        self.snapshots.append((state.length, [k.clone() for k in state.keys]))
+        n, k, vocab = state.length, self.block_size, self.target.vocab_size
+        bad = (7 * n) % (k + 2)
+        tokens = []
+        for j in range(k):
+            ref = self.reference[n + 1 + j] if n + 1 + j < len(self.reference) else 0
+            tokens.append((ref + 1) % vocab if j == bad else ref)
+        return Proposal(tokens=torch.tensor(tokens, device=anchor.device), probs=None)
+
+
+def reference_drafter(target: Target, block_size: int, reference: list[int]) -> ReferenceDrafter:
+    torch.manual_seed(0)
+    drafter = ReferenceDrafter(block_size)
+    drafter.bind(target)
+    drafter.reference = list(reference)
+    return drafter.eval()
+
+
+class FixedDrafter(Drafter):
+    """Ignores its context: slot ``t`` always proposes from a fixed random distribution q_t over the vocabulary.
+
+    For the lossless-sampling tests: q differs a lot from the target's p, so both acceptance and the
+    residual path fire. Greedy proposals are argmax q_t.
+    """
+
+    def __init__(self, target: Target, block_size: int, scale: float = 1.0, seed: int = 1) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.target_layers = [0]
+        g = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(block_size, target.vocab_size, generator=g) * scale  # (K, V)
+        self.bind(target)
+
+    def begin(self, features):
+        return SimpleNamespace(length=features.shape[1])
+
+    def extend(self, state, features) -> None:
+        state.length += features.shape[1]
+
+    def propose(self, state, anchor, sampling, generator=None) -> Proposal:
+        q = self.logits.softmax(-1)  # (K, V)
+        if sampling.greedy:
+            return Proposal(tokens=q.argmax(-1), probs=None)
+        return Proposal(tokens=torch.multinomial(q, 1, generator=generator)[:, 0], probs=q)
+
+    def config_dict(self) -> dict:
+        return {"block_size": self.block_size}
+
+
+# Helpers as fixtures, so test modules never import conftest.
+@pytest.fixture(scope="session")
+def make_random_llama():
+    return random_llama
+
+
+@pytest.fixture(scope="session")
+def make_block_drafter():
+    return block_drafter
+
+
+@pytest.fixture(scope="session")
+def make_reference_drafter():
+    return reference_drafter
+
+
+@pytest.fixture(scope="session")
+def make_fixed_drafter():
+    return FixedDrafter

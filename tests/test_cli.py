@@ -1,0 +1,193 @@
+"""The CLI: every shipped YAML parses, a tiny fit logs to MLflow, and user errors are one clear sentence."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_spec import load_drafter
+from lightning_spec.cli import main, run_cli as cli_raising
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))
+TINY = ROOT / "experiments" / "tiny.yaml"
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run the CLI inside tmp_path (mlflow.db, mlruns/ and checkpoints land there) with a clean argv."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    return tmp_path
+
+
+def exit_code(args: list[str]) -> int:
+    try:
+        main(args)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
+
+
+# ------------------------------------------------------------------------------------- every YAML parses
+
+
+def test_experiments_exist():
+    assert TINY in EXPERIMENTS and len(EXPERIMENTS) >= 2
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.stem for p in EXPERIMENTS])
+def test_every_experiment_yaml_parses(path, in_tmp, capsys, monkeypatch):
+    import transformers
+
+    import lightning_spec.module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("--print_config must not load a model")
+
+    # --print_config only parses and type-checks: the GPU example must never load Qwen3-8B
+    monkeypatch.setattr(lightning_spec.module, "load_target", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    assert exit_code(["fit", "-c", str(path), "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    source = yaml.safe_load(path.read_text())
+    assert printed["model"]["drafter"]["class_path"] == source["model"]["drafter"]["class_path"]
+    assert printed["model"]["target"] == source["model"]["target"]
+    assert not list(in_tmp.iterdir())  # nothing written: no run, no checkpoint
+
+
+# ------------------------------------------------------------------------------------------- a tiny fit
+
+
+def test_fit_tiny_logs_an_mlflow_run(in_tmp):
+    import mlflow
+
+    assert exit_code(["fit", "-c", str(TINY)]) == 0
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("lightning_spec")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["target"] == "tiny-random" and params["max_length"] == "96" and params["lr"] == "0.001"
+    metrics = run.data.metrics
+    assert {"train/loss", "val/mal", "val/loss", "val/mal/chat", "val/accept_rate/t1", "val/temp1/mal"} <= set(metrics)
+    assert metrics["val/mal"] >= 1.0  # tokens per round, bonus included
+    mal_steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/mal")]
+    assert mal_steps == [0, 3, 6]  # before training, then every val_check_interval=3 of max_steps=6
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 6
+    assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    # the checkpoint holds a drafter that loads for its target by name
+    (last,) = in_tmp.rglob("last.ckpt")
+    drafter = load_drafter(last)
+    assert drafter.block_size == 4 and drafter.target.vocab_size == 320
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def short_chats(n: int) -> list[dict]:
+    return [
+        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
+        for i in range(n)
+    ]
+
+
+def local_data_args(tmp: Path, train_rows: list[dict]) -> list[str]:
+    """Point the tiny experiment at local files (no packaged data read), and log nowhere."""
+    train = write_jsonl(tmp / "train.jsonl", train_rows)
+    evals = write_jsonl(tmp / "eval.jsonl", [{"messages": [{"role": "user", "content": "Say something."}]}])
+    return [
+        "--data.train_sources", json.dumps([train]), "--data.eval_sources", json.dumps([evals]),
+        "--trainer.logger", "false",
+    ]
+
+
+def run_in_subprocesses(arg_lists: list[list[str]], cwd: Path) -> list[subprocess.CompletedProcess]:
+    """The real console entry point, several at once (each pays ~8 s of imports; the cores overlap them)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    script = Path(sys.executable).parent / "lightning-spec"  # the installed console script
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_spec"]
+    procs = [
+        subprocess.Popen([*command, *args], cwd=cwd, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for args in arg_lists
+    ]
+    out = []
+    for proc, args in zip(procs, arg_lists):
+        stdout, stderr = proc.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    return out
+
+
+def tail(text: str, lines: int = 6) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def test_user_errors_in_the_console(tmp_path):
+    """What a user sees on stderr: the last lines name the field (no bare torch/datasets traceback)."""
+    bad_key = yaml.safe_load(TINY.read_text())
+    bad_key["model"]["drafter"]["init_args"]["bogus"] = 1
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad_key))
+    block = ["fit", "-c", str(TINY), *local_data_args(tmp_path, short_chats(6)),
+             "--model.drafter.init_args.block_size", "64", "--data.max_length", "32"]
+    unknown, too_long = run_in_subprocesses([["fit", "-c", str(tmp_path / "bad.yaml")], block], tmp_path)
+
+    assert unknown.returncode != 0
+    assert "bogus" in tail(unknown.stderr) and "not accepted" in tail(unknown.stderr), unknown.stderr[-2000:]
+    assert "Traceback" not in unknown.stderr
+
+    assert too_long.returncode == 2
+    last = tail(too_long.stderr, 1)
+    assert last.startswith("lightning-spec: error: ") and "drafter.block_size=64" in last, last
+    assert "data.max_length" in last and "Traceback" not in too_long.stderr, too_long.stderr[-2000:]
+
+
+def test_empty_dataset_is_a_clear_error(in_tmp):
+    for name, content in [("empty.jsonl", ""), ("unusable.jsonl", None)]:
+        path = in_tmp / name
+        if content is None:  # rows exist, but none opens with a user turn or has content
+            write_jsonl(path, [{"messages": [{"role": "assistant", "content": "hi"}]},
+                               {"messages": [{"role": "user", "content": "   "}]}])
+        else:
+            path.write_text(content)
+        args = local_data_args(in_tmp, short_chats(2))
+        args[1] = json.dumps([str(path)])
+        with pytest.raises(ValueError, match=rf"data\.train_sources\[0\] \('.*{name}'\) gave no usable conversations"):
+            cli_raising(["fit", "-c", str(TINY), *args])
+
+
+def test_no_assistant_tokens_after_masking_is_a_clear_error(in_tmp):
+    long_prompt = [
+        {"messages": [{"role": "user", "content": f"{i} " + "x" * 200}, {"role": "assistant", "content": "ok"}]}
+        for i in range(4)
+    ]
+    with pytest.raises(ValueError, match=r"no training conversation has an assistant token within data\.max_length=64"):
+        cli_raising(["fit", "-c", str(TINY), *local_data_args(in_tmp, long_prompt), "--data.max_length", "64"])
+
+
+def test_block_longer_than_sequence_is_a_clear_error_in_process(in_tmp):
+    with pytest.raises(ValueError, match=r"drafter\.block_size=64 needs data\.max_length >= block_size \+ 2"):
+        cli_raising(["fit", "-c", str(TINY), *local_data_args(in_tmp, short_chats(6)),
+              "--model.drafter.init_args.block_size", "64", "--data.max_length", "32"])
+
+
+def test_drafter_for_another_vocabulary_is_a_clear_error(tmp_path, make_random_llama):
+    from lightning_spec.checkpoint import save_drafter
+    from lightning_spec.drafters import BlockDrafter
+
+    drafter = BlockDrafter(block_size=2, num_layers=1)
+    drafter.bind(make_random_llama(vocab_size=96))
+    folder = save_drafter(drafter, tmp_path / "drafter", target_spec="random-96")
+    with pytest.raises(ValueError, match=r"96-token vocabulary, but this target has 320.*'random-96'"):
+        load_drafter(folder, target="tiny-random")

@@ -1,0 +1,448 @@
+"""EDR (METHODS.md §3.2): the recursions against brute-force enumeration and Monte Carlo, Theorem 1 (the
+EOS-aware cost) over every rollout of a toy target, Theorem 2 (the TD gradient) against autograd through an
+exact differentiable recursion, and the anchor sampler (exact under the budget, unbiased below it)."""
+
+import itertools
+import math
+import random
+import time
+
+import pytest
+import torch
+
+from lightning_spec.drafters import DraftOutput
+from lightning_spec.objectives import CE, EDR, EDROccupancy, EDRReach, Objective, TargetInfo
+from lightning_spec.objectives.edr import (
+    chain,
+    chain_dp,
+    chain_dp_reference,
+    inclusion_probabilities,
+    slot_statistics,
+    systematic_sample,
+    target_table,
+)
+from lightning_spec.sampling import SamplingConfig
+
+# ------------------------------------------------------------------ an independent reading of the chain
+
+
+def generations(mask: list[bool]) -> list[tuple[int, int]]:
+    """(first anchor, last position) of every maximal supervised run; position 0 is never predicted."""
+    out, t = [], 1
+    while t < len(mask):
+        if mask[t]:
+            end = t
+            while end + 1 < len(mask) and mask[end + 1]:
+                end += 1
+            out.append((t - 1, end))
+            t = end + 1
+        else:
+            t += 1
+    return out
+
+
+def enumerate_chain(accept, cost, mask, k):
+    """Every acceptance pattern of every generation of one sequence, with its probability.
+
+    accept[n][h], cost[n][h]: A and c of slot h of the round anchored at n. Returns E[#rounds],
+    E[1 + Σ c over verified slots + 1 per bonus that starts a round] (summed over generations) and the
+    probability of verifying each (n, h).
+    """
+    rounds = value = 0.0
+    visits = {}
+
+    def play(n, end, prob, n_rounds, paid):  # a round starts at anchor n
+        nonlocal rounds, value
+        n_rounds += 1
+        outcomes = [(prob, paid, None)]  # (probability, cost so far, next anchor or None = generation over)
+        final = []
+        for h in range(k):
+            t = n + 1 + h
+            nxt = []
+            for p, c, _ in outcomes:
+                visits[(n, h)] = visits.get((n, h), 0.0) + p
+                if t == end:  # the last token: generation over whatever the verdict
+                    final.append((p, c, None))
+                    continue
+                a = accept[n][h]
+                final.append((p * (1 - a), c + cost[n][h], t))  # rejected: the next round starts at t
+                nxt.append((p * a, c + cost[n][h], None))
+            outcomes = nxt
+        for p, c, _ in outcomes:  # all K accepted: the bonus token at n + K + 1
+            b = n + k + 1
+            final.append((p, c + (1 if b < end else 0), b if b < end else None))
+        for p, c, nxt in final:
+            if p == 0:
+                continue
+            if nxt is None:
+                rounds += p * n_rounds
+                value += p * (1 + c)
+            else:
+                play(nxt, end, p, n_rounds, c)
+
+    for first, end in generations(mask):
+        play(first, end, 1.0, 0, 0.0)
+    return rounds, value, visits
+
+
+def simulate(accept, mask, k, runs, seed=0):
+    """Monte Carlo of the Markov chain: mean rounds over ``runs`` decodings of the sequence."""
+    rng = random.Random(seed)
+    total = 0
+    for _ in range(runs):
+        for first, end in generations(mask):
+            n = first
+            while True:
+                total += 1
+                nxt = None
+                for h in range(k):
+                    t = n + 1 + h
+                    if t == end:
+                        break
+                    if rng.random() >= accept[n][h]:
+                        nxt = t
+                        break
+                else:
+                    nxt = n + k + 1 if n + k + 1 < end else None
+                if nxt is None:
+                    break
+                n = nxt
+    return total / runs
+
+
+def random_case(seed, s, k, holes=True):
+    g = torch.Generator().manual_seed(seed)
+    mask = [False] * s
+    for t in range(2, s):
+        mask[t] = True
+    if holes and s > 6:
+        mask[s // 2] = False  # two generations
+    accept = torch.rand(1, s, k, generator=g, dtype=torch.float64)
+    cost = torch.rand(1, s, k, generator=g, dtype=torch.float64)
+    return mask, accept, cost
+
+
+# ------------------------------------------------------------------------------ (a) the recursions are right
+
+
+@pytest.mark.parametrize("s,k,seed", [(5, 1, 0), (6, 2, 1), (8, 2, 2), (8, 3, 3), (7, 3, 4), (8, 1, 5)])
+def test_dp_equals_enumeration_of_acceptance_patterns(s, k, seed):
+    mask, accept, cost = random_case(seed, s, k)
+    ch = chain(torch.tensor([mask]), k)
+    a_list, c_list = accept[0].tolist(), cost[0].tolist()
+    # rounds given the rollout: the cost of a slot is its realised rejection R = 1 - A (Prop. 1)
+    r_list = [[1 - a for a in row] for row in a_list]
+    rounds, _, visits = enumerate_chain(a_list, r_list, mask, k)
+    realised = chain_dp(accept, 1 - accept, ch)
+    assert float(realised.rounds[0]) == pytest.approx(rounds, rel=1e-12)
+    assert float(realised.start.sum()) == pytest.approx(rounds, rel=1e-12)  # Σ_n ω_{n,n+1} = τ(x)
+    # any local cost: 1 + Σ ω c (Thm 1 reading) equals the path average of 1 + Σ c
+    _, value, _ = enumerate_chain(a_list, c_list, mask, k)
+    assert float(chain_dp(accept, cost, ch).rounds[0]) == pytest.approx(value, rel=1e-12)
+    # occupancies ω_{n,t} are the probabilities of verifying (n, t)
+    occ = torch.zeros(s, k, dtype=torch.float64)
+    for (n, h), p in visits.items():
+        occ[n, h] = p
+    torch.testing.assert_close(realised.occupancy[0], occ, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("s,k,seed", [(8, 2, 7), (8, 3, 8)])
+def test_dp_equals_monte_carlo(s, k, seed):
+    mask, accept, _ = random_case(seed, s, k)
+    exact = float(chain_dp(accept, 1 - accept, chain(torch.tensor([mask]), k)).rounds[0])
+    runs = 20000
+    mc = simulate(accept[0].tolist(), mask, k, runs, seed)
+    assert abs(mc - exact) < 5 * math.sqrt(exact * 2 / runs) + 1e-3  # generous: rounds vary by ≲ a few
+
+
+def test_values_are_consistent_with_the_forward_pass():
+    """V at the first anchor (backward) equals Σ ω c (forward), and V_{n,n+1} = in-round value at slot 0."""
+    mask, accept, cost = random_case(11, 40, 4)
+    ch = chain(torch.tensor([mask]), 4)
+    v = chain_dp(accept, cost, ch)
+    live = (ch.exists & ~ch.terminal).double()
+    bonus_occ = v.start * v.reach[..., -1] * accept[..., -1] * ch.bonus  # rounds that reach the bonus
+    forward = v.generations + (v.occupancy * cost * live).sum((1, 2)) + bonus_occ.sum(-1)
+    torch.testing.assert_close(v.rounds, forward, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("s,k", [(30, 3), (57, 4), (64, 7)])
+def test_vectorised_dp_matches_the_reference_loop(s, k):
+    g = torch.Generator().manual_seed(s)
+    mask = torch.rand(3, s, generator=g) < 0.85
+    mask[:, :3] = False
+    mask[0, 0] = True  # a sequence supervised from its first token
+    accept, cost = torch.rand(3, s, k, generator=g), torch.rand(3, s, k, generator=g)
+    ch = chain(mask, k)
+    fast, ref = chain_dp(accept, cost, ch), chain_dp_reference(accept, cost, ch)
+    for name in ("value", "start", "reach", "occupancy", "advantage", "rounds", "generations", "tokens"):
+        torch.testing.assert_close(getattr(fast, name), getattr(ref, name), rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_dp_at_4k_tokens_is_vectorised():
+    """L = 4096, K = 7: the parity still holds and the vectorised DP takes milliseconds (about 5 ms on one
+    core; the reference loop ~0.4 s). The bound is loose so a busy machine does not fail it."""
+    s, k = 4096, 7
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(1, s, dtype=torch.bool)
+    mask[:, :64] = False
+    accept, cost = torch.rand(1, s, k, generator=g), torch.rand(1, s, k, generator=g)
+    ch = chain(mask, k)
+    chain_dp(accept, cost, ch)  # warm-up
+    begin = time.perf_counter()
+    fast = chain_dp(accept, cost, ch)
+    elapsed = time.perf_counter() - begin
+    ref = chain_dp_reference(accept, cost, ch)
+    torch.testing.assert_close(fast.value, ref.value, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(fast.start, ref.start, rtol=1e-9, atol=1e-9)
+    assert elapsed < 1.0
+
+
+# ------------------------------------------------------------------------------ toy target, drafter, rollouts
+
+EOS = 2
+
+
+def toy_target(s: int, log_p: torch.Tensor) -> TargetInfo:
+    """p_t = softmax(log_p[t - 1]) whatever the context: hidden states are one-hot positions."""
+    n = 1
+    hidden = torch.eye(s, dtype=torch.float64)[None].expand(n, s, s)
+    return TargetInfo(last_hidden=hidden, logits=lambda h: h.to(log_p.dtype) @ log_p, eos_ids=[EOS])
+
+
+def toy_draft_fn(q_logits: torch.Tensor, ids: torch.Tensor):
+    """A drafter whose slot-h logits from anchor n are the free parameters q_logits[n, h] (S, K, V)."""
+
+    def draft_fn(anchors, keep):
+        n, a = anchors.shape
+        k = q_logits.shape[1]
+        logits = q_logits[anchors]  # (N, A, K, V)
+        pos = (anchors[..., None] + 1 + torch.arange(k)).clamp(max=ids.shape[1] - 1)
+        labels = ids.gather(1, pos.reshape(n, -1)).view(n, a, k)
+        return DraftOutput(logits=logits, labels=labels, valid=keep[..., None].expand(n, a, k), anchors=anchors)
+
+    return draft_fn
+
+
+def test_theorem1_eos_aware_cost_is_unbiased_over_all_rollouts():
+    """E_X[1 + Σ ω c] = E_X[τ(X)] with c of Def. 1, over every rollout of a 3-token toy target (EOS forced at
+    the last position). A cost that ignores EOS (plain TV) is visibly biased: the negative control."""
+    prompt, gen_max, k, vocab = 2, 5, 2, 3
+    s = prompt + gen_max
+    g = torch.Generator().manual_seed(0)
+    log_p = torch.randn(s, vocab, generator=g, dtype=torch.float64)
+    log_p[:, EOS] -= 1.0
+    log_p[s - 2] = torch.tensor([-1e9, -1e9, 0.0])  # the last position is EOS for sure
+    q_logits = torch.randn(s, k, vocab, generator=g, dtype=torch.float64)
+    sampling = SamplingConfig(temperature=1.0)
+    p = log_p.softmax(-1)
+    rollouts, probs = [], []
+    for length in range(1, gen_max + 1):
+        for body in itertools.product([0, 1], repeat=length - 1):
+            tokens = list(body) + [EOS]
+            pr = math.prod(float(p[prompt + i - 1, x]) for i, x in enumerate(tokens))
+            if pr > 0:
+                rollouts.append([0] * prompt + tokens + [0] * (gen_max - length))
+                probs.append(pr)
+    assert sum(probs) == pytest.approx(1.0, rel=1e-9)
+    ids = torch.tensor(rollouts)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for i, r in enumerate(rollouts):
+        mask[i, prompt : prompt + r[prompt:].index(EOS) + 1] = True
+    n = ids.shape[0]
+    target = toy_target(s, log_p)
+    target.last_hidden = target.last_hidden.expand(n, s, s)
+    table = target_table(target, ids, mask, sampling)
+    anchors = torch.arange(s).expand(n, s)
+    accept, cost = slot_statistics(q_logits[anchors], table, anchors, sampling)
+    ch = chain(mask, k)
+    w = torch.tensor(probs, dtype=torch.float64)
+    surrogate = float((w * chain_dp(accept, cost, ch).rounds).sum())
+    true_rounds = float((w * chain_dp(accept, 1 - accept, ch).rounds).sum())
+    assert surrogate == pytest.approx(true_rounds, rel=1e-6)
+    q = q_logits[anchors].softmax(-1)
+    pt = torch.stack([p[(anchors + 1 + h).clamp(max=s - 1) - 1] for h in range(k)], 2)  # (N, S, K, V)
+    plain_tv = (pt - q).clamp_min(0).sum(-1)
+    naive = float((w * chain_dp(accept, plain_tv, ch).rounds).sum())
+    assert abs(naive - true_rounds) > 1e-2
+
+
+# ----------------------------------------------------------------------------- (b) Theorem 2's gradient
+
+
+def exact_rounds(accept, cost, mask, k):
+    """1 + V at every first anchor, summed: the plain backward recursion (Eq. 12), differentiable."""
+    s = len(mask)
+    total = accept.new_zeros(())
+    values = [accept.new_zeros(())] * (s + k + 2)
+    for first, end in generations(mask):
+        for n in reversed(range(first, end)):
+            b = n + k + 1
+            cont = 1 + values[b] if b < end else accept.new_zeros(())
+            for h in reversed(range(k)):
+                t = n + 1 + h
+                if t >= end:  # the last token or beyond: nothing more to pay
+                    cont = accept.new_zeros(())
+                    continue
+                a = accept[n, h]
+                cont = cost[n, h] + a * cont + (1 - a) * values[t]
+            values[n] = cont
+        total = total + 1 + values[first]
+    return total
+
+
+def rollout_case(seed, s=14, k=3, vocab=6):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, s), generator=g)
+    ids[0, 7] = EOS  # first answer ends with EOS, the second is truncated
+    mask = torch.zeros(1, s, dtype=torch.bool)
+    mask[0, 3:8] = True
+    mask[0, 9:] = True
+    log_p = torch.randn(s, vocab, generator=g, dtype=torch.float64) * 1.5
+    q_logits = (torch.randn(s, k, vocab, generator=g, dtype=torch.float64) * 1.5).requires_grad_(True)
+    return ids, mask, log_p, q_logits
+
+
+@pytest.mark.parametrize(
+    "sampling,draft_sampling",
+    [
+        (SamplingConfig(temperature=1.0), None),
+        (SamplingConfig(temperature=0.7, top_k=4), SamplingConfig(temperature=0.7)),  # the EDR paper's set-up
+    ],
+)
+def test_td_surrogate_gradient_is_the_gradient_of_expected_rounds(sampling, draft_sampling):
+    ids, mask, log_p, q_logits = rollout_case(0)
+    s, k = ids.shape[1], q_logits.shape[1]
+    target = toy_target(s, log_p)
+    draft_fn = toy_draft_fn(q_logits, ids)
+    objective = EDR(sampling=sampling, draft_sampling=draft_sampling, max_anchors=64, chunk_size=5)
+    anchors, keep, extra = objective.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
+    draft = draft_fn(anchors, keep)
+    draft.extra = extra
+    terms = objective(draft)
+    (grad_td,) = torch.autograd.grad(terms.num, q_logits)
+
+    # exact expected rounds through a differentiable recursion, A and c from the same distributions
+    table = target_table(target, ids, mask, sampling)
+    every = torch.arange(s)[None]
+    accept, cost = slot_statistics(q_logits[every], table, every, draft_sampling or sampling)
+    rounds = exact_rounds(accept[0], cost[0], mask[0].tolist(), k)
+    (grad_exact,) = torch.autograd.grad(rounds, q_logits)
+    assert grad_exact.abs().max() > 1e-3
+    torch.testing.assert_close(grad_td, grad_exact, rtol=1e-5, atol=1e-7)
+    # the logged metric is the round count itself (per generation), not the surrogate's value
+    assert float(terms.metrics["edr_expected_rounds"]) == pytest.approx(float(rounds.detach()) / 2, rel=1e-5)
+    assert float(terms.den) == 1  # normalize="sequences"
+
+
+def test_greedy_drafting_statistics_and_no_gradient():
+    """T = 0 drafting: A = 1[argmax q = x_t], c = 1 - p(y)/(1 - p(EOS)) (1 if y is EOS); EDR refuses to
+    train on it, while EDROccupancy still weights CE by the greedy occupancies."""
+    ids, mask, log_p, q_logits = rollout_case(1)
+    s, k = ids.shape[1], q_logits.shape[1]
+    target = toy_target(s, log_p)
+    table = target_table(target, ids, mask, SamplingConfig(temperature=1.0))
+    every = torch.arange(s)[None]
+    accept, cost = slot_statistics(q_logits[every], table, every, SamplingConfig(temperature=0.0))
+    p = log_p.softmax(-1)
+    y = q_logits.argmax(-1)  # (S, K)
+    for n in range(s - k - 1):
+        for h in range(k):
+            t = n + 1 + h
+            if not mask[0, t]:  # the table holds supervised positions only
+                continue
+            assert float(accept[0, n, h]) == float(y[n, h] == ids[0, t])
+            want = 1.0 if y[n, h] == EOS else 1 - float(p[t - 1, y[n, h]]) / (1 - float(p[t - 1, EOS]))
+            assert float(cost[0, n, h]) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert not accept.requires_grad and not cost.requires_grad
+    with pytest.raises(ValueError, match="greedy drafting"):
+        EDR(sampling=SamplingConfig(temperature=0.0))
+    weighted = Objective(CE(), EDRReach(), EDROccupancy(SamplingConfig(temperature=0.0)))
+    draft_fn = toy_draft_fn(q_logits, ids)
+    anchors, keep, extra = weighted.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
+    draft = draft_fn(anchors, keep)
+    draft.extra = extra
+    terms = weighted(draft)
+    assert torch.isfinite(terms.num) and terms.num.requires_grad
+    occ = extra["edr"].anchor_weight[..., None] * extra["edr"].reach
+    assert set(occ.unique().tolist()) <= {0.0, 1.0}  # greedy: every slot is visited or not
+
+
+# -------------------------------------------------------------------------------------- (c) anchor sampling
+
+
+def test_inclusion_probabilities_by_hand():
+    pi = inclusion_probabilities(torch.tensor([[4.0, 1, 1, 1, 1], [10.0, 1, 1, 1, 0]]), budget=2)
+    torch.testing.assert_close(pi[0], torch.tensor([1.0, 0.25, 0.25, 0.25, 0.25], dtype=torch.float64))
+    torch.testing.assert_close(pi[1], torch.tensor([1.0, 1 / 3, 1 / 3, 1 / 3, 0.0], dtype=torch.float64))
+    # at most `budget` positive masses: all of them, exactly
+    pi = inclusion_probabilities(torch.tensor([[0.5, 0.0, 1e-9, 3.0]]), budget=3)
+    torch.testing.assert_close(pi[0], torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64))
+
+
+def test_systematic_sampling_hits_each_unit_with_probability_pi():
+    g = torch.Generator().manual_seed(0)
+    mass = torch.rand(2, 12, generator=g, dtype=torch.float64) ** 3
+    mass[:, 3] = 0
+    budget = 4
+    pi = inclusion_probabilities(mass, budget)
+    assert torch.allclose(pi.sum(-1), torch.full((2,), float(budget), dtype=torch.float64))
+    draws = 4000
+    counts = torch.zeros_like(pi)
+    for _ in range(draws):
+        index, keep = systematic_sample(pi, budget, generator=g)
+        assert keep.sum(-1).tolist() == [budget, budget]
+        counts.scatter_add_(1, index, keep.double())
+    freq = counts / draws
+    se = (pi * (1 - pi) / draws).sqrt()
+    assert ((freq - pi).abs() <= 5 * se + 1e-9).all()
+    assert (counts[:, 3] == 0).all()
+
+
+def edr_terms(objective, ids, mask, target, q_logits):
+    draft_fn = toy_draft_fn(q_logits, ids)
+    anchors, keep, extra = objective.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
+    draft = draft_fn(anchors, keep)
+    draft.extra = extra
+    terms = objective(draft)
+    (grad,) = torch.autograd.grad(terms.num, q_logits)
+    return anchors, keep, terms, grad
+
+
+def extra_weight(objective, ids, mask, target, q_logits):
+    anchors, keep, extra = objective.select_anchors(
+        {"input_ids": ids, "loss_mask": mask}, toy_draft_fn(q_logits, ids), target
+    )
+    return extra["edr"].anchor_weight[keep]
+
+
+def test_budget_at_least_the_starts_is_exact_and_below_it_unbiased():
+    ids, mask, log_p, q_logits = rollout_case(2, s=16)
+    target = toy_target(ids.shape[1], log_p)
+    starts = int(mask[0, 1:].sum())
+    exact_anchors, keep, exact, exact_grad = edr_terms(EDR(max_anchors=starts), ids, mask, target, q_logits)
+    draft_fn = toy_draft_fn(q_logits, ids)
+    _, _, values = EDROccupancy().statistics({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
+    reachable = (values.start[0] > 0).nonzero()[:, 0].tolist()  # starts a round can reach (A = 1 cuts some)
+    assert exact_anchors[keep].tolist() == reachable and len(reachable) > 3  # every one of them, π = 1
+    torch.testing.assert_close(extra_weight(EDR(max_anchors=starts), ids, mask, target, q_logits),
+                               values.start[0, reachable])
+    _, _, again, again_grad = edr_terms(EDR(max_anchors=10 * starts), ids, mask, target, q_logits)
+    assert float(again.num.detach()) == float(exact.num.detach()) and torch.equal(again_grad, exact_grad)
+
+    torch.manual_seed(0)
+    small = EDR(max_anchors=3)
+    draws = 600
+    nums, grads = [], []
+    for _ in range(draws):
+        anchors, keep, terms, grad = edr_terms(small, ids, mask, target, q_logits)
+        assert int(keep.sum()) == 3
+        nums.append(float(terms.num.detach()))
+        grads.append(grad)
+    nums_t = torch.tensor(nums, dtype=torch.float64)
+    assert abs(float(nums_t.mean()) - float(exact.num.detach())) <= 4 * float(nums_t.std()) / math.sqrt(draws)
+    g = torch.stack(grads)  # (draws, S, K, V)
+    err = (g.mean(0) - exact_grad).norm()
+    noise = (g.var(0).sum() / draws).sqrt()
+    assert err <= 3 * noise
+    assert float(nums_t.std()) > 0  # it really was sampling

@@ -1,0 +1,308 @@
+"""DraftModule: gradient reduction across accumulation, the feature cache, drafter-only checkpoints."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_spec import SamplingConfig, generate, load_drafter
+from lightning_spec.checkpoint import CKPT_KEY, save_drafter
+from lightning_spec.data import SpecDataModule
+from lightning_spec.data.datamodule import collate
+from lightning_spec.drafters import BlockDrafter
+from lightning_spec.feature_cache import FeatureCache, cache_key
+from lightning_spec.module import DraftModule
+from lightning_spec.objectives import KL, ExpDecay, Objective
+
+
+def quiet_trainer(**kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+# ----------------------------------------------------------------------------------- accumulation invariance
+
+
+class SGDModule(DraftModule):
+    """Plain SGD, lr 1, no momentum: after one step, initial - updated = the gradient the module reduced.
+    (AdamW would hide a wrong gradient scale: its update is nearly scale-free.)"""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.drafter.parameters(), lr=1.0, momentum=0.0)
+
+
+def sequences(n: int = 8, seed: int = 0) -> list[dict]:
+    """Examples of different lengths whose loss masks differ, so every micro-batch has its own Σ weights."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 10 + 3 * i % 11
+        ids = torch.randint(0, 256, (length,), generator=g)
+        mask = torch.ones(length, dtype=torch.bool)
+        mask[: 2 + i % 4] = False  # a "prompt" of varying length
+        mask[length // 2 + i % 3] = False  # and a hole
+        out.append({"input_ids": ids, "loss_mask": mask, "domain_id": 0, "index": i})
+    return out
+
+
+def batches(examples: list[dict], batch_size: int) -> list[dict]:
+    out = []
+    for start in range(0, len(examples), batch_size):
+        batch = collate(examples[start : start + batch_size], pad_id=0)
+        del batch["index"]  # no feature cache here: fresh target features every step
+        out.append(batch)
+    return out
+
+
+def make_module(target) -> SGDModule:
+    torch.manual_seed(0)
+    # num_anchors >= sequence length: every candidate anchor is used, so anchor sampling is a no-op
+    drafter = BlockDrafter(block_size=4, num_layers=1, num_anchors=64)
+    return SGDModule(drafter, Objective(KL(), ExpDecay(4.0)), target=target)
+
+
+def params(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.drafter.named_parameters()}
+
+
+def lightning_update(target, examples, batch_size: int, accumulate: int, steps: int) -> dict[str, torch.Tensor]:
+    """θ_0 - θ_steps after ``steps`` optimizer steps of SGD(lr=1) under Lightning."""
+    module = make_module(target)
+    before = params(module)
+    loader = DataLoader(batches(examples, batch_size), batch_size=None)
+    quiet_trainer(max_steps=steps, accumulate_grad_batches=accumulate).fit(module, train_dataloaders=loader)
+    assert module.trainer.global_step == steps
+    return {k: before[k] - v for k, v in params(module).items()}
+
+
+def reference_gradient(module, batch_list: list[dict]) -> dict[str, torch.Tensor]:
+    """∇ (Σ_i num_i / Σ_i den_i) over the micro-batches, by hand: the gradient of the one equation."""
+    module.drafter.zero_grad()
+    den = 0.0
+    for batch in batch_list:
+        _, terms = module.draft_step(batch, use_cache=False)
+        terms.num.backward()
+        den += float(terms.den)
+    return {k: p.grad / den for k, p in module.drafter.named_parameters()}
+
+
+def relative_error(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
+    den = sum(float(b[k].pow(2).sum()) for k in b) ** 0.5
+    return num / den
+
+
+def test_batch8_equals_batch1_times_accumulate8(tiny_target):
+    examples = sequences(16)  # two optimizer steps of 8 sequences: the normaliser must restart every step
+    update8 = lightning_update(tiny_target, examples, batch_size=8, accumulate=1, steps=2)
+    update1 = lightning_update(tiny_target, examples, batch_size=1, accumulate=8, steps=2)
+
+    module = make_module(tiny_target)
+    g1 = reference_gradient(module, batches(examples[:8], 8))
+    with torch.no_grad():
+        for k, p in module.drafter.named_parameters():
+            p -= g1[k]
+    g2 = reference_gradient(module, batches(examples[8:], 8))
+    want = {k: g1[k] + g2[k] for k in g1}
+    assert relative_error(want, g1) > 1e-2  # the second step matters
+    assert relative_error(update8, want) < 1e-5
+    assert relative_error(update1, want) < 1e-5
+
+    # The check has power: averaging per-micro-batch normalised losses (the usual mistake) is far off.
+    module = make_module(tiny_target)
+    for batch in batches(examples[:8], 1):
+        _, terms = module.draft_step(batch, use_cache=False)
+        (terms.num / terms.den / 8).backward()
+    naive = {k: p.grad for k, p in module.drafter.named_parameters()}
+    assert relative_error(naive, g1) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------ feature cache
+
+
+def test_cached_features_equal_fresh_ones(tiny_target, monkeypatch):
+    module = DraftModule(BlockDrafter(block_size=3, num_layers=1), Objective(KL()), target=tiny_target)
+    module._features = FeatureCache("test-key")
+    examples = sequences(4, seed=1)
+    batch = collate(examples[:3], pad_id=0)
+    lengths = batch["attention_mask"].sum(1).tolist()
+
+    fresh_f, fresh_h = module.target_features(batch, use_cache=False)
+    calls = []
+    forward = module.target.forward
+
+    def counting_forward(ids, *args, **kwargs):
+        calls.append(ids.shape)
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(module.target, "forward", counting_forward)
+    cached_f, cached_h = module.target_features(batch, use_cache=True)  # fills the cache, reads it back
+    assert calls == [(3, batch["input_ids"].shape[1])] and len(module._features) == 3
+    for i, length in enumerate(lengths):
+        # fp16 storage: relative rounding error <= 2^-11
+        torch.testing.assert_close(cached_f[i, :length], fresh_f[i, :length], rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(cached_h[i, :length], fresh_h[i, :length], rtol=1e-3, atol=1e-6)
+        assert (cached_f[i, length:] == 0).all()
+    assert cached_f.dtype == torch.float32
+
+    calls.clear()
+    again_f, again_h = module.target_features(batch, use_cache=True)  # all hits: no target forward
+    assert calls == [] and torch.equal(again_f, cached_f) and torch.equal(again_h, cached_h)
+    mixed = collate([examples[3], examples[0]], pad_id=0)
+    module.target_features(mixed, use_cache=True)  # only the missing example is computed
+    assert calls == [(1, mixed["input_ids"].shape[1])] and len(module._features) == 4
+
+
+def test_feature_cache_on_disk_round_trips(tmp_path):
+    cache = FeatureCache("abc", tmp_path)
+    f, h = torch.randn(5, 8), torch.randn(5, 4)
+    cache.put(7, f, h)
+    cache.save()
+    assert (tmp_path / "abc.pt").exists()
+    reloaded = FeatureCache("abc", tmp_path)
+    assert 7 in reloaded and torch.equal(reloaded.get(7)[0], f.half()) and torch.equal(reloaded.get(7)[1], h.half())
+    assert 7 not in FeatureCache("other", tmp_path)
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def conversations(n: int, tag: str = "") -> list[dict]:
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}{tag}: what is {i} times {i + 3}?"},
+                {"role": "assistant", "content": f"{i} times {i + 3} is {i * (i + 3)}.{tag} Anything else?"},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.fixture
+def data_files(tmp_path):
+    eval_rows = [
+        {"messages": [{"role": "user", "content": "Say hello."}], "domain": "chat"},
+        {"messages": [{"role": "user", "content": "def add(a, b):"}], "domain": "code"},
+    ]
+    return {
+        "train": write_jsonl(tmp_path / "train.jsonl", conversations(12)),
+        "train_b": write_jsonl(tmp_path / "train_b.jsonl", conversations(12, tag=" (b)")),
+        "eval": write_jsonl(tmp_path / "eval.jsonl", eval_rows),
+    }
+
+
+def datamodule(files, train="train", **kwargs) -> SpecDataModule:
+    args = dict(target="tiny-random", train_sources=[files[train]], eval_sources=[files["eval"]], train_limit=None,
+                max_length=64, batch_size=4, val_fraction=0.2, eval_prompts_per_domain=1)
+    dm = SpecDataModule(**{**args, **kwargs})
+    dm.setup("fit")
+    return dm
+
+
+def test_cache_key_changes_with_layers_target_and_data(data_files, make_random_llama):
+    dm_a, dm_a2 = datamodule(data_files), datamodule(data_files)
+    dm_b, dm_short = datamodule(data_files, train="train_b"), datamodule(data_files, max_length=60)
+    assert dm_a.fingerprint == dm_a2.fingerprint  # deterministic
+    assert len({dm_a.fingerprint, dm_b.fingerprint, dm_short.fingerprint}) == 3
+    t0, t1 = make_random_llama(seed=0), make_random_llama(seed=1)
+    assert t0.fingerprint == make_random_llama(seed=0).fingerprint and t0.fingerprint != t1.fingerprint
+    key = cache_key(t0.fingerprint, [0, 1], dm_a.fingerprint)
+    assert key == cache_key(t0.fingerprint, [0, 1], dm_a2.fingerprint)
+    others = [
+        cache_key(t0.fingerprint, [1], dm_a.fingerprint),
+        cache_key(t0.fingerprint, [1, 0], dm_a.fingerprint),
+        cache_key(t1.fingerprint, [0, 1], dm_a.fingerprint),
+        cache_key(t0.fingerprint, [0, 1], dm_b.fingerprint),
+        cache_key(t0.fingerprint, [0, 1], dm_short.fingerprint),
+    ]
+    assert key not in others and len(set(others)) == len(others)
+
+
+# -------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture
+def trained(tmp_path, data_files):
+    """A few fit steps on tiny-random with a reduced draft vocabulary (which the checkpoint must carry)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
+                        train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
+    drafter = BlockDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100)
+    module = DraftModule(drafter, Objective(KL(), ExpDecay(4.0)), target="tiny-random", lr=1e-2)
+    trainer = quiet_trainer(max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step >= 2
+    # the feature cache holds every training example after one epoch
+    assert module._features is not None and len(module._features) == len(dm.train_dataset)
+    return module.eval(), tmp_path / "ckpt" / "last.ckpt", dm
+
+
+def test_checkpoint_holds_the_drafter_only_and_reloads_exactly(trained, tiny_target):
+    module, path, dm = trained
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    keys = list(ckpt["state_dict"])
+    assert keys and not [k for k in keys if k.startswith("target.")]
+    assert all(k.startswith(("drafter.", "val_loss.")) for k in keys), keys
+    meta = ckpt[CKPT_KEY]
+    assert meta["target"] == "tiny-random" and meta["target_vocab_size"] == 320
+    assert meta["drafter_config"]["draft_vocab_size"] == 100
+    assert bool(module.drafter.vocab_ready) and not torch.equal(module.drafter.vocab_ids, torch.arange(100))
+
+    loaded = load_drafter(path)
+    assert type(loaded) is BlockDrafter and not loaded.training
+    want = module.drafter.state_dict()
+    got = loaded.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+    # the same proposals, greedy and sampled, from the same context
+    prompt = dm.eval_prompts()[0]["prompt_ids"]
+    for drafter in (module.drafter, loaded):
+        assert drafter.target.fingerprint == tiny_target.fingerprint
+    proposals = []
+    for drafter in (module.drafter, loaded):
+        ids = torch.tensor(prompt[:-1])[None]
+        state = drafter.begin(drafter.target(ids, layers=drafter.target_layers, logits=False).features)
+        anchor = torch.tensor(prompt[-1:])
+        greedy = drafter.propose(state, anchor, SamplingConfig())
+        sampled = drafter.propose(state, anchor, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+        proposals.append((greedy.tokens, sampled.tokens, sampled.probs))
+    (g0, s0, q0), (g1, s1, q1) = proposals
+    assert torch.equal(g0, g1) and torch.equal(s0, s1) and torch.equal(q0, q1)
+    assert (q0.sum(-1) - 1).abs().max() < 1e-5 and int((q0[0] > 0).sum()) == 100  # q lives on the draft vocab
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+        a = generate(module.target, prompt, 12, sampling, drafter=module.drafter, seed=3)
+        b = generate(loaded.target, prompt, 12, sampling, drafter=loaded, seed=3)
+        assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+
+    # exported folder round trip, and resuming the module from the checkpoint
+    folder = save_drafter(loaded, path.parent / "export")
+    again = load_drafter(folder, target=tiny_target)
+    assert all(torch.equal(want[k], again.state_dict()[k]) for k in want)
+    resumed = DraftModule.load_from_checkpoint(
+        path, drafter=BlockDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100),
+        objective=Objective(KL(), ExpDecay(4.0)),
+    )
+    assert all(torch.equal(want[k], resumed.drafter.state_dict()[k]) for k in want)
+    assert resumed.target.fingerprint == tiny_target.fingerprint
+
+
+def test_loading_with_another_vocabulary_is_a_clear_error(trained, make_random_llama, tmp_path):
+    _, path, _ = trained
+    other = make_random_llama(vocab_size=96)
+    with pytest.raises(ValueError, match=r"320-token vocabulary.*has 96.*'tiny-random'"):
+        load_drafter(path, target=other)
+    bogus = tmp_path / "bogus.ckpt"
+    torch.save({"state_dict": {}}, bogus)
+    with pytest.raises(ValueError, match="not a lightning_spec checkpoint"):
+        load_drafter(bogus)

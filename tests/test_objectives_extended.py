@@ -1,0 +1,582 @@
+"""Issue 3's objectives: every ℓ, b and a against hand numbers or a float64 brute force written here,
+gradients (gradcheck in float64), normalisers, mixtures, and every experiments/objectives/*.yaml: it parses,
+instantiates, and trains a few steps on the tiny target."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_spec.data.datamodule import collate
+from lightning_spec.drafters import BlockDrafter, DraftOutput
+from lightning_spec.module import DraftModule
+from lightning_spec.objectives import (
+    CE,
+    DPACE,
+    E2E,
+    EAL,
+    EDR,
+    JSD,
+    KL,
+    LK,
+    TV,
+    WTV,
+    AUFSupport,
+    BernoulliKL,
+    E2EWeight,
+    EALWeight,
+    ExpDecay,
+    Geometric,
+    LKAlpha,
+    Mixture,
+    NegProb,
+    Objective,
+    PositionProduct,
+    ReverseKL,
+    TVMinusOne,
+    Uniform,
+    ValidPrefix,
+    WTVWeight,
+)
+from lightning_spec.sampling import SamplingConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+N, A, K, VD = 2, 2, 3, 5
+# anchor (0, 1) has a hole at slot 2 (ends every chain there); anchor (1, 1) has no valid slot
+VALID = [[[True, True, True], [True, False, True]], [[True, True, False], [False, False, False]]]
+
+
+def make_draft(seed: int = 0, dtype=torch.float32, scale: float = 1.5) -> DraftOutput:
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.tensor(VALID)
+    labels = torch.randint(0, VD, (N, A, K), generator=g).masked_fill(~valid, 0)
+    return DraftOutput(
+        logits=(torch.randn(N, A, K, VD, generator=g, dtype=dtype) * scale).requires_grad_(True),
+        labels=labels,
+        valid=valid,
+        anchors=torch.tensor([[3, 7], [1, 5]]),
+        target_logits=torch.randn(N, A, K, VD, generator=g, dtype=dtype) * scale,
+    )
+
+
+def slots():
+    return [(n, a, t) for n in range(N) for a in range(A) for t in range(K)]
+
+
+# ----------------------------------------------------------------------------------- float64 brute force
+
+
+def softmax64(row, temperature=1.0, top_k=0):
+    xs = [float(x) / temperature for x in row]
+    keep = set(sorted(range(len(xs)), key=lambda i: -xs[i])[:top_k]) if top_k else set(range(len(xs)))
+    e = [math.exp(xs[i]) if i in keep else 0.0 for i in range(len(xs))]
+    return [x / sum(e) for x in e]
+
+
+def pq(d, n, a, t, temperature=1.0, top_k=0):
+    p = softmax64(d.target_logits[n, a, t].tolist(), temperature, top_k)
+    q = softmax64(d.logits[n, a, t].tolist(), temperature)
+    return p, q
+
+
+def bf_alpha(d, n, a, t, **kw):
+    p, q = pq(d, n, a, t, **kw)
+    return sum(min(x, y) for x, y in zip(p, q))
+
+
+def bf_kl(p, q):
+    return sum(x * math.log(x / y) for x, y in zip(p, q) if x > 0)
+
+
+def bf_rkl(d, n, a, t, top_k=0, floor=-20.0):
+    p, q = pq(d, n, a, t, top_k=top_k)
+    return sum(y * (math.log(y) - max(math.log(x) if x > 0 else -math.inf, floor)) for x, y in zip(p, q))
+
+
+def bf_jsd(d, n, a, t, beta=0.5):
+    p, q = pq(d, n, a, t)
+    m = [beta * x + (1 - beta) * y for x, y in zip(p, q)]
+    return beta * bf_kl(p, m) + (1 - beta) * bf_kl(q, m)
+
+
+def bf_lk(d, n, a, t, kappa=1.0, scale=1.0):
+    p, q = pq(d, n, a, t)
+    alpha = sum(min(x, y) for x, y in zip(p, q))
+    lam = scale * math.exp(-kappa * alpha)
+    return lam * bf_kl(p, q) + (1 - lam) * (1 - alpha)
+
+
+def bf_bernoulli(d, n, a, t, floor=-10.0, clip=10.0):
+    p, q = pq(d, n, a, t)
+    y = int(d.labels[n, a, t])
+
+    def logs(x):
+        lx = max(math.log(x), floor)
+        l1x = max(math.log(1 - math.exp(lx)), floor) if math.exp(lx) < 1 else floor
+        return lx, l1x
+
+    lp, l1p = logs(p[y])
+    lq, l1q = logs(q[y])
+    loss = math.exp(lp) * (lp - lq) + math.exp(l1p) * (l1p - l1q)
+    return max(-clip, min(clip, loss))
+
+
+def per_slot(fn, d, **kw) -> torch.Tensor:
+    out = torch.zeros(N, A, K, dtype=torch.float64)
+    for n, a, t in slots():
+        out[n, a, t] = fn(d, n, a, t, **kw)
+    return out
+
+
+def chain_products(d, factor) -> torch.Tensor:
+    """Π_{j<t} factor(n, a, j) over valid slots; an invalid slot ends the chain."""
+    out = torch.zeros(N, A, K, dtype=torch.float64)
+    for n in range(N):
+        for a in range(A):
+            prod = 1.0
+            for t in range(K):
+                out[n, a, t] = prod
+                prod *= factor(n, a, t) if VALID[n][a][t] else 0.0
+    return out
+
+
+def close(got, want, tol=1e-5):
+    torch.testing.assert_close(got.detach().double(), want, rtol=tol, atol=tol * 1e-1)
+
+
+# ------------------------------------------------------------------------------------------------ losses
+
+
+def test_reverse_kl():
+    d = make_draft()
+    close(ReverseKL()(d), per_slot(bf_rkl, d))
+    # a top-2 target puts p = 0 where q has mass: finite through the log-floor
+    got = ReverseKL(SamplingConfig(temperature=1.0, top_k=2))(d)
+    close(got, per_slot(bf_rkl, d, top_k=2))
+    got.sum().backward()
+    assert torch.isfinite(d.logits.grad).all()
+
+
+def test_jsd():
+    d = make_draft()
+    close(JSD()(d), per_slot(bf_jsd, d))
+    close(JSD(beta=0.2)(d), per_slot(bf_jsd, d, beta=0.2))
+    assert (JSD()(d) <= math.log(2) + 1e-6).all()
+    with pytest.raises(ValueError, match="beta"):
+        JSD(beta=1.0)
+
+
+def test_lk_lambda():
+    d = make_draft()
+    close(LK()(d), per_slot(bf_lk, d))
+    close(LK(kappa=3.0, scale=0.5)(d), per_slot(bf_lk, d, kappa=3.0, scale=0.5))
+
+
+def test_lk_alpha_and_tv_minus_one():
+    d = make_draft()
+    close(LKAlpha()(d), per_slot(lambda *s: -math.log(bf_alpha(*s)), d))
+    close(TVMinusOne()(d), per_slot(lambda *s: -bf_alpha(*s), d))
+    close(TVMinusOne()(d), TV()(d).double() - 1)
+    close(TVMinusOne(SamplingConfig(temperature=0.5))(d), per_slot(lambda *s: -bf_alpha(*s, temperature=0.5), d))
+
+
+def test_bernoulli_kl_by_hand_and_brute_force():
+    # p = (0.5, 0.5), q = (0.25, 0.75), gold 0: 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75) = 0.1438410362
+    d = DraftOutput(
+        logits=torch.tensor([[[[0.0, math.log(3.0)]]]]),
+        labels=torch.zeros(1, 1, 1, dtype=torch.long),
+        valid=torch.ones(1, 1, 1, dtype=torch.bool),
+        anchors=torch.zeros(1, 1, dtype=torch.long),
+        target_logits=torch.zeros(1, 1, 1, 2),
+    )
+    assert float(BernoulliKL()(d)) == pytest.approx(0.1438410362, rel=1e-6)
+    d = make_draft()
+    close(BernoulliKL()(d), per_slot(bf_bernoulli, d))
+    # extreme logits: the log-probability clamps (≥ -10) and the ±10 clip keep it finite, gradient too
+    x = make_draft(scale=40.0)
+    got = BernoulliKL()(x)
+    close(got, per_slot(bf_bernoulli, x), tol=1e-4)
+    assert got.abs().max() <= 10
+    got.sum().backward()
+    assert torch.isfinite(x.logits.grad).all()
+
+
+def test_neg_prob_gold_and_target_argmax():
+    d = make_draft()
+    q = d.logits.detach().double().softmax(-1)
+    close(NegProb("gold")(d), -q.gather(-1, d.labels[..., None])[..., 0])
+    close(NegProb()(d), -q.gather(-1, d.target_logits.argmax(-1)[..., None])[..., 0])
+    assert NegProb().needs_target and not NegProb("gold").needs_target
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+
+def test_geometric_slot_convention():
+    w = Geometric(0.8)(make_draft())
+    torch.testing.assert_close(w, torch.tensor([1.0, 0.8, 0.64]).expand(N, A, K))  # first prediction: 0.8^0
+    with pytest.raises(ValueError, match="rho"):
+        Geometric(0.0)
+
+
+def one_hot_draft(draft_argmax, gold, target_argmax, valid, probs=None):
+    """A (1, B, K) draft whose argmaxes are given; ``probs`` sets q(gold) exactly (two-token vocabulary)."""
+    b, k = len(draft_argmax), len(draft_argmax[0])
+    v = 2 if probs is not None else 6
+    if probs is not None:
+        p = torch.tensor(probs, dtype=torch.float64)
+        logits = torch.stack([p.log(), (1 - p).log()], -1)[None]  # q(0) = probs
+    else:
+        logits = torch.full((1, b, k, v), -3.0).scatter(-1, torch.tensor(draft_argmax)[None, ..., None], 3.0)
+    return DraftOutput(
+        logits=logits.requires_grad_(True),
+        labels=torch.tensor(gold)[None],
+        valid=torch.tensor(valid)[None],
+        anchors=torch.zeros(1, b, dtype=torch.long),
+        target_logits=torch.full((1, b, k, v), -3.0).scatter(-1, torch.tensor(target_argmax)[None, ..., None], 3.0),
+    )
+
+
+def test_auf_support_by_hand():
+    d = one_hot_draft(
+        draft_argmax=[[1, 2, 3, 4], [1, 3, 3, 4], [5, 2, 3, 4], [1, 2, 3, 4]],
+        gold=[[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 0, 4]],
+        target_argmax=[[0, 0, 0, 0]] * 4,  # irrelevant for AUF
+        valid=[[True] * 4, [True] * 4, [True] * 4, [True, True, False, True]],
+    )
+    w = AUFSupport()(d)
+    want = [
+        [1, 1, 1, 1],  # no failure: every valid slot
+        [1, 1, 0, 0],  # the second slot fails: it counts, the later ones do not
+        [1, 0, 0, 0],  # the first slot fails
+        [1, 1, 0, 0],  # an invalid slot ends the prefix
+    ]
+    torch.testing.assert_close(w, torch.tensor(want, dtype=torch.float32)[None])
+    assert not w.requires_grad and not AUFSupport.needs_target
+
+
+def test_valid_prefix_uses_the_target_argmax():
+    d = one_hot_draft(
+        draft_argmax=[[1, 2, 3], [1, 2, 3]],
+        gold=[[0, 0, 0], [1, 2, 3]],  # gold disagrees: irrelevant for the valid prefix
+        target_argmax=[[1, 2, 3], [1, 5, 3]],
+        valid=[[True] * 3, [True] * 3],
+    )
+    w = ValidPrefix()(d)
+    torch.testing.assert_close(w, torch.tensor([[[1.0, 1, 1], [1, 1, 0]]]))
+    assert not w.requires_grad and ValidPrefix.needs_target
+    torch.testing.assert_close(AUFSupport()(d), torch.tensor([[[1.0, 0, 0], [1, 1, 1]]]))
+
+
+def test_dpace_by_hand():
+    # q(gold) = 0.6, 0.5, 0.4, α = 0.5: q̃ = 0.8, 0.75, 0.7; survival 0.8, 0.6, 0.42; suffix sums 1.82, 1.02, 0.42
+    d = one_hot_draft([[0, 0, 0], [0, 0, 0]], [[0, 0, 0], [0, 0, 0]], [[0, 0, 0]] * 2,
+                      [[True] * 3, [True, False, True]], probs=[[0.6, 0.5, 0.4], [0.6, 0.5, 0.4]])
+    w = DPACE(0.5)(d)
+    torch.testing.assert_close(w[0], torch.tensor([[1.82, 1.02, 0.42], [0.8, 0.0, 0.0]], dtype=torch.float64))
+    assert not w.requires_grad
+    torch.testing.assert_close(DPACE(1.0)(d)[0, 0], torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64))
+
+
+def test_cumulative_weights_match_brute_force_products():
+    d = make_draft()
+    close(E2EWeight()(d), chain_products(d, lambda *s: bf_alpha(d, *s)))
+    close(WTVWeight(0.7)(d), chain_products(d, lambda *s: bf_alpha(d, *s, temperature=0.7)))
+    q = d.logits.detach().double().softmax(-1)
+    y = d.target_logits.argmax(-1)
+    close(EALWeight()(d), chain_products(d, lambda n, a, t: float(q[n, a, t, y[n, a, t]])))
+    assert E2EWeight()(d).requires_grad and EALWeight()(d).requires_grad  # no stop-gradient
+
+
+def test_position_product():
+    d = make_draft()
+    got = PositionProduct([ExpDecay(2.0), Geometric(0.5)])(d)
+    want = torch.tensor([math.exp(-t / 2) * 0.5**t for t in range(K)])
+    torch.testing.assert_close(got, want.expand(N, A, K))
+    assert PositionProduct([Uniform(), ValidPrefix()]).needs_target
+
+
+# ------------------------------------------------------------------------------- ready-made objectives
+
+
+def expected_length_objective(d, factor):
+    """-Σ_blocks Σ_k Π_{j≤k} factor_j, over the anchors with a valid slot (normalize="anchors")."""
+    total, anchors = 0.0, 0
+    for n in range(N):
+        for a in range(A):
+            if not any(VALID[n][a]):
+                continue
+            anchors += 1
+            prod = 1.0
+            for t in range(K):
+                if not VALID[n][a][t]:
+                    break
+                prod *= factor(n, a, t)
+                total -= prod
+    return total / anchors
+
+
+def test_e2e_wtv_eal_are_minus_expected_accepted_length():
+    d = make_draft()
+    assert float(E2E()(d).value) == pytest.approx(expected_length_objective(d, lambda *s: bf_alpha(d, *s)), rel=1e-5)
+    assert float(WTV(0.5)(d).value) == pytest.approx(
+        expected_length_objective(d, lambda *s: bf_alpha(d, *s, temperature=0.5)), rel=1e-5
+    )
+    q = d.logits.detach().double().softmax(-1)
+    y = d.target_logits.argmax(-1)
+    assert float(EAL()(d).value) == pytest.approx(
+        expected_length_objective(d, lambda n, a, t: float(q[n, a, t, y[n, a, t]])), rel=1e-5
+    )
+    assert E2E().needs_target and WTV().needs_target and EAL().needs_target and not EAL("gold").needs_target
+
+
+# ------------------------------------------------------------------------------------------- gradients
+
+
+def num_of(objective):
+    base = make_draft(seed=3, dtype=torch.float64)
+
+    def f(logits):
+        d = DraftOutput(logits=logits, labels=base.labels, valid=base.valid, anchors=base.anchors,
+                        target_logits=base.target_logits)
+        return objective(d).num
+
+    return f, base.logits.detach().clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize(
+    "name", ["e2e", "e2e_topk", "eal", "wtv", "lk_constant_lambda", "lk_alpha", "jsd", "reverse_kl"]
+)
+def test_gradcheck_float64(name):
+    objective = {
+        "e2e": E2E(),
+        "e2e_topk": E2E(SamplingConfig(temperature=0.8, top_k=3)),
+        "eal": EAL(),
+        "wtv": WTV(0.7),
+        "lk_constant_lambda": Objective(LK(kappa=0.0, scale=0.3)),  # λ constant: the numeric gradient agrees
+        "lk_alpha": Objective(LKAlpha()),
+        "jsd": Objective(JSD()),
+        "reverse_kl": Objective(ReverseKL()),
+    }[name]
+    f, x = num_of(objective)
+    assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_lk_gradient_treats_lambda_as_a_constant():
+    """LK's λ = exp(-κ sg(α)) is detached: its gradient is that of λ0·KL + (1 - λ0)·TV with λ0 frozen at the
+    current point (finite differences of LK itself would also move λ, so gradcheck it through the frozen form)."""
+    kappa = 3.0
+    f, x = num_of(Objective(LK(kappa=kappa)))
+    base = make_draft(seed=3, dtype=torch.float64)
+    with torch.no_grad():  # LK, KL and TV all default to temperature 1; α = Σ min(p, q) as LK computes it
+        p = SamplingConfig(temperature=1.0).probs(base.target_logits)
+        lam0 = torch.exp(-kappa * torch.minimum(p, x.softmax(-1)).sum(-1))
+
+    def frozen(logits):
+        d = DraftOutput(logits, base.labels, base.valid, base.anchors, target_logits=base.target_logits)
+        ell = lam0 * KL()(d) + (1 - lam0) * TV()(d)
+        return (ell * base.valid).sum()
+
+    (g_lk,) = torch.autograd.grad(f(x), x)
+    (g_frozen,) = torch.autograd.grad(frozen(x), x)
+    torch.testing.assert_close(g_lk, g_frozen, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(frozen, (x,), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_mask_weights_carry_no_gradient():
+    """AUF, valid-prefix and D-PACE weights are constants: the objective's gradient is CE's gradient times
+    the (detached) weights."""
+    for weight in (AUFSupport(), ValidPrefix(), DPACE()):
+        d = make_draft(seed=1)
+        w = weight(d)
+        assert not w.requires_grad
+        (g,) = torch.autograd.grad(Objective(CE(), weight)(d).num, d.logits)
+        d2 = make_draft(seed=1)
+        (want,) = torch.autograd.grad((CE()(d2) * w * d2.valid).sum(), d2.logits)
+        torch.testing.assert_close(g, want)
+
+
+# ------------------------------------------------------------------------------------- normalisers, OR
+
+
+def test_normalisers_by_hand():
+    """The four Z on VALID: Σ a·b, anchors with a valid slot, valid slots, sequences with a valid slot."""
+    d = make_draft()
+    e = math.exp
+    weight = (1 + e(-1) + e(-2)) + (1 + e(-2)) + (1 + e(-1))  # ExpDecay(1): valid slots of (0,0), (0,1), (1,0)
+    assert float(Objective(CE(), ExpDecay(1.0), normalize="weight")(d).den) == pytest.approx(weight)
+    assert float(Objective(CE(), ExpDecay(1.0), normalize="anchors")(d).den) == 3
+    assert float(Objective(CE(), ExpDecay(1.0), normalize="slots")(d).den) == 7
+    assert float(Objective(CE(), ExpDecay(1.0), normalize="sequences")(d).den) == 2
+    # the numerator never depends on Z
+    nums = {float(Objective(CE(), ExpDecay(1.0), normalize=z)(d).num.detach()) for z in ("weight", "anchors", "slots")}
+    assert len(nums) == 1
+    with pytest.raises(ValueError, match="normalize"):
+        Objective(normalize="tokens")
+
+
+def test_needs_target_is_the_or_over_parts():
+    assert not Objective(CE(), AUFSupport()).needs_target
+    assert Objective(CE(), ValidPrefix()).needs_target
+    assert Objective(CE(), E2EWeight()).needs_target
+    assert Objective(KL()).needs_target
+    assert not Objective(CE(), EALWeight("gold")).needs_target
+    assert Mixture([Objective(CE()), Objective(TV())], [1.0, 1.0]).needs_target
+    assert not Mixture([Objective(CE()), Objective(CE(), Geometric())], [1.0, 1.0]).needs_target
+
+
+# --------------------------------------------------------------------------------------------- mixtures
+
+
+def test_mixture_with_a_common_normaliser_is_exact():
+    d = make_draft()
+    ce, tv = Objective(CE(), ExpDecay(4.0)), Objective(TV(), ExpDecay(4.0))
+    mix = Mixture([ce, tv], [0.1, 1.8])(d)
+    a, b = ce(d), tv(d)
+    assert float(mix.den) == float(a.den) == float(b.den)
+    assert float(mix.num.detach()) == pytest.approx(0.1 * float(a.num.detach()) + 1.8 * float(b.num.detach()), rel=1e-6)
+    assert float(mix.value) == pytest.approx(0.1 * float(a.value) + 1.8 * float(b.value), rel=1e-6)
+    assert set(mix.metrics) == {"mixture/0", "mixture/1"}
+
+
+def test_mixture_with_different_normalisers_is_the_weighted_sum_of_values():
+    d = make_draft()
+    a, b = Objective(CE(), normalize="slots"), E2E()
+    mix = Mixture([a, b], [0.5, 2.0])(d)
+    ta, tb = a(d), b(d)
+    assert float(mix.den) == float(ta.den)
+    assert float(mix.value) == pytest.approx(0.5 * float(ta.value) + 2.0 * float(tb.value), rel=1e-6)
+    (g,) = torch.autograd.grad(mix.num, d.logits)
+    d2 = make_draft()
+    want = 0.5 * a(d2).num + 2.0 * float(ta.den / tb.den) * b(d2).num
+    (g2,) = torch.autograd.grad(want, d2.logits)
+    torch.testing.assert_close(g, g2)
+    with pytest.raises(ValueError, match="same length"):
+        Mixture([a, b], [1.0])
+
+
+def test_mixture_lets_one_component_choose_anchors():
+    class Chooser(Objective):
+        def select_anchors(self, batch, draft_fn, target):
+            return torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), {}
+
+    assert Mixture([Chooser(), Objective()], [1.0, 1.0]).select_anchors({}, None, None) is not None
+    assert Mixture([Objective(), Objective()], [1.0, 1.0]).select_anchors({}, None, None) is None
+    with pytest.raises(ValueError, match="At most one"):
+        Mixture([Chooser(), Chooser()], [1.0, 1.0]).select_anchors({}, None, None)
+
+
+# ------------------------------------------------------------------------- every objective YAML, end to end
+
+OBJECTIVE_YAMLS = sorted((ROOT / "experiments" / "objectives").glob("*.yaml"))
+REQUIRED = {
+    "ce_uniform", "ce_decay", "kl_decay", "rkl_decay", "tv_decay", "jsd_decay", "lk_lambda", "lk_alpha", "auf",
+    "valid_prefix", "dpace", "e2e", "eal", "wtv", "edr", "dspark_mix",
+}
+
+
+def test_every_required_objective_has_a_yaml():
+    assert REQUIRED <= {p.stem for p in OBJECTIVE_YAMLS}
+
+
+def test_objective_yamls_change_only_the_objective():
+    quick = yaml.safe_load((ROOT / "experiments" / "quickstart.yaml").read_text())
+    del quick["model"]["objective"]
+    for path in OBJECTIVE_YAMLS:
+        cfg = yaml.safe_load(path.read_text())
+        assert cfg["model"].pop("objective")
+        assert cfg == quick, path.name
+
+
+@pytest.mark.parametrize("path", OBJECTIVE_YAMLS, ids=[p.stem for p in OBJECTIVE_YAMLS])
+def test_objective_yaml_prints_config(path, tmp_path, monkeypatch, capsys):
+    import transformers
+
+    import lightning_spec.module
+    from lightning_spec.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("--print_config must not load a model")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    monkeypatch.setattr(lightning_spec.module, "load_target", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    try:
+        main(["fit", "-c", str(path), "--print_config"])
+        code = 0
+    except SystemExit as exit_:
+        code = int(exit_.code or 0)
+    assert code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    source = yaml.safe_load(path.read_text())
+    assert printed["model"]["objective"]["class_path"] == source["model"]["objective"]["class_path"]
+
+
+def instantiate_objective(path: Path) -> Objective:
+    """model.objective of a YAML, built the way the CLI builds it (jsonargparse, typed by DraftModule)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--objective", type=Objective)
+    cfg = parser.parse_object({"objective": yaml.safe_load(path.read_text())["model"]["objective"]})
+    return parser.instantiate_classes(cfg).objective
+
+
+def tiny_batch(seed: int = 0) -> dict:
+    """Byte-token 'conversations': a prompt, an answer ending in <|im_end|> (id 257), a second answer."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for i in range(3):
+        length = 26 + 4 * i
+        ids = torch.randint(0, 256, (length,), generator=g)
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[4 + i : 14] = True
+        ids[13] = 257
+        mask[17:] = True
+        examples.append({"input_ids": ids, "loss_mask": mask, "domain_id": 0, "index": i})
+    batch = collate(examples, pad_id=0)
+    del batch["index"]
+    return batch
+
+
+@pytest.mark.parametrize("path", OBJECTIVE_YAMLS, ids=[p.stem for p in OBJECTIVE_YAMLS])
+def test_objective_yaml_trains_on_the_tiny_target(path, tiny_target):
+    objective = instantiate_objective(path)
+    torch.manual_seed(0)
+    module = DraftModule(BlockDrafter(block_size=4, num_layers=1, num_anchors=8), objective, target=tiny_target)
+    opt = torch.optim.SGD(module.drafter.parameters(), lr=1e-2)
+    batch = tiny_batch()
+    for _ in range(3):
+        opt.zero_grad()
+        _, terms = module.draft_step(batch, use_cache=False)
+        assert torch.isfinite(terms.value) and float(terms.den) > 0
+        (terms.num / terms.den).backward()
+        grads = [p.grad for p in module.drafter.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads)
+        assert sum(float(g.abs().sum()) for g in grads) > 0
+        opt.step()
+    if isinstance(objective, EDR):
+        assert {"edr_expected_rounds", "edr_mal"} <= set(terms.metrics)
+        rounds = float(terms.metrics["edr_expected_rounds"])
+        assert 1 <= rounds <= 17  # between 1 and the longest answer's length
+
+
+def test_edr_metrics_reach_the_logger(tiny_target):
+    """The module hook end to end under a Trainer: EDR chooses the anchors, train/edr_* are logged."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    module = DraftModule(BlockDrafter(block_size=4, num_layers=1, num_anchors=8), EDR(max_anchors=6),
+                         target=tiny_target)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, max_steps=2, log_every_n_steps=1)
+    trainer.fit(module, train_dataloaders=DataLoader([tiny_batch(0), tiny_batch(1)], batch_size=None))
+    metrics = trainer.callback_metrics
+    assert {"train/loss", "train/edr_expected_rounds", "train/edr_mal"} <= set(metrics)
+    assert float(metrics["train/edr_mal"]) >= 1
