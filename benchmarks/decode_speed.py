@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/decode_speed.py                      # untrained BlockDrafter (K=8), 8 prompts
     .venv/bin/python benchmarks/decode_speed.py --drafter runs/x.ckpt --threads 1
     .venv/bin/python benchmarks/decode_speed.py --breakdown          # + the 1-token vs (K+1)-token cost split
+    .venv/bin/python benchmarks/decode_speed.py --no-peers           # without the transformers peers
 
 Prints, on the same prompts and in the same process:
   * tokens/s of plain decoding (``generate(..., drafter=None)``) and of speculative decoding, their ratio, MAL;
@@ -10,7 +11,12 @@ Prints, on the same prompts and in the same process:
     the cache cropped back after every run), and the drafter's time per proposal;
   * engine efficiency = measured speculative tokens/s / (MAL / (draft + verify)): what the decoding loop
     (prefill, acceptance, cache bookkeeping, Python) loses outside the two forwards;
-  * with ``--breakdown``: linear layers, LM head, attention and mask build for 1 vs K+1 query tokens.
+  * with ``--breakdown``: linear layers, LM head, attention and mask build for 1 vs K+1 query tokens;
+  * the peers a user would try instead (``--peers``, on by default), interleaved prompt by prompt with the
+    runs above: transformers' ``model.generate`` on the same target model, greedy with ``use_cache``: plain,
+    prompt-lookup decoding (``prompt_lookup_num_tokens``) and assisted generation (``assistant_model``: the
+    target's first ``--assistant-layers`` decoder layers with its embeddings, final norm and LM head, no
+    training); tokens/s and ratios to transformers' plain decoding and to lightning_spec's plain decoding.
 
 Without ``--drafter`` the drafter is an UNTRAINED ``BlockDrafter(block_size=8, num_layers=1,
 draft_vocab_size=4096)`` whose draft vocabulary comes from arbitrary counts (the prompts' own tokens): its MAL
@@ -171,6 +177,55 @@ def breakdown(target, ctx: torch.Tensor, q_lens: list[int], repeats: int) -> lis
     return rows + [("rest (norms, RoPE, cache, Python)", rest)]
 
 
+# ------------------------------------------------------------------------------ transformers' own decoders
+def first_layers_assistant(target, num_layers: int):
+    """A draft model cut from the target: its first ``num_layers`` decoder layers plus its embeddings, final
+    norm and LM head (the target's weights, untrained), for transformers' assisted generation."""
+    import copy
+
+    cfg = copy.deepcopy(target.model.config)
+    if not 0 < num_layers < cfg.num_hidden_layers:
+        raise ValueError(f"--assistant-layers must be in 1..{cfg.num_hidden_layers - 1}, got {num_layers}.")
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    model = type(target.model)(cfg).to(target.device)
+    missing, _ = model.load_state_dict(target.model.state_dict(), strict=False)  # layers >= n are dropped
+    if set(missing) - {"lm_head.weight"}:  # lm_head.weight is absent from the state dict when tied
+        raise RuntimeError(f"the assistant lacks target weights for {missing}")
+    model.generation_config = copy.deepcopy(target.model.generation_config)
+    return model.eval().requires_grad_(False)
+
+
+def hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[list[int], float]:
+    """transformers' greedy ``generate`` with the KV cache: (new tokens, EOS included if generated; seconds)."""
+    x = torch.tensor([ids], device=model.device)
+    start = time.perf_counter()
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                         do_sample=False, use_cache=True, **kwargs)
+    return out[0, len(ids) :].tolist(), time.perf_counter() - start
+
+
+def hf_peers(target, args) -> dict[str, Callable[[list[int]], tuple[list[int], float]]]:
+    """name -> run(prompt ids) for transformers' plain, prompt-lookup and assisted decoding of the target."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # generation-flag notices, once per call
+    model = target.model
+    eos = target.eos_token_ids
+    common = {"eos_token_id": eos, "pad_token_id": eos[0] if eos else 0}
+    assistant = first_layers_assistant(target, args.assistant_layers)
+    return {
+        "transformers generate (plain)": lambda ids: hf_generate(model, ids, args.max_new_tokens, **common),
+        f"transformers prompt lookup (n={args.lookup_tokens})": lambda ids: hf_generate(
+            model, ids, args.max_new_tokens, prompt_lookup_num_tokens=args.lookup_tokens, **common
+        ),
+        f"transformers assisted ({args.assistant_layers}-layer cut)": lambda ids: hf_generate(
+            model, ids, args.max_new_tokens, assistant_model=assistant, **common
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", help="a fit checkpoint (.ckpt) or exported folder; default: untrained")
@@ -183,6 +238,10 @@ def main() -> None:
     parser.add_argument("--cache-len", type=int, default=200, help="warm-cache length for the forward timings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--breakdown", action="store_true", help="also split 1 vs K+1 token forwards by part")
+    parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time transformers' generate: plain, prompt lookup, assisted")
+    parser.add_argument("--assistant-layers", type=int, default=2, help="decoder layers of the assisted peer")
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of that peer")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -203,6 +262,12 @@ def main() -> None:
     # warm-up: both paths, every kernel shape the loop uses
     for d in (None, drafter):
         generate(target, prompts[0], 8, greedy, drafter=d)
+    peers = hf_peers(target, args) if args.peers else {}
+    for run in peers.values():
+        run(prompts[0][:16])
+    peer_tokens = {name: 0 for name in peers}
+    peer_s = {name: 0.0 for name in peers}
+    peer_same = {name: 0 for name in peers}
 
     ctx = context_ids(prompts, args.cache_len)
     timings = forward_timings(target, drafter, ctx)
@@ -222,6 +287,11 @@ def main() -> None:
         start = time.perf_counter()
         target(torch.tensor([ids[:-1]]), layers=list(drafter.target_layers), cache=target.new_cache(), logits=False)
         prefill_s += time.perf_counter() - start
+        for name, run in peers.items():
+            tokens, seconds = run(ids)
+            peer_tokens[name] += len(tokens)
+            peer_s[name] += seconds
+            peer_same[name] += tokens == plain.tokens
         timings.run(per_prompt)
     t = timings.medians_ms()
     repeats = len(timings.samples["draft"])
@@ -246,6 +316,19 @@ def main() -> None:
         f"  speculative / plain tokens/s = {spec_tps / plain_tps:.2f}x   "
         f"greedy outputs identical on {same}/{len(prompts)} prompts"
     )
+    if peers:
+        rows = [(name, peer_tokens[name], peer_s[name], peer_same[name]) for name in peers]
+        rows += [("lightning_spec plain", plain_tokens, plain_s, len(prompts)),
+                 (f"lightning_spec speculative (K={k})", spec_tokens, spec_s, same)]
+        hf_tps = peer_tokens[next(iter(peers))] / max(peer_s[next(iter(peers))], 1e-9)
+        print("\n  side by side, same prompts, interleaved prompt by prompt (greedy, KV cache)")
+        print(f"  {'':<40}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'/ HF plain':>12}{'/ ls plain':>12}"
+              f"{'same tokens':>13}")
+        for name, tokens, seconds, equal in rows:
+            tps = tokens / max(seconds, 1e-9)
+            print(f"  {name:<40}{tokens:>8}{seconds:>9.2f}{tps:>10.2f}{tps / hf_tps:>11.2f}x{tps / plain_tps:>11.2f}x"
+                  f"{f'{equal}/{len(prompts)}':>13}")
+        print("  same tokens = output identical to lightning_spec plain decoding")
     print(f"\n  forward times, warm cache of {ctx.shape[1]} tokens, median of {repeats} (ms)")
     print(f"  {'target, 1 query token':<38}{t['target_1']:>8.1f}")
     print(

@@ -1,11 +1,12 @@
 """lightning_spec: train and compare draft models for speculative decoding with PyTorch Lightning.
 
-The public API (DESIGN.md): ``SamplingConfig``, ``load_target``, ``load_drafter``, ``generate``.
+The public API (DESIGN.md): ``SamplingConfig``, ``load_target``, ``load_drafter``, ``generate``, ``offline_rounds``.
 """
 
 from lightning_spec.checkpoint import load_drafter
 from lightning_spec.decoding.engine import generate
+from lightning_spec.evaluation.offline import offline_rounds
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.target import load_target
 
-__all__ = ["SamplingConfig", "generate", "load_drafter", "load_target"]
+__all__ = ["SamplingConfig", "generate", "load_drafter", "load_target", "offline_rounds"]

@@ -1,5 +1,7 @@
 """``lightning-spec fit|validate|test -c experiments/X.yaml`` (also installed as ``lightning``).
 
+Other subcommands (``rollouts``, ``evaluate``, …) are registered in ``EXTRA_COMMANDS`` below.
+
 A thin LightningCLI: the YAML schema is the typed ``__init__`` of ``DraftModule``, ``SpecDataModule`` and the
 parts they take. Defaults a user meets: MLflow tracking in ``sqlite:///mlflow.db`` of the working folder, the
 rich progress bar, and a checkpoint (drafter only) with ``last.ckpt``.
@@ -7,6 +9,7 @@ rich progress bar, and a checkpoint (drafter only) with ``last.ckpt``.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from typing import Any
@@ -47,7 +50,8 @@ class SpecCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
         # Checked here, before Lightning sets up the data (which would fail first with a less useful message).
-        block, max_length = getattr(self.model.drafter, "block_size", None), getattr(self.datamodule, "max_length", None)
+        block = getattr(self.model.drafter, "block_size", None)
+        max_length = getattr(self.datamodule, "max_length", None)
         if block is not None and max_length is not None and block + 2 > max_length:
             raise ValueError(
                 f"model.drafter.block_size={block} needs data.max_length >= block_size + 2 (got {max_length}); "
@@ -66,11 +70,23 @@ class SpecCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
+# Subcommands that are not Lightning trainer runs: name -> "module:function", imported only when used.
+# Each function takes the remaining argv (list[str]) and parses it itself (jsonargparse, like LightningCLI).
+EXTRA_COMMANDS: dict[str, str] = {}
+EXTRA_COMMANDS["rollouts"] = "lightning_spec.data.rollouts:cli_main"
+EXTRA_COMMANDS["evaluate"] = "lightning_spec.evaluation.cli:main"
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    argv = list(sys.argv[1:] if args is None else args)
     try:
-        run_cli(args)
+        if argv and argv[0] in EXTRA_COMMANDS:
+            module, _, func = EXTRA_COMMANDS[argv[0]].partition(":")
+            getattr(importlib.import_module(module), func)(argv[1:])
+        else:
+            run_cli(args)
     except ValueError as err:
         # Errors a user can cause are ValueErrors raised by our own code with one sentence naming the field:
         # print that sentence, not a stack trace. Anything raised deeper (torch, transformers) keeps its trace.

@@ -12,6 +12,7 @@ Checkpoints hold the drafter only: the frozen target's weights are stripped on s
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal
 
 import lightning as L
@@ -25,6 +26,9 @@ from lightning_spec.feature_cache import FeatureCache, cache_key
 from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.target import load_target
+
+# The frozen target stays in eval mode on purpose (see Target.train); Lightning warns about every such module.
+warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
 
 
 class DraftModule(L.LightningModule):
@@ -65,15 +69,15 @@ class DraftModule(L.LightningModule):
             raise ValueError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
         self.target = load_target(target, dtype=target_dtype) if isinstance(target, str) else load_target(target)
         self.target_spec = target if isinstance(target, str) else self.target.name
+        drafter, objective = build(drafter), build(objective)  # dicts when reloaded from hparams
         self.drafter = drafter
         self.drafter.bind(self.target)
         self.objective = objective if objective is not None else Objective()
         # Record what was trained, so MLflow can compare runs by block size, loss, gamma... (the objects
         # themselves are not hyperparameters: the drafter is a module, the objective a tree of parts).
-        if "drafter" not in self.hparams:
-            self.hparams["drafter"] = describe(self.drafter)
-        if "objective" not in self.hparams:
-            self.hparams["objective"] = describe(self.objective)
+        self.save_hyperparameters(
+            {**self.hparams, "drafter": describe(self.drafter), "objective": describe(self.objective)}
+        )
         self.val_loss = RatioOfSums()
         self._den_accum = torch.zeros((), dtype=torch.float64)
         self._features: FeatureCache | None = None
@@ -83,6 +87,14 @@ class DraftModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is None:
             return
+        for meta in getattr(dm, "rollout_meta", None) or []:  # target-regenerated SFT: the same weights only
+            if meta.get("target_fingerprint") != self.target.fingerprint:
+                raise ValueError(
+                    f"data.train_sources '{meta['folder']}' holds rollouts of target '{meta.get('target')}' with "
+                    f"weight fingerprint {meta.get('target_fingerprint')}, but model.target has fingerprint "
+                    f"{self.target.fingerprint}; regenerate them with `lightning-spec rollouts --target "
+                    f"{self.target_spec} ...`."
+                )
         max_length = getattr(dm, "max_length", None)
         if max_length is not None and self.drafter.block_size + 2 > max_length:
             raise ValueError(
@@ -129,7 +141,7 @@ class DraftModule(L.LightningModule):
             max=last_hidden.shape[1] - 1
         )  # (N, A, K): n + t - 1 for t = 1..K
         h = last_hidden.gather(1, pos.reshape(n, -1, 1).expand(-1, -1, last_hidden.shape[-1]))  # (N, A*K, H)
-        return self.drafter.draft_logits(h.to(self.drafter.fc.weight.dtype)).view(n, a, k, -1)  # (N, A, K, Vd)
+        return self.drafter.draft_logits(h.to(next(self.drafter.parameters()).dtype)).view(n, a, k, -1)  # (N, A, K, Vd)
 
     def target_info(self, last_hidden: Tensor) -> TargetInfo:
         """What an objective that picks its own anchors may read from the target (EDR: p_t at every position)."""
@@ -245,6 +257,19 @@ class DraftModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         own = self.state_dict()
         checkpoint["state_dict"].update({k: v for k, v in own.items() if k.startswith("target.")})
+
+
+def build(spec: Any) -> Any:
+    """The inverse of ``describe``: instantiate nested ``{class_path, init_args}`` dicts (checkpoint reloads)."""
+    if isinstance(spec, list):
+        return [build(x) for x in spec]
+    if isinstance(spec, dict) and "class_path" in spec:
+        import importlib
+
+        module, _, name = spec["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(**{k: build(v) for k, v in spec.get("init_args", {}).items()})
+    return spec
 
 
 def describe(obj: Any) -> Any:

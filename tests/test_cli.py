@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from lightning_spec import load_drafter
-from lightning_spec.cli import main, run_cli as cli_raising
+from lightning_spec.cli import main
+from lightning_spec.cli import run_cli as cli_raising
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))

@@ -1,5 +1,6 @@
-"""Lightning callbacks: decoding-based validation (and, later, domain re-weighting)."""
+"""Lightning callbacks: decoding-based validation, offline evaluation (and, later, domain re-weighting)."""
 
+from lightning_spec.callbacks.offline_validation import OfflineEvaluation
 from lightning_spec.callbacks.spec_validation import SpecDecodeValidation
 
-__all__ = ["SpecDecodeValidation"]
+__all__ = ["OfflineEvaluation", "SpecDecodeValidation"]

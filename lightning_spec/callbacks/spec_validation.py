@@ -10,6 +10,7 @@ decoding of the same prompts, measured in the same call. Extra sampling configs 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import lightning as L
@@ -74,6 +75,7 @@ class SpecDecodeValidation(Callback):
 
     def evaluate(self, trainer: L.Trainer, module: L.LightningModule, plain: bool = True) -> dict[str, float]:
         """Decode the held-out prompts; ``plain`` also decodes them without the drafter for the speedup."""
+        start = time.perf_counter()
         prompts = self._prompts(trainer)
         domains = sorted({p["domain"] for p in prompts})
         mine = prompts[trainer.global_rank :: trainer.world_size]
@@ -89,6 +91,7 @@ class SpecDecodeValidation(Callback):
                 metrics.update(self._reduce(trainer, module, report, domains, self.prefix(i, sampling)))
         finally:
             module.drafter.train(was_training)
+        self._seconds = time.perf_counter() - start
         return metrics
 
     def _reduce(self, trainer, module, report: DecodeReport, domains: list[str], prefix: str) -> dict[str, float]:
@@ -129,7 +132,8 @@ class SpecDecodeValidation(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
             head = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.count("/") == 1 and "mal" in k)
-            print(f"[spec-validation] step {step}: {head}", file=sys.stderr)
+            took = getattr(self, "_seconds", 0.0)
+            print(f"[spec-validation] step {step}: {head} ({took:.0f} s of decoding)", file=sys.stderr)
 
     # --------------------------------------------------------------------------------------------- hooks
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from lightning_spec.data.chat import prompt_ids, tokenize_conversation
+from lightning_spec.data.rollouts import is_rollouts_folder, load_rollouts
 from lightning_spec.data.sources import Source, as_source, held_out_keys, load_source, normalize_text
 
 
@@ -84,7 +85,9 @@ class SpecDataModule(L.LightningDataModule):
             ``model.target`` to this field.
         train_sources: training conversation sources: packaged names (``sharegpt``), local
             ``.jsonl``/``.json``/``.parquet`` files or folders, hub ids, or ``Source`` entries
-            (``{name, domain, limit, split}``).
+            (``{name, domain, limit, split}``). A rollouts folder (``lightning-spec rollouts``) trains on the
+            target's own responses (prompt + response, loss on the response, EOS included); it must have been
+            drawn from this target.
         train_limit: conversations read per training source (the first usable ones, in file order) unless the
             source sets its own ``limit``; null = all.
         max_length: tokens per training example; longer conversations are truncated.
@@ -135,6 +138,7 @@ class SpecDataModule(L.LightningDataModule):
         self._domains: list[str] | None = None
         self._fingerprint: str | None = None
         self._domain_weights: dict[str, float] | None = None
+        self._rollout_meta: list[dict] | None = None
 
     def _check_args(self) -> None:
         if self.max_length < 2:
@@ -188,12 +192,77 @@ class SpecDataModule(L.LightningDataModule):
             self._eval_rows = rows
         return self._eval_rows
 
+    @property
+    def rollout_meta(self) -> list[dict]:
+        """``rollouts.json`` of each rollouts folder among the train sources (plus ``folder``), checked against
+        ``data.target``; ``DraftModule.setup`` checks their weight fingerprints against the loaded target."""
+        return [dict(m) for m in self._check_rollouts()]
+
+    def _check_rollouts(self) -> list[dict]:
+        if self._rollout_meta is None:
+            metas = []
+            for i, source in enumerate(self.train_sources):
+                if not is_rollouts_folder(source.name):
+                    continue
+                _, meta = load_rollouts(source.name)
+                if meta.get("target") != self.target:
+                    raise ValueError(
+                        f"data.train_sources[{i}] ('{source.name}') holds rollouts drawn from target "
+                        f"'{meta.get('target')}', but data.target (model.target) is '{self.target}'; regenerate them "
+                        f"with `lightning-spec rollouts --target {self.target} ...` or train against "
+                        f"'{meta.get('target')}'."
+                    )
+                size = meta.get("tokenizer_size")
+                if size is not None and size != len(self.tokenizer):
+                    raise ValueError(
+                        f"data.train_sources[{i}] ('{source.name}') was tokenized with a {size}-token vocabulary but "
+                        f"this run's tokenizer has {len(self.tokenizer)}; regenerate the rollouts with this target."
+                    )
+                metas.append({**meta, "folder": source.name})
+            self._rollout_meta = metas
+        return self._rollout_meta
+
+    def _rollout_rows(self, i: int, source: Source, held_out_prompts: set[tuple[int, ...]]) -> list[dict]:
+        """Target-regenerated SFT rows (METHODS.md §4.1): prompt + response, loss mask on the response."""
+        dataset, _ = load_rollouts(source.name)
+        limit = source.limit if source.limit is not None else self.train_limit
+        rows = []
+        for r in dataset:
+            if limit is not None and len(rows) >= limit:
+                break
+            if tuple(r["prompt_ids"]) in held_out_prompts or not r["response_ids"]:
+                continue
+            ids = list(r["prompt_ids"]) + list(r["response_ids"])
+            mask = [0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"])
+            rows.append(
+                {
+                    "id": f"{r['prompt_id']}#{r['sample']}",
+                    "domain": source.domain or r["domain"],
+                    # the samples of one prompt stay on one side of the train/val split
+                    "_enc": {"input_ids": ids[: self.max_length], "loss_mask": mask[: self.max_length]},
+                    "_key": f"rollout-prompt:{r['prompt_id']}",
+                }
+            )
+        if not rows:
+            raise ValueError(
+                f"data.train_sources[{i}] ('{source.name}') gave no usable rollouts; it is empty, or its prompts "
+                "are all data.eval_sources prompts (which never train): roll out other prompts."
+            )
+        return rows
+
     def _load_train(self) -> list[dict]:
         held_out: set[str] = set()
         for row in self._load_eval():
             held_out |= held_out_keys(row["messages"])
+        held_out_prompts: set[tuple[int, ...]] | None = None
+        self._check_rollouts()  # every rollouts folder was drawn from this target, before any data is read
         rows: list[dict] = []
         for i, source in enumerate(self.train_sources):
+            if is_rollouts_folder(source.name):
+                if held_out_prompts is None:  # a rollout is held out when its prompt is an eval prompt, token for token
+                    held_out_prompts = {tuple(prompt_ids(self.tokenizer, _opening(r))) for r in self._load_eval()}
+                rows.extend(self._rollout_rows(i, source, held_out_prompts))
+                continue
             dataset = load_source(source, limit=self.train_limit, seed=self.seed)
             kept = [r for r in dataset.to_list() if not (held_out_keys(r["messages"]) & held_out)]
             if not kept:
@@ -212,9 +281,12 @@ class SpecDataModule(L.LightningDataModule):
         rows = self._load_train()
         examples = []
         for row in rows:
-            enc = tokenize_conversation(tok, row["messages"], self.max_length)
+            if "_enc" in row:  # a rollout: already tokenized
+                enc, key = row["_enc"], row["_key"]
+            else:
+                enc, key = tokenize_conversation(tok, row["messages"], self.max_length), _first_user(row)
             if any(enc["loss_mask"]):  # the assistant must speak within max_length, or there is nothing to learn
-                examples.append({**enc, "id": row["id"], "domain": row["domain"], "_key": _first_user(row)})
+                examples.append({**enc, "id": row["id"], "domain": row["domain"], "_key": key})
         if not examples:
             raise ValueError(
                 f"no training conversation has an assistant token within data.max_length={self.max_length} "
@@ -317,11 +389,7 @@ class SpecDataModule(L.LightningDataModule):
             prompts = []
             for domain in sorted(by_domain):
                 for row in _round_robin(by_domain[domain], self.eval_prompts_per_domain, self.seed):
-                    messages = []
-                    for m in row["messages"]:
-                        if m["role"] == "assistant":
-                            break
-                        messages.append(m)
+                    messages = _opening(row)
                     prompts.append(
                         {
                             "id": row["id"],
@@ -403,6 +471,16 @@ class SpecDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+
+
+def _opening(row: dict) -> list[dict]:
+    """The messages before the first assistant turn: the prompt of a conversation."""
+    messages = []
+    for m in row["messages"]:
+        if m["role"] == "assistant":
+            break
+        messages.append(m)
+    return messages
 
 
 def _first_user(row: dict) -> str:

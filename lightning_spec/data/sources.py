@@ -272,6 +272,11 @@ def _load_ordinary(source: Source) -> datasets.Dataset:
             return datasets.Dataset.from_dict({"messages": []})
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     if path.is_dir():
+        if (path / "rollouts.json").is_file() or (path / "shards" / "run.json").is_file():
+            raise ValueError(
+                f"data source '{source.name}' is a rollouts folder, which holds token ids, not conversations; use it "
+                "as a data.train_sources entry or as the rollouts of offline evaluation."
+            )
         return datasets.load_dataset(str(path), split=source.split)
     looks_like_path = source.name.startswith((".", "/", "~")) or path.suffix.lower() in builders
     if looks_like_path or source.name.count("/") > 1 or not source.name.strip():

@@ -111,9 +111,10 @@ class BlockDrafter(Drafter):
         draft_vocab_size: restrict the LM head to the most frequent target tokens of the training data
             (None = the full target vocabulary). Filled from the data the first time ``fit`` sets up.
         intermediate_size: MLP width; default the target's.
-        context_shortcut: also add a projection of the fused feature of position n - 1 (the last context
-            position, committed) to the input of every block slot. Not in DFlash, which reaches the context only
-            through attention; it gives a small, fast-trained drafter direct access to its strongest signal.
+        context_shortcut: also add W [H_ctx[n - 1] ; e(x_n)] — the fused feature of the last committed context
+            position and the anchor's embedding, EAGLE's two inputs — to every block slot's input. Not in DFlash,
+            which reaches both only through attention; a small drafter trained for minutes learns much faster
+            with them in its residual stream (see experiments/quickstart.yaml).
     """
 
     def __init__(
@@ -174,8 +175,10 @@ class BlockDrafter(Drafter):
             DraftLayer(hidden, heads, kv_heads, head_dim, inter, eps) for _ in range(self.num_layers)
         )
         self.norm = RMSNorm(hidden, eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
-        self.shortcut = nn.Linear(hidden, hidden, bias=False) if self.context_shortcut else None
+        # one learned mask vector per slot (DFlash shares one mask token; identical at init, so this starts
+        # as DFlash and lets the residual stream know which offset it predicts)
+        self.mask_embedding = nn.Parameter(torch.zeros(self.block_size, hidden))
+        self.shortcut = nn.Linear(2 * hidden, hidden, bias=False) if self.context_shortcut else None
         vocab = target.vocab_size
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= vocab:
             raise ValueError(
@@ -201,7 +204,7 @@ class BlockDrafter(Drafter):
         final_norm = getattr(target.base, "norm", None)
         if final_norm is not None and getattr(final_norm, "weight", None) is not None:
             self.norm.weight.copy_(final_norm.weight.detach().to(self.norm.weight.dtype))
-        self.mask_embedding.copy_(target.embed_tokens.weight.mean(0))
+        self.mask_embedding.copy_(target.embed_tokens.weight.mean(0).expand_as(self.mask_embedding))
 
     @torch.no_grad()
     def set_vocab(self, token_counts: Tensor) -> None:
@@ -246,7 +249,7 @@ class BlockDrafter(Drafter):
     def embed_block(self, anchor_tokens: Tensor) -> Tensor:
         """(...,) anchor ids -> (..., K + 1, H): the anchor's frozen embedding, then K learned mask vectors."""
         emb = self.target.embed_tokens(anchor_tokens).to(self.mask_embedding.dtype)  # (..., H)
-        masks = self.mask_embedding.expand(*anchor_tokens.shape, self.block_size, -1)
+        masks = self.mask_embedding.expand(*anchor_tokens.shape, -1, -1)  # (..., K, H)
         return torch.cat([emb[..., None, :], masks], dim=-2)
 
     # ------------------------------------------------------------------------------------------- training
@@ -290,9 +293,10 @@ class BlockDrafter(Drafter):
         offs = torch.arange(k + 1, device=ids.device)  # (K+1,)
         blk_pos = (anchors[..., None] + offs).reshape(n, a * (k + 1))  # (N, A(K+1))
         h = self.embed_block(ids.gather(1, anchors))  # (N, A, K+1, H)
-        if self.shortcut is not None:  # the fused feature of position n - 1 (zeros for an anchor at 0)
+        if self.shortcut is not None:  # [H_ctx[n - 1] ; e(x_n)] into every slot (H_ctx[-1] = 0 at anchor 0)
             prev = ctx.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, ctx.shape[-1]))  # (N, A, H)
-            h = h + (self.shortcut(prev) * (anchors > 0)[..., None])[:, :, None]
+            prev = prev * (anchors > 0)[..., None]
+            h = h + self.shortcut(torch.cat([prev, h[:, :, 0]], dim=-1))[:, :, None]
         h = h.reshape(n, a * (k + 1), -1)  # (N, A(K+1), H)
         # mask (N, A(K+1), S + A(K+1)): context strictly before the anchor; the whole own block.
         q_anchor = anchors.repeat_interleave(k + 1, dim=1)  # (N, Q)
@@ -341,8 +345,9 @@ class BlockDrafter(Drafter):
     def propose(self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None) -> Proposal:
         k = self.block_size
         h = self.embed_block(anchor.reshape(1))  # (1, K+1, H)
-        if self.shortcut is not None and state.last is not None:
-            h = h + self.shortcut(state.last)[:, None]
+        if self.shortcut is not None:
+            prev = state.last if state.last is not None else h.new_zeros(1, h.shape[-1])  # (1, H)
+            h = h + self.shortcut(torch.cat([prev, h[:, 0]], dim=-1))[:, None]
         pos = torch.arange(state.length, state.length + k + 1, device=h.device)[None]
         for i, layer in enumerate(self.layers):
             if state.length:

@@ -1,0 +1,441 @@
+"""``lightning-spec evaluate``: score drafters offline on target rollouts, or online by real speculative decoding.
+
+    lightning-spec evaluate --mode offline --rollouts rollouts/t1 --drafters '[a.ckpt, b.ckpt]'
+    lightning-spec evaluate --mode online --target smollm2-135m-instruct --drafters '[a.ckpt]' \\
+        --sources '[mt-bench, humaneval, mmath]' --prompts_per_source 8 --max_new_tokens 128 --temperature 0
+
+Offline: exact expected rounds per rollout (``offline.py``), pooled MAL per domain, AR_k, and with several
+drafters ΔMAL against the baseline with a bootstrap CI over prompts (``paired.py``). Online: real decoding with
+every drafter and plain decoding of the same prompts, interleaved prompt by prompt in one process (MAL,
+tokens/s, speedup). Both print a per-domain table and write a JSON file; ``--mlflow true`` logs one MLflow run
+per drafter. Checkpoints given the same ``--names`` entry are seeds of one arm: their rounds are averaged per
+rollout before the bootstrap.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from lightning_spec.evaluation.offline import (
+    OfflineReport,
+    _progress,
+    check_rollouts,
+    load_rollout_set,
+    offline_report,
+    rollout_sampling,
+    spread,
+)
+from lightning_spec.evaluation.paired import Comparison, compare, compare_reports
+from lightning_spec.sampling import SamplingConfig
+
+
+def arm_names(drafters: list[str], names: list[str] | None) -> list[str]:
+    """One name per checkpoint; equal names form one arm. Default: the file or folder name, or the whole path
+    where two checkpoints share it (``last.ckpt`` of two runs)."""
+    if names is not None:
+        if len(names) != len(drafters):
+            raise ValueError(f"--names has {len(names)} entries for {len(drafters)} --drafters; give one per drafter.")
+        return list(names)
+    stems = [Path(d).stem if Path(d).suffix == ".ckpt" else Path(d).name for d in drafters]
+    return [s if stems.count(s) == 1 else str(d) for s, d in zip(stems, drafters)]
+
+
+def _recorded_target(path: str) -> str:
+    """The target a checkpoint or exported drafter folder was trained for."""
+    from lightning_spec.checkpoint import CKPT_KEY
+
+    p = Path(path)
+    if p.is_dir():
+        return json.loads((p / "drafter.json").read_text())["target"]
+    if not p.is_file():
+        raise ValueError(f"--drafters: {path} does not exist; pass fit checkpoints (.ckpt) or exported folders.")
+    return torch.load(p, map_location="cpu", weights_only=False)[CKPT_KEY]["target"]
+
+
+def _sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> SamplingConfig | None:
+    if temperature is None and top_p is None and top_k is None:
+        return None
+    return SamplingConfig(
+        temperature=0.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k is None else top_k,
+    )
+
+
+def _sampling_dict(s: SamplingConfig) -> dict[str, Any]:
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+
+
+# -------------------------------------------------------------------------------------------------- offline
+def run_offline(
+    rollouts: str,
+    drafters: list[str],
+    names: list[str],
+    baseline: int | str,
+    target: str | None,
+    sampling: SamplingConfig | None,
+    max_rollouts: int | None,
+    batch_size: int,
+    n_resamples: int,
+    confidence: float,
+    seed: int,
+    target_dtype: str,
+    device: str,
+    progress: bool,
+) -> tuple[dict[str, Any], Comparison]:
+    from lightning_spec.checkpoint import load_drafter
+    from lightning_spec.target import load_target
+
+    data = load_rollout_set(rollouts)
+    meta = data.meta or {}
+    spec = target or meta.get("target")
+    if spec is None:
+        raise ValueError("--target is needed: the rollouts record none.")
+    model = load_target(spec, dtype=target_dtype, device=device)
+    sampling = sampling or rollout_sampling(data.meta)
+    check_rollouts(data.meta, model, sampling, data.source)
+    data = spread(data, max_rollouts)
+    reports: dict[str, list[OfflineReport]] = {}
+    for path, name in zip(drafters, names):
+        drafter = load_drafter(path, target=model)
+        reports.setdefault(name, []).append(
+            offline_report(model, drafter, data, sampling, batch_size=batch_size, progress=progress)
+        )
+        del drafter
+    comparison = compare_reports(reports, baseline, n_resamples, confidence, seed)
+    first = next(iter(reports.values()))[0]
+    arms = {}
+    for name, reps in reports.items():
+        mean_rounds = torch.stack([r.rounds for r in reps]).mean(0)
+        reached = torch.stack([r.slot_reached for r in reps]).sum(0)
+        accepted = torch.stack([r.slot_accepted for r in reps]).sum(0)
+        arms[name] = {
+            "checkpoints": [p for p, n in zip(drafters, names) if n == name],
+            "mal": comparison.arm(name).mal,
+            "mal_by_domain": {d: comparison.arm(name, d).mal for d in comparison.by_domain},
+            "accept_rate": (accepted / reached.clamp_min(1e-12)).tolist(),
+            "seconds": sum(r.seconds.get("total", 0.0) for r in reps),
+            "rounds": mean_rounds.tolist(),
+        }
+    return {
+        "mode": "offline",
+        "target": spec,
+        "target_fingerprint": model.fingerprint,
+        "sampling": _sampling_dict(sampling),
+        "rollouts": rollouts,
+        "rows": {
+            "prompt_id": first.prompt_keys,
+            "domain": first.domains,
+            "tokens": first.tokens.tolist(),
+            "finished": first.finished,
+        },
+        "arms": arms,
+        "comparison": comparison.to_dict(),
+    }, comparison
+
+
+# --------------------------------------------------------------------------------------------------- online
+def run_online(
+    target: str | None,
+    drafters: list[str],
+    names: list[str],
+    baseline: int | str,
+    sampling: SamplingConfig,
+    sources: list[str],
+    prompts_per_source: int,
+    max_new_tokens: int,
+    n_resamples: int,
+    confidence: float,
+    seed: int,
+    target_dtype: str,
+    device: str,
+    progress: bool,
+) -> tuple[dict[str, Any], Comparison]:
+    from lightning_spec.checkpoint import load_drafter
+    from lightning_spec.data.rollouts import select_prompts
+    from lightning_spec.data.sources import as_source
+    from lightning_spec.evaluation.benchmark import decode_prompts
+    from lightning_spec.target import load_target
+
+    spec = target or _recorded_target(drafters[0])
+    model = load_target(spec, dtype=target_dtype, device=device)
+    if model.tokenizer is None:
+        raise ValueError(f"--target {spec} has no tokenizer; online evaluation builds chat prompts with it.")
+    prompts = select_prompts(model.tokenizer, [as_source(s) for s in sources], prompts_per_source, seed)
+    loaded = [load_drafter(p, target=model) for p in drafters]
+    for d in [None, *loaded]:  # warm-up: first calls pay one-off costs that are not decoding speed
+        decode_prompts(model, d, prompts[:1], sampling, min(8, max_new_tokens), seed=seed)
+
+    # per prompt: plain, then every drafter (interleaved, so a load change on the machine hits all alike)
+    n = len(prompts)
+    tok = np.zeros((len(loaded) + 1, n))
+    rnd = np.zeros((len(loaded) + 1, n))
+    sec = np.zeros((len(loaded) + 1, n))
+    slots = [np.zeros((2, d.block_size)) for d in loaded]
+    bar, advance = _progress(progress, n, f"online decoding ({len(loaded)} drafters + plain)")
+    try:
+        for i, prompt in enumerate(prompts):
+            for j, d in enumerate([None, *loaded]):
+                rep = decode_prompts(model, d, [prompt], sampling, max_new_tokens, seed=seed + i)
+                tok[j, i], rnd[j, i], sec[j, i] = rep.tokens, rep.rounds, rep.seconds
+                if d is not None:
+                    slots[j - 1] += np.stack([rep.slots.accepted.cpu().numpy(), rep.slots.reached.cpu().numpy()])
+            advance(1)
+    finally:
+        if bar is not None:
+            bar.stop()
+
+    keys = [p["id"] for p in prompts]
+    domains = [p["domain"] for p in prompts]
+    arm_list = list(dict.fromkeys(names))
+    idx = {name: [j + 1 for j, n_ in enumerate(names) if n_ == name] for name in arm_list}
+    # an arm's checkpoints (seeds) decode their own tokens: average tokens and rounds per prompt
+    comparison = compare(
+        {name: rnd[idx[name]].mean(0) for name in arm_list},
+        {name: tok[idx[name]].mean(0) for name in arm_list},
+        keys, domains, baseline, n_resamples, confidence, seed,
+    )
+    for a in comparison.arms:
+        a.checkpoint_mal = [float(tok[j].sum() / max(rnd[j].sum(), 1e-12)) for j in idx[a.name]]
+    plain_tps = tok[0].sum() / max(sec[0].sum(), 1e-9)
+    arms = {}
+    for name in arm_list:
+        j = idx[name]
+        tps = tok[j].sum() / max(sec[j].sum(), 1e-9)
+        acc = sum(slots[i - 1] for i in j)
+        arms[name] = {
+            "checkpoints": [drafters[i - 1] for i in j],
+            "mal": comparison.arm(name).mal,
+            "mal_by_domain": {d: comparison.arm(name, d).mal for d in comparison.by_domain},
+            "accept_rate": (acc[0] / np.maximum(acc[1], 1)).tolist(),
+            "tokens": int(tok[j].sum()),
+            "seconds": float(sec[j].sum()),
+            "tokens_per_s": float(tps),
+            "speedup": float(tps / plain_tps),
+        }
+    return {
+        "mode": "online",
+        "target": spec,
+        "target_fingerprint": model.fingerprint,
+        "sampling": _sampling_dict(sampling),
+        "sources": [str(s) for s in sources],
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "plain": {"tokens": int(tok[0].sum()), "seconds": float(sec[0].sum()), "tokens_per_s": float(plain_tps)},
+        "rows": {"prompt_id": keys, "domain": domains, "plain_tokens": tok[0].tolist()},
+        "arms": arms,
+        "comparison": comparison.to_dict(),
+    }, comparison
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+def _ci(ci: tuple[float, float] | list[float]) -> str:
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def _p(p: float, n_resamples: int) -> str:
+    return f"<{2 / n_resamples:.0e}" if p == 0 else f"{p:.3f}"  # no resample crossed 0
+
+
+def print_results(result: dict[str, Any], comparison: Comparison, file: Any = None) -> None:
+    """Per-domain MAL of every arm, then per arm: MAL with CI, ΔMAL vs the baseline with CI (and speed)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file or sys.stdout)
+    mode = result["mode"]
+    s = result["sampling"]
+    how = "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g} top_p={s['top_p']:g} top_k={s['top_k']}"
+    what = (f"{comparison.rows} rollouts of {comparison.prompts} prompts" if mode == "offline"
+            else f"{comparison.prompts} prompts, real decoding")
+    console.print(f"{mode} MAL (tokens per target forward, bonus included), {how}, {what}")
+    table = Table()
+    table.add_column("domain")
+    names = [a.name for a in comparison.arms]
+    for name in names:
+        table.add_column(name, justify="right")
+    for d, arms in comparison.by_domain.items():
+        table.add_row(d, *[f"{a.mal:.3f}" for a in arms])
+    table.add_row("all", *[f"{a.mal:.3f}" for a in comparison.arms])
+    console.print(table)
+
+    pct = f"{comparison.confidence:.0%}"
+    console.print(f"vs baseline {comparison.baseline!r}: bootstrap over prompts, {comparison.n_resamples} resamples, "
+                  f"{pct} intervals" + (f" (only {comparison.prompts} prompts: read the intervals loosely)"
+                                        if comparison.prompts < 20 else ""))
+    summary = Table()
+    for col in ["drafter", "MAL", f"{pct} CI", "ΔMAL", f"{pct} CI of Δ", "p"]:
+        summary.add_column(col, justify="left" if col == "drafter" else "right")
+    if mode == "online":
+        summary.add_column("tokens/s", justify="right")
+        summary.add_column("speedup", justify="right")
+    for a in comparison.arms:
+        base = a.name == comparison.baseline
+        row = [a.name, f"{a.mal:.3f}", _ci(a.mal_ci), "-" if base else f"{a.delta:+.3f}",
+               "-" if base else _ci(a.delta_ci), "-" if base else _p(a.p_value, comparison.n_resamples)]
+        if mode == "online":
+            arm = result["arms"][a.name]
+            row += [f"{arm['tokens_per_s']:.1f}", f"{arm['speedup']:.2f}x"]
+        summary.add_row(*row)
+    console.print(summary)
+    if mode == "online":
+        console.print(f"plain decoding: {result['plain']['tokens_per_s']:.1f} tokens/s (same prompts, same process)")
+    seeds = [a for a in comparison.arms if len(a.checkpoint_mal) > 1]
+    for a in seeds:
+        console.print(f"{a.name}: MAL per checkpoint {', '.join(f'{m:.3f}' for m in a.checkpoint_mal)}")
+
+
+def log_mlflow(result: dict[str, Any], comparison: Comparison, tracking_uri: str, experiment_name: str) -> list[str]:
+    """One MLflow run per arm: params (mode, target, sampling, checkpoints), metrics ``<mode>/mal``,
+    ``<mode>/mal/<domain>``, ``<mode>/accept_rate/t<k>``, ``<mode>/delta_mal`` (+ ``_lo``/``_hi``), online
+    also ``online/tokens_per_s`` and ``online/speedup``. Returns the run ids."""
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    exp_id = experiment.experiment_id if experiment is not None else client.create_experiment(experiment_name)
+    mode = result["mode"]
+    now = int(time.time() * 1000)
+    run_ids = []
+    for a in comparison.arms:
+        arm = result["arms"][a.name]
+        run = client.create_run(exp_id, run_name=f"{mode}-{a.name}", tags={
+            "lightning_spec.command": "evaluate", "lightning_spec.mode": mode,
+            "lightning_spec.arm": a.name, "lightning_spec.baseline": comparison.baseline,
+        })
+        metrics = {f"{mode}/mal": a.mal, f"{mode}/mal_lo": a.mal_ci[0], f"{mode}/mal_hi": a.mal_ci[1]}
+        metrics.update({f"{mode}/mal/{d}": arm["mal_by_domain"][d] for d in arm["mal_by_domain"]})
+        metrics.update({f"{mode}/accept_rate/t{k}": v for k, v in enumerate(arm["accept_rate"], 1)})
+        if a.name != comparison.baseline:
+            metrics.update({f"{mode}/delta_mal": a.delta, f"{mode}/delta_mal_lo": a.delta_ci[0],
+                            f"{mode}/delta_mal_hi": a.delta_ci[1], f"{mode}/delta_p": a.p_value})
+        if mode == "online":
+            metrics.update({"online/tokens_per_s": arm["tokens_per_s"], "online/speedup": arm["speedup"]})
+        params = {
+            "mode": mode, "target": result["target"], "target_fingerprint": result["target_fingerprint"],
+            **{f"sampling.{k}": v for k, v in result["sampling"].items()},
+            "checkpoints": ",".join(arm["checkpoints"])[:500], "rows": comparison.rows,
+            "prompts": comparison.prompts, "baseline": comparison.baseline,
+        }
+        if mode == "offline":
+            params["rollouts"] = result["rollouts"]
+        else:
+            params.update({"sources": ",".join(result["sources"]), "max_new_tokens": result["max_new_tokens"]})
+        client.log_batch(
+            run.info.run_id,
+            metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+            params=[Param(k, str(v)) for k, v in params.items()],
+            tags=[RunTag("lightning_spec.checkpoints", json.dumps(arm["checkpoints"]))],
+        )
+        client.set_terminated(run.info.run_id)
+        run_ids.append(run.info.run_id)
+    return run_ids
+
+
+# -------------------------------------------------------------------------------------------------- command
+def evaluate(
+    drafters: list[str],
+    mode: Literal["offline", "online"] = "offline",
+    names: list[str] | None = None,
+    baseline: int | str = 0,
+    rollouts: str | None = None,
+    max_rollouts: int | None = None,
+    target: str | None = None,
+    sources: list[str] = ["mt-bench", "humaneval", "mmath"],  # noqa: B006 (never mutated; a list shows in --help)
+    prompts_per_source: int = 8,
+    max_new_tokens: int = 128,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int = 0,
+    batch_size: int = 4,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    output: str | None = "evaluation.json",
+    mlflow: bool = False,
+    tracking_uri: str = "sqlite:///mlflow.db",
+    experiment_name: str = "lightning_spec_evaluate",
+    target_dtype: str = "float32",
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score drafters offline on target rollouts (exact expected rounds) or online by real decoding.
+
+    Args:
+        drafters: fit checkpoints (.ckpt) or exported drafter folders, e.g. '[runs/a/last.ckpt, runs/b/last.ckpt]'.
+        mode: offline (rollouts + drafter forwards, exact expected rounds) or online (real speculative decoding).
+        names: a name per drafter (default: the file names); equal names form one arm whose checkpoints (seeds)
+            are averaged per rollout.
+        baseline: the arm the others are compared with: its index among the arms or its name.
+        rollouts: offline: a rollouts folder (`lightning-spec rollouts`).
+        max_rollouts: offline: evaluate at most this many rollouts (round-robin over domains).
+        target: the target (default: the rollouts' target offline, the first drafter's target online).
+        sources: online: prompt sources (packaged names, local files, hub ids), as `lightning-spec rollouts`.
+        prompts_per_source: online: prompts per source (the same selection as `lightning-spec rollouts`).
+        max_new_tokens: online: generation budget per prompt.
+        temperature: sampling temperature (online default 0 = greedy; offline default: the rollouts' own).
+        top_p: nucleus filtering (1 = off).
+        top_k: top-k filtering (0 = off).
+        seed: prompt selection, decoding seeds (prompt i uses seed + i) and the bootstrap.
+        batch_size: offline: rollouts per target forward.
+        n_resamples: bootstrap resamples of the prompts.
+        confidence: level of the bootstrap intervals.
+        output: the JSON file to write (null: none).
+        mlflow: log one MLflow run per arm.
+        tracking_uri: MLflow tracking URI.
+        experiment_name: MLflow experiment.
+        target_dtype: float32 on CPU, bfloat16 on GPUs.
+        device: where the target and drafters run.
+        progress: show progress bars.
+    """
+    if not drafters:
+        raise ValueError("--drafters is empty; pass one or more checkpoints, e.g. --drafters '[runs/a/last.ckpt]'.")
+    if n_resamples < 1 or not 0 < confidence < 1:
+        raise ValueError(f"--n_resamples ({n_resamples}) must be >= 1 and --confidence ({confidence}) in (0, 1).")
+    labels = arm_names(drafters, names)
+    sampling = _sampling(temperature, top_p, top_k)
+    if mode == "offline":
+        if rollouts is None:
+            raise ValueError("--mode offline needs --rollouts: a folder made by `lightning-spec rollouts`.")
+        result, comparison = run_offline(
+            rollouts, drafters, labels, baseline, target, sampling, max_rollouts, batch_size, n_resamples,
+            confidence, seed, target_dtype, device, progress,
+        )
+    elif mode == "online":
+        if prompts_per_source < 1 or max_new_tokens < 1:
+            raise ValueError("--prompts_per_source and --max_new_tokens must be >= 1.")
+        result, comparison = run_online(
+            target, drafters, labels, baseline, sampling or SamplingConfig(), sources, prompts_per_source,
+            max_new_tokens, n_resamples, confidence, seed, target_dtype, device, progress,
+        )
+    else:
+        raise ValueError(f"--mode must be offline or online, got {mode!r}.")
+    print_results(result, comparison)
+    if mlflow:
+        result["mlflow_run_ids"] = log_mlflow(result, comparison, tracking_uri, experiment_name)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {output}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``lightning-spec evaluate ...`` (registered in ``lightning_spec.cli.EXTRA_COMMANDS``)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="lightning-spec evaluate", description=(evaluate.__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with these options")
+    parser.add_function_arguments(evaluate, as_group=False)
+    cfg = parser.parse_args(argv)
+    cfg.pop("config", None)
+    init = parser.instantiate_classes(cfg)
+    evaluate(**{k: v for k, v in vars(init).items() if k != "config"})

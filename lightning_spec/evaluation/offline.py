@@ -1,0 +1,439 @@
+"""Exact expected decoding rounds from target rollouts, without a decoding loop (EDR §3.4; METHODS.md §3.2).
+
+Condition on a target rollout x = prompt + response. Speculative decoding of x is a Markov chain over states
+(n, t): the round anchored at n (the last committed token) is verifying position t. The draft token of slot t
+is accepted with the Bayes acceptance of the realised token
+
+    A_{n,t} = P(accepted | the output at t is x_t) = q(x_t) min(1, p(x_t) / q(x_t)) / p(x_t) = min(1, q / p),
+
+(``bayes_acceptance``; the engine's rule is min(1, p/q) for a draft drawn from q), the round goes on w.p. A and
+a new round starts at t w.p. 1 - A; the bonus after K accepted slots starts the next round. The expected
+number of rounds given x is τ(x) = Σ_t ω_{t,t+1}, the occupancies of the round starts (EDR Prop. 1). Because
+lossless decoding outputs x with the target's probability, the mean of τ over target rollouts is the expected
+round count of real speculative decoding, with less noise: the acceptance coin flips are integrated out, and
+every drafter is scored on the *same* rollouts (paired comparisons, ``paired.py``).
+
+Conventions, the engine's exactly (``decoding/engine.py``):
+- The first round is anchored at the LAST PROMPT TOKEN, so every response token is committed by some round and
+  MAL = Σ len(response) / Σ rounds, bonus included. ``len(response)`` counts the EOS when it was generated; EDR
+  writes the same count as L + 1 (x_{1:L} plus EOS), so this MAL is EDR's MAL = E[L + 1] / E[𝒯] (eq. 1).
+- The response's last token ends generation (EOS, or the ``max_new_tokens`` budget for a rollout that was cut):
+  the slot that verifies it ends the round whatever its verdict, as the engine stops there.
+- p is the target's distribution under ``sampling`` (``SamplingConfig``, the engine's verification) from one
+  teacher-forced forward; q is ``sampling.probs`` of the drafter's logits over its draft vocabulary (what the
+  engine's ``propose`` draws from), 0 outside it. Greedy: both are one-hot, so A = 1[draft argmax == x_t]
+  (and x_t = target argmax on a greedy rollout), and τ(x) is the engine's round count exactly.
+- The drafter is run from every anchor through its training forward with explicit anchors,
+  ``drafter(batch, features, anchors=, keep=)`` (``BlockDrafter``: the block at anchor n sees the context
+  features of positions < n, as in decoding). A drafter is evaluated offline only if that forward gives the
+  distributions ``propose`` draws from.
+
+The chain structure and both recursions are ``objectives.edr.chain`` / ``chain_dp`` (float64, vectorised),
+the same code EDR trains with; here the per-slot "cost" is R = 1 - A, so the value recursion also counts rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_spec.objectives.edr import chain, chain_dp
+from lightning_spec.sampling import SamplingConfig
+
+DEFAULT_DOMAIN = "default"  # the domain of rollouts that carry none (a list of pairs)
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+@dataclass
+class RolloutSet:
+    """Rollouts as plain lists (one entry per rollout) plus the folder's metadata when there is one."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    domains: list[str]
+    prompt_keys: list[str]  # the prompt a rollout belongs to: bootstrap clusters (all samples of a prompt)
+    finished: list[bool]  # ended with EOS (True when unknown)
+    meta: dict[str, Any] | None = None
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def subset(self, index: Sequence[int]) -> RolloutSet:
+        pick = lambda xs: [xs[i] for i in index]  # noqa: E731
+        return RolloutSet(
+            pick(self.prompt_ids), pick(self.response_ids), pick(self.domains), pick(self.prompt_keys),
+            pick(self.finished), self.meta, self.source,
+        )
+
+
+def _prompt_key(prompt: Sequence[int]) -> str:
+    return hashlib.sha1(torch.tensor(list(prompt), dtype=torch.int64).numpy().tobytes()).hexdigest()[:12]
+
+
+def check_rollouts(meta: dict[str, Any] | None, target: Any, sampling: SamplingConfig, source: str = "") -> None:
+    """Refuse rollouts drawn from another target or under another sampling config (``check_compatible``);
+    rollouts without metadata (a list of pairs, a bare dataset) cannot be checked."""
+    if meta is not None:
+        from lightning_spec.data.rollouts import check_compatible  # lazy: lightning_spec.data imports Lightning
+
+        check_compatible(meta, target, sampling, folder=source or None)
+
+
+def rollout_sampling(meta: dict[str, Any] | None) -> SamplingConfig | None:
+    """The ``SamplingConfig`` recorded in a rollouts folder's metadata (None without one)."""
+    drawn = (meta or {}).get("sampling")
+    return SamplingConfig(**drawn) if drawn is not None else None
+
+
+def load_rollout_set(rollouts: Any) -> RolloutSet:
+    """A ``RolloutSet`` from a rollouts folder, a ``datasets.Dataset`` (the rollouts columns), a list of
+    ``(prompt_ids, response_ids)`` pairs or of dicts with those keys, or a ``RolloutSet``."""
+    if isinstance(rollouts, RolloutSet):
+        return rollouts
+    meta, source = None, ""
+    if isinstance(rollouts, (str, Path)):
+        source = str(rollouts)
+        from lightning_spec.data.rollouts import load_rollouts
+
+        rollouts, meta = load_rollouts(rollouts)
+    if hasattr(rollouts, "column_names"):  # a datasets.Dataset
+        cols = set(rollouts.column_names)
+        if not {"prompt_ids", "response_ids"} <= cols:
+            raise ValueError(
+                f"rollouts: a rollouts dataset needs the columns prompt_ids and response_ids; it has {sorted(cols)}."
+            )
+        keep = [c for c in ("prompt_ids", "response_ids", "domain", "prompt_id", "finished") if c in cols]
+        rows = rollouts.select_columns(keep).to_list()
+    else:
+        rows = []
+        for item in rollouts:
+            if isinstance(item, dict):
+                rows.append(item)
+            else:
+                prompt, response = item
+                rows.append({"prompt_ids": prompt, "response_ids": response})
+    prompts, responses, domains, keys, finished = [], [], [], [], []
+    for i, row in enumerate(rows):
+        prompt = [int(t) for t in _as_list(row["prompt_ids"])]
+        if not prompt:
+            raise ValueError(f"rollouts: rollout {i} has an empty prompt; every rollout needs a prompt token.")
+        prompts.append(prompt)
+        responses.append([int(t) for t in _as_list(row["response_ids"])])
+        domains.append(str(row.get("domain") or DEFAULT_DOMAIN))
+        keys.append(str(row["prompt_id"]) if row.get("prompt_id") is not None else _prompt_key(prompt))
+        finished.append(bool(row.get("finished", True)))
+    if not prompts:
+        raise ValueError(f"rollouts: no rollouts in {source or 'the given rollouts'}; nothing to evaluate.")
+    return RolloutSet(prompts, responses, domains, keys, finished, meta, source)
+
+
+def _as_list(x: Any) -> list:
+    return x.tolist() if isinstance(x, Tensor) else list(x)
+
+
+def spread(rollouts: RolloutSet, count: int | None) -> RolloutSet:
+    """At most ``count`` rollouts, deterministic and spread out: round-robin over domains, and within a domain
+    the first sample of every prompt before any second sample (more prompts = smaller bootstrap intervals)."""
+    if count is None or count >= len(rollouts):
+        return rollouts
+    by_domain: dict[str, list[int]] = {}
+    seen: dict[str, int] = {}
+    rank = []
+    for key in rollouts.prompt_keys:
+        rank.append(seen.get(key, 0))
+        seen[key] = rank[-1] + 1
+    for i in sorted(range(len(rollouts)), key=lambda i: (rank[i], i)):
+        by_domain.setdefault(rollouts.domains[i], []).append(i)
+    queues = [by_domain[d] for d in sorted(by_domain)]
+    picked: list[int] = []
+    while len(picked) < count:
+        for q in queues:
+            if q and len(picked) < count:
+                picked.append(q.pop(0))
+    return rollouts.subset(sorted(picked))
+
+
+# -------------------------------------------------------------------------------------------------- report
+@dataclass
+class OfflineReport:
+    """Per-rollout expected rounds and the pooled figures (MAL = Σ tokens / Σ rounds, bonus included)."""
+
+    rounds: Tensor  # (R,) float64 τ(x): exact expected rounds to decode rollout x speculatively
+    tokens: Tensor  # (R,) int64 response tokens (EOS included when generated) = committed tokens
+    domains: list[str]
+    prompt_keys: list[str]  # clusters for the bootstrap
+    finished: list[bool]
+    slot_reached: Tensor  # (K,) float64 Σ_x E[rounds that verify slot k | x]
+    slot_accepted: Tensor  # (K,) float64 Σ_x E[rounds that accept slot k | x]
+    seconds: dict[str, float] = field(default_factory=dict)  # target, drafter, dp, total
+
+    @property
+    def mal(self) -> float:
+        return float(self.tokens.sum()) / max(float(self.rounds.sum()), 1e-12)
+
+    @property
+    def accept_rate(self) -> Tensor:
+        """AR_k = E[rounds accepting slot k] / E[rounds verifying slot k] (EDR eq. 19), k = 1..K."""
+        return self.slot_accepted / self.slot_reached.clamp_min(1e-12)
+
+    def domain_sums(self) -> dict[str, tuple[float, float]]:
+        """{domain: (Σ tokens, Σ rounds)}, domains sorted."""
+        out: dict[str, list[float]] = {}
+        for d, t, r in zip(self.domains, self.tokens.tolist(), self.rounds.tolist()):
+            acc = out.setdefault(d, [0.0, 0.0])
+            acc[0] += t
+            acc[1] += r
+        return {d: (out[d][0], out[d][1]) for d in sorted(out)}
+
+    @property
+    def mal_by_domain(self) -> dict[str, float]:
+        return {d: t / max(r, 1e-12) for d, (t, r) in self.domain_sums().items()}
+
+    def metrics(self, prefix: str = "offline") -> dict[str, float]:
+        """Flat metrics: ``<prefix>/mal``, ``<prefix>/mal/<domain>``, ``<prefix>/accept_rate/t<k>``."""
+        out = {f"{prefix}/mal": self.mal}
+        out.update({f"{prefix}/mal/{d}": v for d, v in self.mal_by_domain.items()})
+        out.update({f"{prefix}/accept_rate/t{k}": float(v) for k, v in enumerate(self.accept_rate.tolist(), 1)})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mal": self.mal,
+            "mal_by_domain": self.mal_by_domain,
+            "accept_rate": self.accept_rate.tolist(),
+            "rollouts": len(self.domains),
+            "tokens": int(self.tokens.sum()),
+            "expected_rounds": float(self.rounds.sum()),
+            "unfinished": sum(not f for f in self.finished),
+            "seconds": self.seconds,
+        }
+
+
+# ------------------------------------------------------------------------------------------ the evaluator
+def bayes_acceptance(q_x: Tensor, p_x: Tensor) -> Tensor:
+    """A = P(draft slot accepted | the output token is x) = min(1, q(x) / p(x)) (EDR §3.2), 0 where p(x) = 0.
+
+    The engine accepts a draft x ~ q with min(1, p(x)/q(x)) (``verify.acceptance_probability``); given that the
+    output is x (probability p(x)), it came from an accepted draft with probability min(q(x), p(x)) / p(x)."""
+    return torch.where(p_x > 0, (q_x / p_x.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(q_x))
+
+
+def _token_probs(target: Any, last_hidden: Tensor, ids: Tensor, mask: Tensor, sampling: SamplingConfig,
+                 max_elems: int) -> Tensor:
+    """p_t(x_t) under ``sampling`` at every masked position t ≥ 1 (from the hidden state at t - 1): (N, S)."""
+    p_tok = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    rows, cols = mask.nonzero(as_tuple=True)
+    chunk = max(1, max_elems // target.vocab_size)
+    for lo in range(0, rows.numel(), chunk):
+        r, t = rows[lo : lo + chunk], cols[lo : lo + chunk]
+        logp = sampling.logprobs(target.lm_head(last_hidden[r, t - 1]))  # (M, V), as the engine's verify
+        p_tok[r, t] = logp.gather(-1, ids[r, t, None])[:, 0].exp()
+    return p_tok
+
+
+def _draft_vocab(drafter: Any, ids: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Target ids -> (draft ids, contained) for the drafter's draft vocabulary (``vocab_ids``; else the full one)."""
+    vocab_ids = getattr(drafter, "vocab_ids", None)
+    if vocab_ids is None or vocab_ids.numel() == vocab_size:
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    vocab_ids = vocab_ids.to(ids.device)
+    pos = torch.searchsorted(vocab_ids, ids.clamp(min=0)).clamp(max=vocab_ids.numel() - 1)
+    inside = vocab_ids[pos] == ids
+    return torch.where(inside, pos, torch.zeros_like(pos)), inside
+
+
+@torch.no_grad()
+def _score_batch(
+    target: Any,
+    drafter: Any,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    sampling: SamplingConfig,
+    anchors_per_forward: int,
+    max_elems: int,
+    seconds: dict[str, float],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """τ(x) (N,), and the expected slot visits and acceptances (K,), (K,) of a batch of rollouts."""
+    dev = target.device
+    n, k = len(prompts), drafter.block_size
+    s = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids = torch.zeros(n, s, dtype=torch.long, device=dev)
+    mask = torch.zeros(n, s, dtype=torch.bool, device=dev)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        mask[i, len(p) : len(p) + len(r)] = True
+
+    t0 = time.perf_counter()
+    out = target(ids, layers=list(drafter.target_layers), logits=False)  # right padding: causal, no mask needed
+    p_tok = _token_probs(target, out.last_hidden, ids, mask, sampling, max_elems)  # (N, S)
+    t1 = time.perf_counter()
+
+    ch = chain(mask, k)
+    tok_draft, inside = _draft_vocab(drafter, ids, target.vocab_size)
+    # every row's round starts, in order, then padding: row i's j-th start is starts[i, j]
+    pos = torch.arange(s, device=dev).expand(n, s)
+    starts = torch.where(ch.start_ok, pos, pos + s).sort(-1).values  # (N, S)
+    width = int(ch.start_ok.sum(-1).max())
+    accept = torch.zeros(n, s, k, dtype=torch.float64, device=dev)
+    batch = {"input_ids": ids, "loss_mask": mask}
+    vd = getattr(drafter, "vocab_ids", torch.empty(target.vocab_size)).numel()
+    chunk = max(1, min(max(1, anchors_per_forward // n), max_elems // max(1, n * k * vd)))
+    slot = torch.arange(1, k + 1, device=dev)
+    for lo in range(0, width, chunk):
+        anchors = starts[:, lo : lo + chunk]  # (N, C)
+        keep = anchors < s
+        anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
+        draft = drafter(batch, out.features, anchors=anchors, keep=keep)
+        q = sampling.probs(draft.logits)  # (N, C, K, Vd): what propose draws from
+        t = (anchors[..., None] + slot).clamp(max=s - 1).reshape(n, -1)  # (N, C*K) positions verified
+        shape = q.shape[:-1]  # (N, C, K)
+        q_x = q.gather(-1, tok_draft.gather(1, t).view(*shape, 1))[..., 0] * inside.gather(1, t).view(shape)
+        a = bayes_acceptance(q_x, p_tok.gather(1, t).view(shape))  # (N, C, K)
+        rows = torch.arange(n, device=dev)[:, None].expand_as(anchors)
+        accept[rows[keep], anchors[keep]] = a[keep].double()
+    t2 = time.perf_counter()
+
+    values = chain_dp(accept, 1 - accept, ch)  # cost R = 1 - A: the value recursion counts rounds too
+    rounds = values.start.sum(-1)  # τ(x) = Σ_n ω_{n,n+1} (EDR Prop. 1)
+    occ = values.occupancy  # (N, S, K) P(round n starts and verifies slot k), verified slots only
+    reached = occ.sum((0, 1))
+    accepted = (occ * accept).sum((0, 1))
+    seconds["target"] = seconds.get("target", 0.0) + t1 - t0
+    seconds["drafter"] = seconds.get("drafter", 0.0) + t2 - t1
+    seconds["dp"] = seconds.get("dp", 0.0) + time.perf_counter() - t2
+    return rounds.cpu(), reached.cpu(), accepted.cpu()
+
+
+def _bind_check(target: Any, drafter: Any) -> None:
+    params = inspect.signature(drafter.forward).parameters
+    if not {"anchors", "keep"} <= set(params):
+        raise ValueError(
+            f"offline evaluation runs the drafter's forward from chosen anchors, drafter(batch, features, "
+            f"anchors=, keep=); {type(drafter).__name__}.forward does not take them."
+        )
+    bound = drafter.target
+    if bound is not target and bound.model is not target.model:
+        raise ValueError(
+            "The drafter is bound to a different target than the one passed to offline evaluation; load it with "
+            "load_drafter(path, target=target)."
+        )
+
+
+def offline_report(
+    target: Any,
+    drafter: Any,
+    rollouts: Any,
+    sampling: SamplingConfig | None = None,
+    *,
+    max_rollouts: int | None = None,
+    batch_size: int = 4,
+    anchors_per_forward: int = 256,
+    max_elems: int = 1 << 24,
+    progress: bool | Callable[[int], None] = False,
+) -> OfflineReport:
+    """Exact expected rounds of every rollout, and the pooled MAL, MAL per domain and AR_k.
+
+    Args:
+        target: a ``Target`` (or anything ``load_target`` takes).
+        drafter: a drafter bound to ``target``, or a checkpoint/folder path (``load_drafter``).
+        rollouts: a rollouts folder, a ``datasets.Dataset`` of rollouts, a list of ``(prompt_ids, response_ids)``
+            pairs, or a ``RolloutSet``.
+        sampling: the config the rollouts were drawn under; None = the one recorded in the rollouts folder.
+            A folder drawn under another config, or from another target, is refused.
+        max_rollouts: evaluate at most this many (``spread``: round-robin over domains, prompts first).
+        batch_size: rollouts per target forward (right-padded, sorted by length).
+        anchors_per_forward: anchors (over the batch) per drafter forward: memory, not results.
+        max_elems: largest logits tensor materialised at once: memory, not results.
+        progress: True shows a rich progress bar; a callable is called with the rollouts done per batch.
+    """
+    from lightning_spec.target import load_target
+
+    start = time.perf_counter()
+    target = load_target(target)
+    if isinstance(drafter, (str, Path)):
+        from lightning_spec.checkpoint import load_drafter
+
+        drafter = load_drafter(drafter, target=target)
+    _bind_check(target, drafter)
+    data = load_rollout_set(rollouts)
+    recorded = rollout_sampling(data.meta)
+    if sampling is None:
+        if recorded is None:
+            raise ValueError("offline evaluation needs sampling: the config the rollouts were drawn under.")
+        sampling = recorded
+    check_rollouts(data.meta, target, sampling, data.source)
+    data = spread(data, max_rollouts)
+    if batch_size < 1 or anchors_per_forward < 1:
+        raise ValueError(f"batch_size ({batch_size}) and anchors_per_forward ({anchors_per_forward}) must be >= 1.")
+
+    r, k = len(data), drafter.block_size
+    rounds = torch.zeros(r, dtype=torch.float64)
+    reached = torch.zeros(k, dtype=torch.float64)
+    accepted = torch.zeros(k, dtype=torch.float64)
+    seconds: dict[str, float] = {}
+    todo = [i for i in sorted(range(r), key=lambda i: len(data.prompt_ids[i]) + len(data.response_ids[i]))
+            if data.response_ids[i]]
+    was_training = drafter.training
+    drafter.eval()
+    bar, advance = _progress(progress, r, f"offline rounds ({type(drafter).__name__}, K={k})")
+    try:
+        advance(r - len(todo))  # empty responses: no rounds
+        for lo in range(0, len(todo), batch_size):
+            index = todo[lo : lo + batch_size]
+            tau, re, ac = _score_batch(
+                target, drafter, [data.prompt_ids[i] for i in index], [data.response_ids[i] for i in index],
+                sampling, anchors_per_forward, max_elems, seconds,
+            )
+            rounds[index] = tau
+            reached += re
+            accepted += ac
+            advance(len(index))
+    finally:
+        drafter.train(was_training)
+        if bar is not None:
+            bar.stop()
+    seconds["total"] = time.perf_counter() - start
+    return OfflineReport(
+        rounds=rounds,
+        tokens=torch.tensor([len(x) for x in data.response_ids], dtype=torch.int64),
+        domains=list(data.domains),
+        prompt_keys=list(data.prompt_keys),
+        finished=list(data.finished),
+        slot_reached=reached,
+        slot_accepted=accepted,
+        seconds=seconds,
+    )
+
+
+def offline_rounds(target: Any, drafter: Any, rollouts: Any, sampling: SamplingConfig | None = None,
+                   **kwargs: Any) -> Tensor:
+    """Exact expected rounds per rollout (R,) float64, in the rollouts' order (DESIGN.md "Public API").
+
+    ``rollouts``: a rollouts folder, a ``datasets.Dataset`` or a list of ``(prompt_ids, response_ids)`` pairs;
+    ``sampling`` must be the config they were drawn under (default: the folder's). Pooled MAL of the set is
+    ``Σ len(response) / Σ rounds``; see ``offline_report`` for that, per domain, and the keyword arguments."""
+    return offline_report(target, drafter, rollouts, sampling, **kwargs).rounds
+
+
+def _progress(progress: bool | Callable[[int], None], total: int, label: str):
+    """(bar or None, advance(n)): a rich progress bar when ``progress`` is True."""
+    if callable(progress):
+        return None, progress
+    if not progress:
+        return None, lambda n: None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    task = bar.add_task(label, total=total)
+    bar.start()
+    return bar, lambda n: bar.advance(task, n)
+

@@ -1,0 +1,265 @@
+"""Paired comparisons of drafters: ΔMAL with bootstrap confidence intervals that resample PROMPTS.
+
+Every drafter ("arm") is scored on the same rollouts (offline) or the same prompts (online), so differences
+are paired: a hard prompt is hard for every arm, and resampling prompts jointly cancels that shared noise.
+
+- MAL is the pooled ratio Σ tokens / Σ rounds (METHODS.md §1.3), never a mean of per-rollout ratios; the
+  bootstrap recomputes that ratio on every resample.
+- The resampling unit is the prompt (a cluster: all samples of a prompt go in or out together), not the
+  rollout or the token: samples of one prompt are correlated, so resampling them separately would understate
+  the uncertainty. The overall interval resamples all prompts together (``bootstrap_mal`` can also stratify
+  by domain, which is degenerate for domains of one or two prompts); per-domain intervals resample the
+  domain's own prompts.
+- Several checkpoints per arm (seeds): each rollout's rounds are averaged over the arm's checkpoints first,
+  then prompts are bootstrapped; the interval covers rollout sampling for the seed-averaged arm (seed-to-seed
+  spread is reported beside it, ``checkpoint_mal``).
+- Percentile intervals from ``n_resamples`` multinomial resamples, drawn once, vectorised with numpy and
+  seeded; every arm and the deltas use the same resamples (paired).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def _clusters(keys: Sequence[str], strata: Sequence[str] | None) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Cluster index per row (R,), and per stratum the cluster indices it holds."""
+    index: dict[str, int] = {}
+    stratum_of: list[str] = []
+    ids = np.empty(len(keys), dtype=np.int64)
+    for i, key in enumerate(keys):
+        if key not in index:
+            index[key] = len(index)
+            stratum_of.append(strata[i] if strata is not None else "")
+        elif strata is not None and stratum_of[index[key]] != strata[i]:
+            raise ValueError(f"prompt {key!r} appears in two domains ({stratum_of[index[key]]!r}, {strata[i]!r}).")
+        ids[i] = index[key]
+    groups: dict[str, list[int]] = {}
+    for c, s in enumerate(stratum_of):
+        groups.setdefault(s, []).append(c)
+    return ids, [np.asarray(groups[s]) for s in sorted(groups)]
+
+
+def resample_weights(
+    keys: Sequence[str], strata: Sequence[str] | None, n_resamples: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Cluster index per row (R,) and bootstrap counts (B, C): how often each cluster is drawn in each
+    resample; within every stratum the counts sum to the stratum's number of clusters."""
+    ids, groups = _clusters(keys, strata)
+    return ids, _draw(groups, int(ids.max()) + 1, n_resamples, np.random.default_rng(seed))
+
+
+def _draw(groups: list[np.ndarray], c: int, b: int, rng: np.random.Generator) -> np.ndarray:
+    counts = np.zeros((b, c), dtype=np.float64)
+    for group in groups:
+        m = len(group)
+        counts[:, group] = rng.multinomial(m, np.full(m, 1.0 / m), size=b)
+    return counts
+
+
+def bootstrap_mal(
+    tokens: np.ndarray,
+    rounds: np.ndarray,
+    keys: Sequence[str],
+    strata: Sequence[str] | None = None,
+    n_resamples: int = 2000,
+    seed: int = 0,
+    max_elems: int = 1 << 24,
+) -> np.ndarray:
+    """Bootstrap replicates of the pooled MAL of every arm: (B, A).
+
+    tokens: (R,) shared by the arms (offline: the same rollouts) or (A, R) per arm (online decoding);
+    rounds: (A, R); keys: the prompt of each row (clusters); strata: the domain of each row (or None).
+    Resamples are drawn ``max_elems // clusters`` at a time (memory only; the same stream of draws)."""
+    rounds = np.atleast_2d(np.asarray(rounds, dtype=np.float64))
+    tokens = np.broadcast_to(np.asarray(tokens, dtype=np.float64), rounds.shape)
+    if rounds.shape[1] != len(keys) or not len(keys):
+        raise ValueError(f"bootstrap: {rounds.shape[1]} rows of rounds but {len(keys)} prompt keys.")
+    ids, groups = _clusters(keys, strata)
+    c = int(ids.max()) + 1
+    tok_c = np.stack([np.bincount(ids, weights=t, minlength=c) for t in tokens])  # (A, C) sums per cluster
+    rnd_c = np.stack([np.bincount(ids, weights=r, minlength=c) for r in rounds])
+    rng = np.random.default_rng(seed)
+    step = max(1, max_elems // c)
+    out = []
+    for lo in range(0, n_resamples, step):
+        counts = _draw(groups, c, min(step, n_resamples - lo), rng)  # (b, C)
+        out.append((counts @ tok_c.T) / np.maximum(counts @ rnd_c.T, 1e-12))  # (b, A)
+    return np.concatenate(out)
+
+
+def percentile_interval(samples: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
+    alpha = (1 - confidence) / 2
+    lo, hi = np.quantile(samples, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
+@dataclass
+class ArmResult:
+    """One arm's pooled MAL with its interval, and its difference to the baseline arm."""
+
+    name: str
+    mal: float
+    mal_ci: tuple[float, float]
+    delta: float  # MAL - baseline MAL (0 for the baseline)
+    delta_ci: tuple[float, float]
+    p_value: float  # two-sided bootstrap p of Δ = 0 (1 for the baseline)
+    checkpoint_mal: list[float] = field(default_factory=list)  # MAL of each checkpoint (seed) of the arm
+
+
+@dataclass
+class Comparison:
+    """Every arm against ``baseline`` on the same rows, overall and per domain."""
+
+    baseline: str
+    arms: list[ArmResult]
+    by_domain: dict[str, list[ArmResult]]
+    rows: int
+    prompts: int
+    n_resamples: int
+    confidence: float
+    seed: int
+
+    def arm(self, name: str, domain: str | None = None) -> ArmResult:
+        arms = self.arms if domain is None else self.by_domain[domain]
+        return next(a for a in arms if a.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        def one(a: ArmResult) -> dict[str, Any]:
+            return {
+                "mal": a.mal, "mal_ci": list(a.mal_ci), "delta_mal": a.delta, "delta_mal_ci": list(a.delta_ci),
+                "p_value": a.p_value, "checkpoint_mal": a.checkpoint_mal,
+            }
+
+        return {
+            "baseline": self.baseline,
+            "arms": {a.name: one(a) for a in self.arms},
+            "by_domain": {d: {a.name: one(a) for a in arms} for d, arms in self.by_domain.items()},
+            "rows": self.rows,
+            "prompts": self.prompts,
+            "n_resamples": self.n_resamples,
+            "confidence": self.confidence,
+            "seed": self.seed,
+        }
+
+
+def _arms(tokens: np.ndarray, rounds: np.ndarray, names: list[str], base: int, keys, n_resamples: int,
+          seed: int, confidence: float, checkpoint_mal: list[list[float]]) -> list[ArmResult]:
+    samples = bootstrap_mal(tokens, rounds, keys, None, n_resamples, seed)  # (B, A): the same resamples for all
+    tok = np.broadcast_to(tokens, rounds.shape).sum(-1)
+    point = tok / np.maximum(rounds.sum(-1), 1e-12)  # (A,)
+    out = []
+    for a, name in enumerate(names):
+        diff = samples[:, a] - samples[:, base]
+        p = 1.0 if a == base else float(min(1.0, 2 * min((diff <= 0).mean(), (diff >= 0).mean())))
+        out.append(ArmResult(
+            name=name,
+            mal=float(point[a]),
+            mal_ci=percentile_interval(samples[:, a], confidence),
+            delta=float(point[a] - point[base]),
+            delta_ci=(0.0, 0.0) if a == base else percentile_interval(diff, confidence),
+            p_value=p,
+            checkpoint_mal=checkpoint_mal[a],
+        ))
+    return out
+
+
+def compare(
+    rounds: dict[str, list[np.ndarray] | np.ndarray],
+    tokens: np.ndarray | dict[str, np.ndarray],
+    keys: Sequence[str],
+    domains: Sequence[str] | None = None,
+    baseline: int | str = 0,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Comparison:
+    """Compare arms scored on the same rows.
+
+    Args:
+        rounds: {arm name: rounds per row (R,), or a list of such arrays, one per checkpoint (seed) of the arm}.
+        tokens: committed tokens per row (R,), shared by all arms (offline), or {arm: (R,)} (online decoding,
+            where each arm decodes its own tokens from the same prompts).
+        keys: the prompt of each row: rows of one prompt are resampled together.
+        domains: the domain of each row, for per-domain comparisons (each resamples its own prompts).
+        baseline: the arm every other is compared with (index into ``rounds`` or its name).
+        n_resamples, confidence, seed: the bootstrap.
+    """
+    names = list(rounds)
+    if not names:
+        raise ValueError("compare needs at least one arm.")
+    base = names.index(baseline) if isinstance(baseline, str) and baseline in names else baseline
+    if isinstance(base, str) or not 0 <= base < len(names):
+        raise ValueError(f"baseline {baseline!r} is not one of the arms {names}.")
+    r = len(keys)
+    per_arm, ckpt_mal = [], []
+    if isinstance(tokens, dict):
+        tok = np.stack([np.asarray(tokens[n], dtype=np.float64) for n in names])  # (A, R)
+    else:
+        tok = np.asarray(tokens, dtype=np.float64)
+    for i, name in enumerate(names):
+        runs = rounds[name]
+        runs = [np.asarray(x, dtype=np.float64) for x in (runs if isinstance(runs, (list, tuple)) else [runs])]
+        if any(x.shape != (r,) for x in runs):
+            raise ValueError(
+                f"arm {name!r} was scored on {[len(x) for x in runs]} rows, not the {r} rows of the comparison; "
+                "score every drafter on the same rollouts."
+            )
+        t = tok[i] if tok.ndim == 2 else tok
+        ckpt_mal.append([float(t.sum() / max(x.sum(), 1e-12)) for x in runs])
+        per_arm.append(np.mean(runs, axis=0))  # average over the arm's checkpoints, per row
+    rnd = np.stack(per_arm)  # (A, R)
+    arms = _arms(tok, rnd, names, base, keys, n_resamples, seed, confidence, ckpt_mal)
+    by_domain: dict[str, list[ArmResult]] = {}
+    if domains is not None:
+        dom = np.asarray(domains)
+        for d in sorted(set(domains)):
+            sel = np.flatnonzero(dom == d)
+            sub_tok = tok[:, sel] if tok.ndim == 2 else tok[sel]
+            sub_keys = [keys[i] for i in sel]
+            by_domain[d] = _arms(sub_tok, rnd[:, sel], names, base, sub_keys, n_resamples, seed, confidence,
+                                 [[] for _ in names])
+    return Comparison(
+        baseline=names[base],
+        arms=arms,
+        by_domain=by_domain,
+        rows=r,
+        prompts=len(set(keys)),
+        n_resamples=n_resamples,
+        confidence=confidence,
+        seed=seed,
+    )
+
+
+def compare_reports(
+    reports: dict[str, list[Any] | Any],
+    baseline: int | str = 0,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Comparison:
+    """``compare`` for ``OfflineReport``s: {arm name: report, or a list of reports (one per seed)}; every
+    report must come from the same rollouts (checked: same prompts, domains and token counts)."""
+    flat = {name: (list(r) if isinstance(r, (list, tuple)) else [r]) for name, r in reports.items()}
+    first = next(iter(flat.values()))[0]
+    for name, runs in flat.items():
+        for rep in runs:
+            if rep.prompt_keys != first.prompt_keys or not bool((rep.tokens == first.tokens).all()):
+                raise ValueError(
+                    f"arm {name!r} was scored on other rollouts than the first arm; score every drafter on the same "
+                    "rollouts (same folder, same max_rollouts)."
+                )
+    return compare(
+        {name: [rep.rounds.numpy() for rep in runs] for name, runs in flat.items()},
+        first.tokens.numpy(),
+        first.prompt_keys,
+        first.domains,
+        baseline,
+        n_resamples,
+        confidence,
+        seed,
+    )

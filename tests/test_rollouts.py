@@ -1,0 +1,308 @@
+"""Target rollouts: batched left-padded decoding equals ``generate``, seeded per rollout, resumable after a kill,
+refused under another target or sampling config, and usable as training data (target-regenerated SFT)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lightning_spec import SamplingConfig, generate
+from lightning_spec.data import SpecDataModule, prompt_ids
+from lightning_spec.data import rollouts as R
+from lightning_spec.data.rollouts import check_compatible, generate_rollouts, load_rollouts, rollout_seed
+
+# Openings of very different lengths, so one batch mixes short and long prompts (left padding is exercised).
+TEXTS = [
+    "hi",
+    "What is 2+2?",
+    "a much longer question about many things, with several clauses, ok?",
+    "xxxxx",
+    "Tell me a story about a dragon and a knight.",
+    "Why?",
+]
+SAMPLED = SamplingConfig(temperature=1.0, top_k=50)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_target):
+    return [
+        {
+            "id": f"p{i}",
+            "domain": "code" if i % 2 else "chat",
+            "subdomain": f"s{i % 3}",
+            "prompt_ids": prompt_ids(tiny_target.tokenizer, [{"role": "user", "content": text}]),
+        }
+        for i, text in enumerate(TEXTS)
+    ]
+
+
+def run(target, prompts, folder, sampling=SAMPLED, n=2, max_new_tokens=24, **kwargs):
+    kwargs = {"seed": 0, "batch_size": 4, "progress": False, **kwargs}
+    return generate_rollouts(target, prompts, sampling, n, max_new_tokens, folder, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------ correctness
+
+
+def test_greedy_batched_rollouts_equal_generate_and_flag_finished(tiny_target, prompts, tmp_path):
+    """Left padding done right: every row of one mixed-length batch decodes exactly what ``generate`` does,
+    including rows that stop at EOS while the others go on."""
+    max_new = 32
+    ds = run(tiny_target, prompts, tmp_path / "g", SamplingConfig(), n=1, max_new_tokens=max_new, batch_size=8)
+    assert len({len(p["prompt_ids"]) for p in prompts}) == len(prompts)  # all lengths differ
+    eos = set(tiny_target.eos_token_ids)
+    for p, row in zip(prompts, ds):
+        assert row["prompt_id"] == p["id"] and row["prompt_ids"] == p["prompt_ids"] and row["sample"] == 0
+        assert row["domain"] == p["domain"] and row["subdomain"] == p["subdomain"]
+        assert row["response_ids"] == generate(tiny_target, p["prompt_ids"], max_new).tokens
+        # finished = ended with EOS; otherwise the budget was hit
+        assert row["finished"] == (row["response_ids"][-1] in eos)
+        assert row["finished"] or len(row["response_ids"]) == max_new
+    flags = ds["finished"]
+    assert any(flags) and not all(flags), "the fixture should have rows that stop at EOS and rows that do not"
+    assert min(len(r) for r in ds["response_ids"]) < max_new  # a short row left the batch early
+
+
+def test_finished_is_false_at_the_token_budget(tiny_target, prompts, tmp_path):
+    ds = run(tiny_target, prompts[:3], tmp_path / "short", SamplingConfig(), n=1, max_new_tokens=3)
+    eos = set(tiny_target.eos_token_ids)
+    for row in ds:
+        assert len(row["response_ids"]) <= 3
+        if row["response_ids"][-1] not in eos:
+            assert not row["finished"] and len(row["response_ids"]) == 3
+
+
+def test_sampled_rollouts_are_reproducible_and_independent_of_the_batch(tiny_target, prompts, tmp_path):
+    a = run(tiny_target, prompts, tmp_path / "a", batch_size=5).to_list()
+    b = run(tiny_target, prompts, tmp_path / "b", batch_size=1).to_list()
+    c = run(tiny_target, prompts, tmp_path / "c", batch_size=12).to_list()
+    assert a == b == c
+    assert [(r["prompt_id"], r["sample"]) for r in a] == [(p["id"], s) for p in prompts for s in range(2)]
+    # each rollout is exactly `generate` with its own seed (sampling mode, left padding included)
+    for row in a[:4]:
+        prompt = next(p for p in prompts if p["id"] == row["prompt_id"])
+        seed = rollout_seed(0, row["prompt_id"], row["sample"])
+        assert row["response_ids"] == generate(tiny_target, prompt["prompt_ids"], 24, SAMPLED, seed=seed).tokens
+    # the two samples of a prompt differ, and another seed draws other tokens
+    assert a[0]["response_ids"] != a[1]["response_ids"]
+    other = run(tiny_target, prompts, tmp_path / "d", seed=1).to_list()
+    assert [r["response_ids"] for r in other] != [r["response_ids"] for r in a]
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def test_a_killed_run_resumes_to_the_same_dataset(tiny_target, prompts, tmp_path, monkeypatch):
+    reference = run(tiny_target, prompts, tmp_path / "ref", batch_size=3).to_list()
+
+    folder = tmp_path / "killed"
+    real_write = R._write_shard
+    written = []
+
+    def write_then_die(shard_dir, index, rows):
+        path = real_write(shard_dir, index, rows)
+        written.extend((r["prompt_id"], r["sample"]) for r in rows)
+        if len(written) >= 6:  # killed after the second shard (3 rollouts each)
+            (shard_dir / f"{index + 1:05d}.jsonl.tmp").write_text('{"half a li')  # and mid-way through the third
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(R, "_write_shard", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_target, prompts, folder, batch_size=3)
+    monkeypatch.setattr(R, "_write_shard", real_write)
+    assert len(written) == 6 and not (folder / R.META_FILE).exists()
+    with pytest.raises(ValueError, match="unfinished rollouts run"):
+        load_rollouts(folder)
+
+    # the rerun draws only what is missing, with another batch size, and ends where one run would have
+    drawn = []
+    real_sample = R.sample_batch
+
+    def counting(target, batch_prompts, *args, **kwargs):
+        drawn.append(len(batch_prompts))
+        return real_sample(target, batch_prompts, *args, **kwargs)
+
+    monkeypatch.setattr(R, "sample_batch", counting)
+    resumed = run(tiny_target, prompts, folder, batch_size=4).to_list()
+    assert sum(drawn) == len(reference) - 6
+    assert resumed == reference
+    ds, meta = load_rollouts(folder)
+    assert ds.to_list() == reference and len({(r["prompt_id"], r["sample"]) for r in reference}) == len(reference)
+    assert meta["format"] == 1 and meta["n_per_prompt"] == 2 and meta["target"] == "tiny-random"
+    assert meta["target_fingerprint"] == tiny_target.fingerprint and meta["seed"] == 0
+    assert meta["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+    assert meta["eos_token_ids"] == tiny_target.eos_token_ids and meta["vocab_size"] == tiny_target.vocab_size
+    assert not list((folder / R.SHARD_DIR).glob("*.tmp"))
+
+    # the same command with more samples extends the finished folder: only the new samples are drawn
+    drawn.clear()
+    more = run(tiny_target, prompts, folder, n=3, batch_size=4).to_list()
+    assert sum(drawn) == len(prompts)
+    assert [r for r in more if r["sample"] < 2] == reference
+
+
+def test_refuses_to_resume_under_other_settings(tiny_target, prompts, tmp_path):
+    folder = tmp_path / "r"
+    run(tiny_target, prompts[:2], folder, n=1, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"sampling differ\) — choose another --out"):
+        run(tiny_target, prompts[:2], folder, SamplingConfig(temperature=0.7), n=1, max_new_tokens=4)
+    with pytest.raises(ValueError, match="seed, max_new_tokens differ"):
+        run(tiny_target, prompts[:2], folder, n=1, max_new_tokens=5, seed=3)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not a rollouts folder"):
+        run(tiny_target, prompts[:2], tmp_path / "busy", n=1, max_new_tokens=4)
+
+
+def test_rollouts_of_another_target_or_sampling_are_refused(tiny_target, prompts, tmp_path, make_random_llama):
+    folder = tmp_path / "r"
+    run(tiny_target, prompts[:2], folder, n=1, max_new_tokens=4)
+    _, meta = load_rollouts(folder)
+    check_compatible(meta, tiny_target, SAMPLED)  # the same: fine
+    with pytest.raises(ValueError, match=r"drawn from target 'tiny-random' .* regenerate them with `lightning-spec"):
+        check_compatible(meta, make_random_llama(), SAMPLED)
+    with pytest.raises(ValueError, match=r"temperature=1.0, top_p=1.0, top_k=50; this run uses temperature=1.0, "):
+        check_compatible(meta, tiny_target, SamplingConfig(temperature=1.0), folder=str(folder))
+    # all greedy configs are one distribution
+    greedy = {**meta, "sampling": {"temperature": 0.0, "top_p": 0.9, "top_k": 5}}
+    check_compatible(greedy, tiny_target, SamplingConfig())
+
+
+# ---------------------------------------------------------------------------------------- training data
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def sft_folder(tiny_target, prompts, tmp_path):
+    folder = tmp_path / "sft"
+    run(tiny_target, prompts, folder, SamplingConfig(), n=1, max_new_tokens=32)
+    # one rollout prompt is also an eval prompt: it must not train
+    eval_file = write_jsonl(
+        tmp_path / "eval.jsonl", [{"messages": [{"role": "user", "content": TEXTS[1]}], "domain": "math"}]
+    )
+    return folder, eval_file
+
+
+def test_datamodule_trains_on_rollouts_with_the_response_masked_in(sft_folder, prompts):
+    folder, eval_file = sft_folder
+    ds, _ = load_rollouts(folder)
+    dm = SpecDataModule(
+        target="tiny-random",
+        train_sources=[str(folder)],
+        eval_sources=[eval_file],
+        train_limit=None,
+        max_length=100,
+        val_fraction=0.2,
+        eval_prompts_per_domain=1,
+    )
+    dm.setup("fit")
+    examples = dm.train_dataset + dm.val_dataset
+    by_id = {f"{r['prompt_id']}#{r['sample']}": r for r in ds}
+    assert sorted(e["id"] for e in examples) == sorted(k for k in by_id if not k.startswith("p1#"))  # held out
+    assert len(by_id["p2#0"]["prompt_ids"]) + len(by_id["p2#0"]["response_ids"]) > 100  # one is truncated
+    for e in examples:
+        row = by_id[e["id"]]
+        ids = (row["prompt_ids"] + row["response_ids"])[:100]
+        mask = ([0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"]))[:100]
+        assert e["input_ids"].tolist() == ids and e["loss_mask"].tolist() == [bool(m) for m in mask]
+        assert e["domain"] == row["domain"]
+        if row["finished"] and len(row["prompt_ids"]) + len(row["response_ids"]) <= 100:
+            assert e["input_ids"][-1] in dm.tokenizer.convert_tokens_to_ids(["<|im_end|>"]) and e["loss_mask"][-1]
+    assert set(dm.domains) == {"chat", "code", "math"}
+    assert dm.rollout_meta[0]["folder"] == str(folder) and dm.rollout_meta[0]["target"] == "tiny-random"
+
+
+def test_datamodule_refuses_rollouts_of_another_target(sft_folder):
+    folder, eval_file = sft_folder
+    dm = SpecDataModule(target="another-target", train_sources=[str(folder)], eval_sources=[eval_file])
+    with pytest.raises(ValueError, match=r"data.train_sources\[0\] .* drawn from target 'tiny-random'.*data.target"):
+        dm.rollout_meta  # noqa: B018
+    with pytest.raises(ValueError, match="is a rollouts folder"):
+        SpecDataModule(target="tiny-random", train_sources=["x.jsonl"], eval_sources=[str(folder)]).eval_prompts()
+
+
+def test_fit_on_rollouts_checks_the_target_weights(sft_folder, tmp_path):
+    import lightning as L
+
+    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.module import DraftModule
+
+    folder, eval_file = sft_folder
+
+    def fit(source):
+        torch.manual_seed(0)
+        dm = SpecDataModule(
+            target="tiny-random",
+            train_sources=[str(source)],
+            eval_sources=[eval_file],
+            train_limit=None,
+            max_length=64,
+            batch_size=2,
+            val_fraction=0.2,
+        )
+        module = DraftModule(
+            BlockDrafter(block_size=3, num_layers=1, num_anchors=4), target="tiny-random", feature_cache="off"
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(module, datamodule=dm)
+        return trainer
+
+    assert fit(folder).global_step == 1
+    forged = tmp_path / "forged"
+    shutil.copytree(folder, forged)
+    meta = json.loads((forged / R.META_FILE).read_text())
+    (forged / R.META_FILE).write_text(json.dumps({**meta, "target_fingerprint": "0123456789abcdef"}))
+    with pytest.raises(ValueError, match="fingerprint 0123456789abcdef, but model.target has fingerprint"):
+        fit(forged)
+
+
+def test_cli_writes_a_rollouts_folder(tmp_path, monkeypatch, capsys):
+    from lightning_spec.cli import main
+
+    source = write_jsonl(
+        tmp_path / "q.jsonl",
+        [{"messages": [{"role": "user", "content": t}], "domain": "chat"} for t in TEXTS[:3]],
+    )
+    out = tmp_path / "cli"
+    args = [
+        "rollouts",
+        "--target",
+        "tiny-random",
+        "--sources",
+        f"[{source}]",
+        "--prompts_per_source",
+        "2",
+        "--n_per_prompt",
+        "2",
+        "--max_new_tokens",
+        "8",
+        "--out",
+        str(out),
+        "--batch_size",
+        "3",
+        "--temperature",
+        "0.8",
+        "--progress",
+        "false",
+    ]
+    main(args)
+    ds, meta = load_rollouts(out)
+    assert len(ds) == 4 and meta["sources"] == [source] and meta["sampling"]["temperature"] == 0.8
+    with pytest.raises(SystemExit) as exit_:
+        main([*args[:-4], "--temperature", "0.5", "--progress", "false"])
+    assert exit_.value.code == 2 and "choose another --out" in capsys.readouterr().err
