@@ -292,6 +292,15 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
         console.print(f"{a.name}: MAL per checkpoint {', '.join(f'{m:.3f}' for m in a.checkpoint_mal)}")
 
 
+def absolute_sqlite_uri(uri: str) -> str:
+    """``sqlite:///mlflow.db`` -> ``sqlite:////abs/cwd/mlflow.db``. MLflow caches one store per URI string for the
+    life of the process, so a relative URI would keep writing to the folder of its first use."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
 def log_mlflow(result: dict[str, Any], comparison: Comparison, tracking_uri: str, experiment_name: str) -> list[str]:
     """One MLflow run per arm: params (mode, target, sampling, checkpoints), metrics ``<mode>/mal``,
     ``<mode>/mal/<domain>``, ``<mode>/accept_rate/t<k>``, ``<mode>/delta_mal`` (+ ``_lo``/``_hi``), online
@@ -299,7 +308,7 @@ def log_mlflow(result: dict[str, Any], comparison: Comparison, tracking_uri: str
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = MlflowClient(tracking_uri=absolute_sqlite_uri(tracking_uri))
     experiment = client.get_experiment_by_name(experiment_name)
     exp_id = experiment.experiment_id if experiment is not None else client.create_experiment(experiment_name)
     mode = result["mode"]
