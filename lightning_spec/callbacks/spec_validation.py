@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
+from lightning_spec.metrics import MeanAcceptedLength
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -103,8 +104,6 @@ class SpecDecodeValidation(Callback):
         for domain in domains:  # every rank builds every domain's metric so the all-reduce lines up
             metric = report.mal_by_domain.get(domain)
             if metric is None:
-                from lightning_spec.metrics import MeanAcceptedLength
-
                 metric = MeanAcceptedLength()
             out[f"{prefix}/mal/{domain}"] = float(metric.to(device).compute())
         for k, rate in enumerate(report.slots.compute().tolist(), start=1):

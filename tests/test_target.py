@@ -1,0 +1,38 @@
+"""Target: the GQA attention shortcut load_target installs must give exactly transformers' outputs."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from lightning_spec import load_target
+from lightning_spec.assets import resolve_target_folder
+from lightning_spec.target import Target
+
+
+def reference_target() -> Target:
+    """The same weights through transformers' own SDPA attention (its repeat_kv path)."""
+    model = AutoModelForCausalLM.from_pretrained(resolve_target_folder("tiny-random"), attn_implementation="sdpa")
+    return Target(model)
+
+
+def test_load_target_uses_the_shared_kv_attention():
+    assert load_target("tiny-random").model.config._attn_implementation == "lightning_spec_sdpa"
+
+
+def test_shared_kv_attention_matches_transformers_sdpa():
+    fast, ref = load_target("tiny-random"), reference_target()
+    assert ref.model.config._attn_implementation == "sdpa"
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (3, 24))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0  # right padding: the masked multi-token path
+    mask[2, 20:] = 0
+    a, b = fast(ids, layers=[0, 1], attention_mask=mask), ref(ids, layers=[0, 1], attention_mask=mask)
+    real = mask.bool()
+    torch.testing.assert_close(a.logits[real], b.logits[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.features[real], b.features[real], rtol=1e-5, atol=1e-5)
+    # a verify block of 5 tokens against a warm cache (the speculative decoding path)
+    ca, cb = fast.new_cache(), ref.new_cache()
+    fast(ids[:1, :16], cache=ca), ref(ids[:1, :16], cache=cb)
+    va, vb = fast(ids[:1, 16:21], cache=ca, layers=[1]), ref(ids[:1, 16:21], cache=cb, layers=[1])
+    torch.testing.assert_close(va.logits, vb.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(va.features, vb.features, rtol=1e-5, atol=1e-5)
