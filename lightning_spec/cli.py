@@ -70,11 +70,26 @@ class SpecCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
-# Subcommands that are not Lightning trainer runs: name -> "module:function", imported only when used.
-# Each function takes the remaining argv (list[str]) and parses it itself (jsonargparse, like LightningCLI).
-EXTRA_COMMANDS: dict[str, str] = {}
-EXTRA_COMMANDS["rollouts"] = "lightning_spec.data.rollouts:cli_main"
-EXTRA_COMMANDS["evaluate"] = "lightning_spec.evaluation.cli:main"
+# Subcommands that are not Lightning trainer runs: name -> "module:function", imported only when used. The
+# function's typed signature and docstring are its options and --help, parsed here like LightningCLI does.
+EXTRA_COMMANDS: dict[str, str] = {
+    "rollouts": "lightning_spec.data.rollouts:rollouts",
+    "evaluate": "lightning_spec.evaluation.cli:evaluate",
+}
+
+
+def run_command(name: str, argv: list[str]) -> None:
+    """Parse ``argv`` against the registered function's signature (plus ``--config f.yaml``) and call it."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    module, _, attr = EXTRA_COMMANDS[name].partition(":")
+    func = getattr(importlib.import_module(module), attr)
+    parser = ArgumentParser(prog=f"lightning-spec {name}", description=(func.__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with these options")
+    parser.add_function_arguments(func, as_group=False)
+    cfg = parser.parse_args(argv)
+    cfg.pop("config", None)
+    func(**{k: v for k, v in vars(parser.instantiate_classes(cfg)).items() if k != "config"})
 
 
 def main(args: list[str] | None = None) -> None:
@@ -83,8 +98,7 @@ def main(args: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     try:
         if argv and argv[0] in EXTRA_COMMANDS:
-            module, _, func = EXTRA_COMMANDS[argv[0]].partition(":")
-            getattr(importlib.import_module(module), func)(argv[1:])
+            run_command(argv[0], argv[1:])
         else:
             run_cli(args)
     except ValueError as err:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.assets import cache_dir
-from lightning_spec.checkpoint import CKPT_KEY
+from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record
 from lightning_spec.drafters.base import Drafter, DraftOutput
 from lightning_spec.feature_cache import FeatureCache, cache_key
 from lightning_spec.metrics import RatioOfSums
@@ -246,39 +246,9 @@ class DraftModule(L.LightningModule):
     # ---------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
-        checkpoint[CKPT_KEY] = {
-            "drafter_class": f"{type(self.drafter).__module__}.{type(self.drafter).__qualname__}",
-            "drafter_config": self.drafter.config_dict(),
-            "target": self.target_spec,
-            "target_fingerprint": self.target.fingerprint,
-            "target_vocab_size": self.target.vocab_size,
-        }
+        checkpoint[CKPT_KEY] = drafter_record(self.drafter, self.target_spec)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         own = self.state_dict()
         checkpoint["state_dict"].update({k: v for k, v in own.items() if k.startswith("target.")})
 
-
-def build(spec: Any) -> Any:
-    """The inverse of ``describe``: instantiate nested ``{class_path, init_args}`` dicts (checkpoint reloads)."""
-    if isinstance(spec, list):
-        return [build(x) for x in spec]
-    if isinstance(spec, dict) and "class_path" in spec:
-        import importlib
-
-        module, _, name = spec["class_path"].rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        return cls(**{k: build(v) for k, v in spec.get("init_args", {}).items()})
-    return spec
-
-
-def describe(obj: Any) -> Any:
-    """A plain nested dict of an object's class and init-time attributes, for hyperparameter logging."""
-    if isinstance(obj, (int, float, str, bool)) or obj is None:
-        return obj
-    if isinstance(obj, (list, tuple)):
-        return [describe(x) for x in obj]
-    if isinstance(obj, torch.nn.Module) and hasattr(obj, "config_dict"):
-        return {"class_path": f"{type(obj).__module__}.{type(obj).__qualname__}", "init_args": obj.config_dict()}
-    fields = {k: describe(v) for k, v in vars(obj).items() if not k.startswith("_")} if hasattr(obj, "__dict__") else {}
-    return {"class_path": f"{type(obj).__module__}.{type(obj).__qualname__}", "init_args": fields}

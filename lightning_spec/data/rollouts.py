@@ -31,7 +31,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -627,20 +627,3 @@ def rollouts(
         sources=source_list,
         progress=progress,
     )
-
-
-def cli_main(argv: list[str] | None = None, run: Callable[..., Any] = rollouts) -> None:
-    """``lightning-spec rollouts --out rollouts/x --target ... --sources '[mt-bench, humaneval]' ...``."""
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    parser = ArgumentParser(
-        prog="lightning-spec rollouts",
-        description=(rollouts.__doc__ or "").split("\n\n")[0],
-        exit_on_error=True,
-    )
-    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with these options")
-    parser.add_function_arguments(run, as_group=False)
-    cfg = parser.parse_args(argv)
-    cfg.pop("config", None)
-    init = parser.instantiate_classes(cfg)
-    run(**{k: v for k, v in vars(init).items() if k != "config"})

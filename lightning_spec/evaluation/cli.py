@@ -435,16 +435,3 @@ def evaluate(
         Path(output).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {output}")
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``lightning-spec evaluate ...`` (registered in ``lightning_spec.cli.EXTRA_COMMANDS``)."""
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    parser = ArgumentParser(prog="lightning-spec evaluate", description=(evaluate.__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with these options")
-    parser.add_function_arguments(evaluate, as_group=False)
-    cfg = parser.parse_args(argv)
-    cfg.pop("config", None)
-    init = parser.instantiate_classes(cfg)
-    evaluate(**{k: v for k, v in vars(init).items() if k != "config"})
