@@ -5,18 +5,28 @@ and, just before the optimizer step, divide the accumulated gradients by the glo
 accumulation window and all DDP ranks). So batch 8 x accumulation 1 and batch 1 x accumulation 8 give the same
 gradient, and 2 ranks give the same gradient as 1 rank with the doubled batch.
 
+Determinism across batch layouts. Anchors are drawn per example from a seed of (run seed, optimizer step,
+example index) (``anchor_seeds``), not from the global RNG, so an example gets the same anchors whichever batch,
+DDP rank or resumed process it lands in: 2 DDP ranks train like 1 process with the doubled batch, and a run
+killed mid-epoch and resumed from ``last.ckpt`` trains like the uninterrupted one (tests/test_ddp.py,
+tests/test_resume.py). Logged training metrics are those of the global batch (sums all-reduced over ranks).
+
 Checkpoints hold the drafter only: the frozen target's weights are stripped on save and re-attached on load;
-``load_drafter`` rebuilds a drafter from a checkpoint (see ``checkpoint.py``).
+``load_drafter`` rebuilds a drafter from a checkpoint (see ``checkpoint.py``). They also carry the MLflow run id
+(``MLFLOW_RUN_KEY``), so ``fit --ckpt_path`` continues the same run (``cli.py``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 
 from lightning_spec.assets import cache_dir
@@ -29,6 +39,16 @@ from lightning_spec.target import load_target
 
 # The frozen target stays in eval mode on purpose (see Target.train); Lightning warns about every such module.
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+
+MLFLOW_RUN_KEY = "mlflow_run_id"  # checkpoint key: the MLflow run that wrote it (continued by `fit --ckpt_path`)
+
+
+def anchor_seeds(run_seed: int, salt: int, index: Tensor) -> Tensor:
+    """Per-example anchor seeds (N,) int64 from the run seed, a ``salt`` (the optimizer step in training, -1 in
+    validation) and the examples' ``index`` (N,) in their split: a function of the example, never of its batch.
+    Copies of one example in one optimizer step (domain-weighted sampling draws with replacement) share anchors."""
+    base = ((run_seed * 1_000_003 + salt + 1) * 1_000_033) % 2**62
+    return (index.to(torch.int64) + base) % 2**62
 
 
 class DraftModule(L.LightningModule):
@@ -81,9 +101,12 @@ class DraftModule(L.LightningModule):
         self.val_loss = RatioOfSums()
         self._den_accum = torch.zeros((), dtype=torch.float64)
         self._features: FeatureCache | None = None
+        self._anchor_seed: int | None = None  # run seed of anchor_seeds; set in setup, restored from checkpoints
 
     # --------------------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
+        if self._anchor_seed is None:  # seed_everything's seed (LightningCLI: `seed_everything:`), else 0
+            self._anchor_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is None:
             return
@@ -108,6 +131,21 @@ class DraftModule(L.LightningModule):
             key = cache_key(self.target.fingerprint, self.drafter.target_layers, dm.fingerprint)
             directory = cache_dir() / "features" if self.hparams.feature_cache == "disk" else None
             self._features = FeatureCache(key, directory)
+
+    def configure_model(self) -> None:
+        """Under FSDP, shard the drafter only: the frozen target stays whole on every device, as under DDP.
+
+        The drafter reads the target's embedding and LM head outside the target's own forward (and decoding runs
+        outside any FSDP forward), and one FSDP flat parameter cannot mix a bf16 target with the fp32 drafter.
+        FSDP does not move ignored modules, so the target goes to the device here.
+        """
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, FSDPStrategy):
+            strategy.kwargs.setdefault("ignored_modules", [self.target])
+            self.target.to(strategy.root_device)
+            # FSDP loads a checkpoint's weights itself, before on_load_checkpoint could put back the target's
+            # (stripped on save): the target's keys are missing by design
+            self.strict_loading = False
 
     # ------------------------------------------------------------------------------------------- features
     def target_features(self, batch: dict[str, Tensor], use_cache: bool) -> tuple[Tensor, Tensor]:
@@ -173,26 +211,48 @@ class DraftModule(L.LightningModule):
         return draft, self.objective(draft)
 
     # ------------------------------------------------------------------------------------------- training
+    def seeded(self, batch: dict[str, Tensor], salt: int) -> dict[str, Tensor]:
+        """The batch plus ``anchor_seed`` (N,) for per-example anchor sampling (needs the examples' ``index``)."""
+        if "index" not in batch:
+            return batch
+        run_seed = self._anchor_seed if self._anchor_seed is not None else 0
+        return {**batch, "anchor_seed": anchor_seeds(run_seed, salt, batch["index"])}
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        draft, terms = self.draft_step(batch, use_cache=True)
+        draft, terms = self.draft_step(self.seeded(batch, self.global_step), use_cache=True)
         self._den_accum = self._den_accum.to(terms.den.device) + terms.den.detach().double()
         n = batch["input_ids"].shape[0]
-        self.log("train/loss", terms.value, prog_bar=True, batch_size=n)
-        for name, value in terms.metrics.items():  # objective-specific scalars, e.g. train/edr_expected_rounds
-            self.log(f"train/{name}", value, batch_size=n)
         with torch.no_grad():
             valid = draft.valid
             hits = (draft.logits.argmax(-1) == draft.labels) & valid  # (N, A, K)
-            acc = hits.sum((0, 1)).float() / valid.sum((0, 1)).clamp_min(1)  # (K,)
-        self.log("train/acc/t1", acc[0], batch_size=n)
-        self.log(f"train/acc/t{acc.numel()}", acc[-1], batch_size=n)
+            k = valid.shape[-1]
+            # [num, den, hits (K), labels (K)], summed over the DDP ranks in one all-reduce: logged values are
+            # those of the global batch (ratios of sums), the same as one process with the whole batch
+            sums = torch.cat([terms.num.detach().double().view(1), terms.den.detach().double().view(1),
+                              hits.sum((0, 1)).double(), valid.sum((0, 1)).double()])
+            if self.trainer.world_size > 1:
+                sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        num, den, acc = sums[0], sums[1], sums[2 : 2 + k] / sums[2 + k :].clamp_min(1)  # acc (K,)
+        if not torch.isfinite(num):  # the global value: every rank raises together
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer.optimizers else self.hparams.lr
+            raise FloatingPointError(
+                f"train/loss is not finite ({float(num)}) at step {self.global_step}: training diverged; lower "
+                f"model.lr (the learning rate is {lr:g}) or check the data for broken examples."
+            )
+        self.log("train/loss", (num / den.clamp_min(1e-12)).float(), prog_bar=True, batch_size=n)
+        for name, value in terms.metrics.items():  # objective-specific scalars, e.g. train/edr_expected_rounds
+            self.log(f"train/{name}", value, batch_size=n, sync_dist=True)  # DDP: the mean over ranks
+        self.log("train/acc/t1", acc[0].float(), batch_size=n)
+        self.log(f"train/acc/t{k}", acc[-1].float(), batch_size=n)
         return terms.num  # divided by the global Σ den in on_before_optimizer_step
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         den = self._den_accum.clone()
         if self.trainer.world_size > 1:
             den = self.trainer.strategy.reduce(den, reduce_op="sum")
-        # Lightning divided each micro-batch loss by accumulate_grad_batches and DDP averaged over ranks.
+        # Lightning divided each micro-batch loss by accumulate_grad_batches and DDP averaged over ranks. Under
+        # FSDP each rank holds a shard of every reduced (averaged) gradient: scaling each shard by the same
+        # scalar scales the whole gradient, so this is right there too.
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / max(float(den), 1e-12)
         for p in self.drafter.parameters():
             if p.grad is not None:
@@ -205,7 +265,7 @@ class DraftModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        _, terms = self.draft_step(batch, use_cache=False)
+        _, terms = self.draft_step(self.seeded(batch, -1), use_cache=False)  # the same anchors at every validation
         self.val_loss.update(terms.num.detach(), terms.den)
 
     def on_validation_epoch_end(self) -> None:
@@ -247,8 +307,15 @@ class DraftModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
         checkpoint[CKPT_KEY] = drafter_record(self.drafter, self.target_spec)
+        checkpoint["anchor_seed"] = self._anchor_seed
+        if self._trainer is not None and self.trainer.is_global_zero:  # rank 0 writes the file and owns the run
+            for logger in self.trainer.loggers:
+                if isinstance(logger, MLFlowLogger):
+                    checkpoint[MLFLOW_RUN_KEY] = logger.run_id
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         own = self.state_dict()
         checkpoint["state_dict"].update({k: v for k, v in own.items() if k.startswith("target.")})
+        if checkpoint.get("anchor_seed") is not None:  # a resumed run draws the anchors the original would have
+            self._anchor_seed = int(checkpoint["anchor_seed"])
 

@@ -297,3 +297,89 @@ def test_fingerprint_and_token_counts(tiny_tok, tmp_path):
     counts = a.token_counts(320)
     assert counts.shape == (320,) and int(counts.sum()) == sum(int(e["loss_mask"].sum()) for e in a.train_dataset)
     assert counts[tiny_tok.eos_token_id] == len(a.train_dataset)  # one <|im_end|> per assistant turn
+
+
+def test_ddp_shards_interleave_the_one_process_order(tiny_tok, tmp_path):
+    from lightning_spec.data.datamodule import DomainSampler
+
+    chat = write_jsonl(tmp_path / "chat.jsonl", chat_rows(20, prefix="chat"))
+    code = write_jsonl(tmp_path / "code.jsonl", chat_rows(21, domain="code", prefix="code"))
+    dm = SpecDataModule(tokenizer=tiny_tok, train_sources=[chat, code], eval_sources=[], seed=3)
+    dm.setup("fit")
+    n = len(dm.train_dataset)
+    assert n % 3 != 0  # 3 ranks need padding
+    for weights in (None, {"chat": 1.0, "code": 3.0}):
+        dm.set_domain_weights(weights)
+        for epoch in (0, 1):
+            whole = DomainSampler(dm, seed=3)
+            whole.set_epoch(epoch)
+            order = list(whole)
+            assert len(order) == n
+            if weights is None:
+                assert sorted(order) == list(range(n))
+            for world in (2, 3):
+                shards = []
+                for rank in range(world):
+                    sampler = DomainSampler(dm, seed=3, num_replicas=world, rank=rank)
+                    sampler.set_epoch(epoch)
+                    shards.append(list(sampler))
+                    assert len(shards[-1]) == len(sampler) == -(-n // world)
+                padded = (order * 2)[: len(shards[0]) * world]  # wrapped around to equal shards
+                assert [x for group in zip(*shards) for x in group] == padded, (weights, epoch, world)
+    dm.set_domain_weights(None)
+    later = DomainSampler(dm, seed=3)
+    later.set_epoch(1)
+    assert list(later) != list(DomainSampler(dm, seed=3))  # every epoch its own order
+    with pytest.raises(ValueError):  # torch's own check: a rank outside the world
+        DomainSampler(dm, seed=3, num_replicas=2, rank=2)
+
+
+def test_train_loader_resumes_mid_epoch(tiny_tok, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", chat_rows(30))
+    dm = SpecDataModule(tokenizer=tiny_tok, train_sources=[path], eval_sources=[], batch_size=4, seed=2)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert loader.state_dict() == {"epoch": 0, "batches": 0, "domain_weights": None}
+    loader.sampler.set_epoch(1)
+    full = [b["index"].tolist() for b in loader]
+    assert len(full) == len(loader) >= 4
+    loader.sampler.set_epoch(1)
+    it = iter(loader)
+    seen = [next(it)["index"].tolist() for _ in range(3)]
+    state = loader.state_dict()
+    assert seen == full[:3] and state == {"epoch": 1, "batches": 3, "domain_weights": None}
+
+    resumed = dm.train_dataloader()  # a fresh process: same data, the checkpoint's state
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(1)
+    rest = [b["index"].tolist() for b in resumed]
+    assert rest == full[3:]  # the epoch continues where it stopped, nothing repeated or lost
+    assert resumed.state_dict() == {"epoch": 1, "batches": len(full), "domain_weights": None}
+    resumed.sampler.set_epoch(2)
+    assert len(list(resumed)) == len(full)  # the next epoch is whole
+
+    ended = dm.train_dataloader()  # a checkpoint written at the end of epoch 1: epoch 2 is not cut short
+    ended.load_state_dict({"epoch": 1, "batches": len(full)})
+    ended.sampler.set_epoch(2)
+    assert len(list(ended)) == len(full)
+
+
+def test_train_loader_resumes_the_order_drawn_before_the_weights_changed(tiny_tok, tmp_path):
+    chat = write_jsonl(tmp_path / "chat.jsonl", chat_rows(16, prefix="chat"))
+    code = write_jsonl(tmp_path / "code.jsonl", chat_rows(16, domain="code", prefix="code"))
+    dm = SpecDataModule(tokenizer=tiny_tok, train_sources=[chat, code], eval_sources=[], batch_size=4, seed=2)
+    dm.setup("fit")
+    dm.set_domain_weights({"chat": 1.0, "code": 3.0})
+    loader = dm.train_dataloader()
+    full = [b["index"].tolist() for b in loader]  # epoch 0
+    loader.sampler.set_epoch(0)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    assert state == {"epoch": 0, "batches": 2, "domain_weights": {"chat": 1.0, "code": 3.0}}
+    dm.set_domain_weights({"chat": 1.0})  # a mid-epoch validation re-weighted; the checkpoint holds these
+    resumed = dm.train_dataloader()
+    resumed.load_state_dict(state)
+    assert [b["index"].tolist() for b in resumed] == full[2:]  # the interrupted order, not one with chat only
+    resumed.sampler.set_epoch(1)
+    assert {dm.train_dataset[i]["domain"] for b in resumed for i in b["index"].tolist()} == {"chat"}  # then the new

@@ -446,3 +446,16 @@ def test_budget_at_least_the_starts_is_exact_and_below_it_unbiased():
     noise = (g.var(0).sum() / draws).sqrt()
     assert err <= 3 * noise
     assert float(nums_t.std()) > 0  # it really was sampling
+
+
+def test_seeded_systematic_sampling_is_per_row():
+    g = torch.Generator().manual_seed(1)
+    pi = inclusion_probabilities(torch.rand(5, 30, generator=g, dtype=torch.float64), 6)
+    seeds = torch.tensor([11, 12, 13, 14, 15])
+    index, keep = systematic_sample(pi, 6, seeds=seeds)
+    for rows in ([3, 0], [4], [2, 1, 0]):  # a row draws the same anchors next to any neighbours
+        sub_index, sub_keep = systematic_sample(pi[rows], 6, seeds=seeds[rows])
+        for j, row in enumerate(rows):
+            assert sub_index[j][sub_keep[j]].tolist() == index[row][keep[row]].tolist()
+    other, other_keep = systematic_sample(pi, 6, seeds=seeds + 100)
+    assert any(other[r][other_keep[r]].tolist() != index[r][keep[r]].tolist() for r in range(5))

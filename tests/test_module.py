@@ -1,5 +1,6 @@
 """DraftModule: gradient reduction across accumulation, the feature cache, drafter-only checkpoints."""
 
+import contextlib
 import json
 
 import lightning as L
@@ -306,3 +307,66 @@ def test_loading_with_another_vocabulary_is_a_clear_error(trained, make_random_l
     torch.save({"state_dict": {}}, bogus)
     with pytest.raises(ValueError, match="not a lightning_spec checkpoint"):
         load_drafter(bogus)
+
+
+# -------------------------------------------------------------------------------- determinism, divergence
+
+
+def test_seeded_anchors_depend_on_the_example_only(tiny_target):
+    from lightning_spec.module import anchor_seeds
+
+    drafter = BlockDrafter(block_size=3, num_layers=1, num_anchors=4)
+    examples = sequences(6)
+    seeds = anchor_seeds(0, 5, torch.arange(6))
+    assert len(set(seeds.tolist())) == 6 and torch.equal(seeds, anchor_seeds(0, 5, torch.arange(6)))
+    assert not torch.equal(seeds, anchor_seeds(0, 6, torch.arange(6)))  # a new step, new anchors
+    assert not torch.equal(seeds, anchor_seeds(1, 5, torch.arange(6)))  # another run seed, new anchors
+    whole = collate(examples, pad_id=0)  # padded to the longest of all six
+    a_all, k_all = drafter.sample_anchors(whole["loss_mask"], seeds)
+    for rows in ([4, 1], [2], [5, 0, 3]):  # other neighbours, other padded lengths
+        part = collate([examples[i] for i in rows], pad_id=0)
+        a, k = drafter.sample_anchors(part["loss_mask"], seeds[rows])
+        assert torch.equal(a, a_all[rows]) and torch.equal(k, k_all[rows])
+    assert (k_all.sum(1) == 4).all()  # every sequence has >= 4 candidates: num_anchors of them are kept
+    torch.manual_seed(0)
+    a1, _ = drafter.sample_anchors(whole["loss_mask"])  # no seeds: the global RNG, as before
+    a2, _ = drafter.sample_anchors(whole["loss_mask"])
+    assert not torch.equal(a1, a2)
+
+
+class NaNObjective(Objective):
+    """KL whose numerator is NaN: a diverged run."""
+
+    def __call__(self, draft):
+        terms = super().__call__(draft)
+        return type(terms)(terms.num * float("nan"), terms.den, terms.metrics)
+
+
+def test_a_non_finite_loss_stops_training_with_one_sentence(tiny_target):
+    module = DraftModule(BlockDrafter(block_size=3, num_layers=1, num_anchors=8), NaNObjective(KL()),
+                         target=tiny_target, lr=0.5)
+    loader = DataLoader(batches(sequences(4), 2), batch_size=None)
+    message = r"^train/loss is not finite \(nan\) at step 0: training diverged; lower model\.lr \(the learning rate is "
+    with pytest.raises(FloatingPointError, match=message + r"[0-9.e-]+\) or check the data for broken examples\.$"):
+        quiet_trainer(max_steps=2).fit(module, train_dataloaders=loader)
+    assert module.trainer.global_step == 0  # stopped before the optimizer step
+
+
+def test_fsdp_shards_the_drafter_and_leaves_the_target_whole(tiny_target):
+    """FSDP itself needs GPUs; this checks the wiring experiments/qwen3_8b_fsdp.yaml relies on."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from lightning_spec.callbacks.spec_validation import full_parameters
+
+    for strategy, sharded in ((FSDPStrategy(sharding_strategy="FULL_SHARD"), True), (DDPStrategy(), False)):
+        strategy.parallel_devices = [torch.device("cpu")]
+        module = DraftModule(BlockDrafter(block_size=3, num_layers=1), Objective(KL()), target=tiny_target)
+        module.trainer = SimpleNamespace(strategy=strategy)
+        module.configure_model()
+        # FSDP must not flatten the frozen target (bf16 on GPUs) with the fp32 drafter, nor shard the embedding
+        # and LM head the drafter reads outside FSDP's forward; its checkpoints hold no target weights to load
+        assert getattr(strategy, "kwargs", {}).get("ignored_modules") == ([module.target] if sharded else None)
+        assert module.strict_loading is not sharded
+    assert isinstance(full_parameters(SimpleNamespace(strategy=DDPStrategy())), contextlib.nullcontext)

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_spec.callbacks.spec_validation import full_parameters
 from lightning_spec.evaluation.offline import (
     RolloutSet,
     check_rollouts,
@@ -79,9 +80,10 @@ class OfflineEvaluation(Callback):
         mine = list(range(trainer.global_rank, len(data), trainer.world_size))
         d = len(self._domains)
         sums = torch.zeros(2 * d + 2 * k, dtype=torch.float64, device=module.device)  # tokens, rounds, slots
-        if mine:
-            report = offline_report(module.target, module.drafter, data.subset(mine), self.sampling,
-                                    batch_size=self.batch_size)
+        with full_parameters(trainer):  # FSDP: every rank gathers the whole drafter, even one with no rollouts
+            report = None if not mine else offline_report(module.target, module.drafter, data.subset(mine),
+                                                          self.sampling, batch_size=self.batch_size)
+        if report is not None:
             for i, domain in enumerate(self._domains):
                 tokens, rounds = report.domain_sums().get(domain, (0.0, 0.0))
                 sums[i], sums[d + i] = tokens, rounds

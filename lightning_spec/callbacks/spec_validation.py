@@ -9,6 +9,7 @@ decoding of the same prompts, measured in the same call. Extra sampling configs 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 
 from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
 from lightning_spec.metrics import MeanAcceptedLength
@@ -79,17 +81,19 @@ class SpecDecodeValidation(Callback):
         start = time.perf_counter()
         prompts = self._prompts(trainer)
         domains = sorted({p["domain"] for p in prompts})
-        mine = prompts[trainer.global_rank :: trainer.world_size]
+        # prompt i keeps seed + i whichever rank decodes it: DDP ranks measure what one process would
+        mine = [dict(p, seed=self.seed + i) for i, p in enumerate(prompts)][trainer.global_rank :: trainer.world_size]
         was_training = module.drafter.training
         module.drafter.eval()
         metrics: dict[str, float] = {}
         try:
-            for i, sampling in enumerate(self.sampling):
-                report = decode_prompts(
-                    module.target, module.drafter, mine, sampling, self.max_new_tokens,
-                    measure_plain=plain and self.measure_speedup and i == 0, seed=self.seed,
-                )
-                metrics.update(self._reduce(trainer, module, report, domains, self.prefix(i, sampling)))
+            with full_parameters(trainer):
+                for i, sampling in enumerate(self.sampling):
+                    report = decode_prompts(
+                        module.target, module.drafter, mine, sampling, self.max_new_tokens,
+                        measure_plain=plain and self.measure_speedup and i == 0,
+                    )
+                    metrics.update(self._reduce(trainer, module, report, domains, self.prefix(i, sampling)))
         finally:
             module.drafter.train(was_training)
         self._seconds = time.perf_counter() - start
@@ -163,6 +167,17 @@ class SpecDecodeValidation(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
         self._last_step = state_dict.get("last_step")
+
+
+def full_parameters(trainer: L.Trainer) -> contextlib.AbstractContextManager:
+    """Decoding needs whole weights: under FSDP each rank holds a shard of the drafter between steps, so gather
+    them for the duration (every rank enters together; decoding then runs on plain modules, never inside an FSDP
+    forward, which is why the FSDP example wraps no drafter layer on its own). Elsewhere: nothing to do."""
+    if not isinstance(trainer.strategy, FSDPStrategy):
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(trainer.strategy.model, writeback=False)
 
 
 def print_table(after: dict[str, float], before: dict[str, float] | None, samplings: list[SamplingConfig]) -> None:

@@ -93,3 +93,15 @@ def num_params(module: nn.Module) -> int:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     var = x.float().pow(2).mean(-1, keepdim=True)
     return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
+
+
+def seeded_rand(seeds: Tensor, size: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(N,) int seeds -> (N, size) uniforms on the CPU, row i from its own generator seeded with ``seeds[i]``.
+
+    CPU generators draw serially, so a row's first k values are the same whatever ``size`` is: a row draws the
+    same values in a batch padded to any length, next to any neighbours, on any DDP rank.
+    """
+    out = torch.empty(len(seeds), size, dtype=dtype)
+    for row, seed in zip(out, seeds.tolist()):
+        row.uniform_(generator=torch.Generator().manual_seed(int(seed)))
+    return out

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_spec.drafters.base import Drafter, DraftOutput, Proposal, rms_norm
+from lightning_spec.drafters.base import Drafter, DraftOutput, Proposal, rms_norm, seeded_rand
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -253,14 +253,22 @@ class BlockDrafter(Drafter):
         return torch.cat([emb[..., None, :], masks], dim=-2)
 
     # ------------------------------------------------------------------------------------------- training
-    def sample_anchors(self, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    def sample_anchors(self, loss_mask: Tensor, seeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Up to ``num_anchors`` anchors per sequence, uniformly without replacement among positions n whose
-        next token is supervised (loss_mask[n + 1]). Returns anchors (N, A) and keep (N, A) bool."""
+        next token is supervised (loss_mask[n + 1]). Returns anchors (N, A) and keep (N, A) bool.
+
+        ``seeds`` (N,) int: row i draws from its own generator seeded with ``seeds[i]``, so its anchors do not
+        depend on the batch it sits in (its neighbours, the padded length, the DDP rank); None draws from the
+        global torch RNG."""
         n, s = loss_mask.shape
         candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
         candidate[:, :-1] = loss_mask[:, 1:].bool()  # (N, S)
         a = min(self.num_anchors, s)
-        scores = torch.rand(n, s, device=loss_mask.device).masked_fill(~candidate, -1.0)
+        if seeds is None:
+            scores = torch.rand(n, s, device=loss_mask.device)
+        else:
+            scores = seeded_rand(seeds, s).to(loss_mask.device)  # (N, S)
+        scores = scores.masked_fill(~candidate, -1.0)
         top = scores.topk(a, dim=-1)
         keep = top.values >= 0  # (N, A)
         anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
@@ -277,14 +285,15 @@ class BlockDrafter(Drafter):
     ) -> DraftOutput:
         """Training forward. batch: input_ids (N, S), loss_mask (N, S); features (N, S, F) of the target layers.
 
-        ``anchors`` (N, A) and ``keep`` (N, A) bool choose the blocks; by default ``sample_anchors`` draws them.
+        ``anchors`` (N, A) and ``keep`` (N, A) bool choose the blocks; by default ``sample_anchors`` draws them,
+        per row from ``batch["anchor_seed"]`` (N,) when the batch has it (``DraftModule`` puts it there).
         Objectives that pick anchors themselves (EDR's inclusion-probability sampling) pass them in.
         """
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         n, s = ids.shape
         k = self.block_size
         if anchors is None:
-            anchors, keep = self.sample_anchors(loss_mask)  # (N, A)
+            anchors, keep = self.sample_anchors(loss_mask, batch.get("anchor_seed"))  # (N, A)
         elif keep is None:
             keep = torch.ones_like(anchors, dtype=torch.bool)
         a = anchors.shape[1]

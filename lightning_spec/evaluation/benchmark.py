@@ -55,7 +55,8 @@ def decode_prompts(
 ) -> DecodeReport:
     """Decode every prompt (dicts with ``prompt_ids`` and ``domain``) with the drafter, and optionally plain.
 
-    Seeds are per prompt (``seed + i``) so runs are reproducible and plain/speculative see the same prompts.
+    Seeds are per prompt (``prompt["seed"]`` when given, else ``seed + i``) so runs are reproducible and
+    plain/speculative see the same prompts.
     ``progress`` is an optional callable advanced once per prompt.
     """
     report = DecodeReport(
@@ -64,7 +65,8 @@ def decode_prompts(
         slots=SlotAcceptance(drafter.block_size if drafter is not None else 1),
     )
     for i, prompt in enumerate(prompts):
-        gen = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=drafter, seed=seed + i)
+        prompt_seed = prompt.get("seed", seed + i)
+        gen = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=drafter, seed=prompt_seed)
         report.mal.update(len(gen.tokens), gen.rounds)
         report.mal_by_domain.setdefault(prompt["domain"], MeanAcceptedLength()).update(len(gen.tokens), gen.rounds)
         report.slots.update(gen.accept_lengths)
@@ -74,7 +76,7 @@ def decode_prompts(
         report.draft_seconds += gen.draft_seconds
         report.verify_seconds += gen.verify_seconds
         if measure_plain:
-            plain = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=None, seed=seed + i)
+            plain = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=None, seed=prompt_seed)
             report.plain_tokens += len(plain.tokens)
             report.plain_seconds += plain.seconds
         if progress is not None:

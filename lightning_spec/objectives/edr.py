@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_spec.drafters.base import DraftOutput
+from lightning_spec.drafters.base import DraftOutput, seeded_rand
 from lightning_spec.objectives.losses import Loss
 from lightning_spec.objectives.objective import DraftFn, Objective, TargetInfo
 from lightning_spec.objectives.weights import AnchorWeight, PositionWeight
@@ -371,13 +371,21 @@ def inclusion_probabilities(mass: Tensor, budget: int) -> Tensor:
     return torch.where(exact, positive.double(), pi)
 
 
-def systematic_sample(pi: Tensor, budget: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def systematic_sample(
+    pi: Tensor, budget: int, generator: torch.Generator | None = None, seeds: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Random-start systematic sampling: unit n is drawn iff [C_{n-1}, C_n) (C the running sum of π) contains
     one of u, u + 1, ...; u ~ U[0, 1) per row. Each unit is drawn with probability exactly π_n ≤ 1, Σ π of
-    them in all. Returns sorted indices (N, B) and keep (N, B), B ≤ budget."""
+    them in all. Returns sorted indices (N, B) and keep (N, B), B ≤ budget.
+
+    ``seeds`` (N,) int: row i draws its u from its own generator seeded with ``seeds[i]`` (the same draw in
+    whatever batch or DDP rank the row lands); otherwise u comes from ``generator`` or the global RNG."""
     n, s = pi.shape
     c = pi.double().cumsum(-1)
-    u = torch.rand(n, 1, dtype=torch.float64, generator=generator, device="cpu" if generator else pi.device)
+    if seeds is not None:
+        u = seeded_rand(seeds, 1, dtype=torch.float64)  # (N, 1)
+    else:
+        u = torch.rand(n, 1, dtype=torch.float64, generator=generator, device="cpu" if generator else pi.device)
     u = u.to(pi.device)
     prev = torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], -1)
     drawn = (torch.floor(c - u) - torch.floor(prev - u)) > 0  # (N, S)
@@ -494,7 +502,7 @@ class EDROccupancy(AnchorWeight):
         table, ch, values = self.statistics(batch, draft_fn, target)
         with torch.no_grad():
             pi = inclusion_probabilities(values.start, self.max_anchors)  # (N, S)
-            anchors, keep = systematic_sample(pi, self.max_anchors)  # (N, A)
+            anchors, keep = systematic_sample(pi, self.max_anchors, seeds=batch.get("anchor_seed"))  # (N, A)
             n, na = anchors.shape
             k = values.reach.shape[-1]
             idx = anchors[..., None].expand(n, na, k)

@@ -1,0 +1,107 @@
+"""`lightning-spec fit` in a subprocess for tests/test_ddp.py and tests/test_resume.py, and the callbacks those
+subprocesses load by class path (``fit`` puts this folder on their PYTHONPATH). Not a test module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+import lightning_spec.callbacks.spec_validation as spec_validation
+from lightning_spec.callbacks import SpecDecodeValidation
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "experiments" / "tiny.yaml"
+
+
+def fit(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``lightning-spec fit -c experiments/tiny.yaml *args`` run in ``cwd`` (its mlflow.db and runs/ land there),
+    offline, one thread per process, with this folder importable."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(p for p in [str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")] if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+    cmd = [sys.executable, "-m", "lightning_spec", "fit", "-c", str(TINY), "--trainer.enable_progress_bar=false",
+           *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def callback(class_path: str, **init_args) -> str:
+    """A ``--trainer.callbacks+=`` argument that appends one callback to the YAML's."""
+    return "--trainer.callbacks+=" + json.dumps({"class_path": class_path, "init_args": init_args})
+
+
+def mlflow_runs(cwd: Path) -> tuple[object, list]:
+    """(client, runs) of the ``lightning_spec`` experiment in ``cwd/mlflow.db``."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
+    return client, client.search_runs([client.get_experiment_by_name("lightning_spec").experiment_id])
+
+
+def metric_history(cwd: Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of ``key`` in the single MLflow run in ``cwd``, by step."""
+    client, (run,) = mlflow_runs(cwd)
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+
+
+class Probe(Callback):
+    """Writes, per rank, what the run did to ``<out>/rank<r>.json`` (the example indices of every training batch,
+    the ids of the prompts this rank decoded at every validation, and ``SpecDecodeValidation.history``: the
+    metrics this rank ended up with) and the drafter before and after training to ``<out>/rank<r>.pt``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+        self.batches: list[dict] = []
+        self.decoded: list[list[str]] = []
+        self._decode = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        decode = spec_validation.decode_prompts
+
+        def recording(target, drafter, prompts, *args, **kwargs):
+            self.decoded.append([p["id"] for p in prompts])
+            return decode(target, drafter, prompts, *args, **kwargs)
+
+        self._decode = decode
+        spec_validation.decode_prompts = recording  # undone in teardown
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.initial = {k: v.detach().cpu().clone() for k, v in pl_module.drafter.state_dict().items()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches.append({"step": trainer.global_step, "index": batch["index"].tolist()})
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        rank = trainer.global_rank
+        history = [h for c in trainer.callbacks if isinstance(c, SpecDecodeValidation) for h in c.history]
+        record = {"world_size": trainer.world_size, "batches": self.batches, "decoded": self.decoded,
+                  "history": history}
+        (self.out / f"rank{rank}.json").write_text(json.dumps(record))
+        final = {k: v.detach().cpu() for k, v in pl_module.drafter.state_dict().items()}
+        torch.save({"initial": self.initial, "final": final}, self.out / f"rank{rank}.pt")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._decode is not None:
+            spec_validation.decode_prompts, self._decode = self._decode, None
+
+
+class KillAt(Callback):
+    """SIGKILLs the process when training step ``step + 1`` is about to start: steps 1..step are done, with their
+    checkpoints and logged metrics, and nothing is flushed or finalised (a machine that dies)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,86 @@
+"""DDP: 2 CPU ranks (gloo) train exactly like 1 process with the doubled batch.
+
+Both runs are real `lightning-spec fit` subprocesses on the tiny target (12 training examples, so 3 optimizer
+steps per epoch and 5 steps cross an epoch boundary), logging to their own SQLite MLflow store; `fit_probe.Probe`
+records every rank's batches, the prompts each rank decoded and the final drafter.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fit_probe import callback, fit, metric_history
+
+STEPS = 5
+
+
+def probe(out: Path) -> str:
+    return callback("fit_probe.Probe", out=str(out))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process with batch 4, and 2 DDP ranks with batch 2 each."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    common = [f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=3"]
+    one = fit(tmp / "one", *common, "--data.batch_size=4", probe(tmp / "one" / "probe"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = fit(tmp / "two", *common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
+              probe(tmp / "two" / "probe"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    return tmp / "one", tmp / "two"
+
+
+def load(run: Path, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    record = json.loads((run / "probe" / f"rank{rank}.json").read_text())
+    return record, torch.load(run / "probe" / f"rank{rank}.pt")
+
+
+def test_two_ranks_split_every_batch_of_one_process(runs):
+    one, two = runs
+    (r1, _), (a, _), (b, _) = load(one, 0), load(two, 0), load(two, 1)
+    assert r1["world_size"] == 1 and a["world_size"] == b["world_size"] == 2
+    assert len(r1["batches"]) == len(a["batches"]) == len(b["batches"]) == STEPS
+    for whole, x, y in zip(r1["batches"], a["batches"], b["batches"]):
+        assert whole["step"] == x["step"] == y["step"]
+        assert len(x["index"]) == len(y["index"]) == 2
+        # the interleaved shards of one global order: rank r holds order[r::2] of the 1-process batch
+        assert whole["index"] == [i for pair in zip(x["index"], y["index"]) for i in pair]
+    epoch0 = [i for s in r1["batches"][:3] for i in s["index"]]
+    assert sorted(epoch0) == list(range(12))  # 3 steps of 4 = one shuffled epoch of the 12 training examples
+    assert [i for s in r1["batches"][3:] for i in s["index"]] != epoch0[:8]  # set_epoch: epoch 1 reshuffles
+
+
+def test_two_ranks_give_the_loss_curve_and_drafter_of_one_process(runs):
+    one, two = runs
+    curve1, curve2 = metric_history(one, "train/loss"), metric_history(two, "train/loss")
+    assert [s for s, _ in curve1] == [s for s, _ in curve2] and len(curve1) == STEPS
+    # logged under DDP: the global batch's loss (sums over both ranks), not rank 0's half
+    torch.testing.assert_close(torch.tensor([v for _, v in curve2]), torch.tensor([v for _, v in curve1]),
+                               rtol=1e-5, atol=1e-6)
+    assert len({round(v, 4) for _, v in curve1}) > 1  # the curve moves: the check has power
+    (_, d1), (_, d2a), (_, d2b) = load(one, 0), load(two, 0), load(two, 1)
+    w1, w2a, w2b = d1["final"], d2a["final"], d2b["final"]
+    assert w1.keys() == w2a.keys()
+    for key in w1:
+        assert torch.equal(d2a["initial"][key], d1["initial"][key]), key  # the same start
+        assert torch.equal(w2a[key], w2b[key]), key  # DDP keeps the ranks identical
+        torch.testing.assert_close(w2a[key], w1[key], rtol=1e-5, atol=2e-6, msg=key)  # measured: <= 2e-7
+    moved = max(float((w1[k].float() - w0.float()).abs().max()) for k, w0 in d1["initial"].items())
+    assert moved > 1e-3  # training moved the drafter far more than the tolerance: the check has power
+
+
+def test_spec_validation_splits_prompts_and_agrees_across_ranks(runs):
+    one, two = runs
+    (r1, _), (a, _), (b, _) = load(one, 0), load(two, 0), load(two, 1)
+    assert len(r1["decoded"]) == len(a["decoded"]) == len(b["decoded"]) >= 3  # step 0, step 3, end of training
+    for whole, x, y in zip(r1["decoded"], a["decoded"], b["decoded"]):
+        assert len(whole) == 3 and not set(x) & set(y) and sorted(x + y) == sorted(whole)  # each prompt once
+    assert [s for s, _ in a["history"]] == [s for s, _ in b["history"]] == [s for s, _ in r1["history"]] == [0, 3, 5]
+    for (_, m1), (_, ma), (_, mb) in zip(r1["history"], a["history"], b["history"]):
+        assert ma == mb  # every rank logs the reduced values, timings included
+        quality = [k for k in m1 if "/mal" in k or "/accept_rate/" in k]
+        assert quality and set(m1) == set(ma)
+        for key in quality:
+            assert ma[key] == pytest.approx(m1[key], abs=1e-6), key
