@@ -4,7 +4,8 @@ Other subcommands (``rollouts``, ``evaluate``, …) are registered in ``EXTRA_CO
 
 A thin LightningCLI: the YAML schema is the typed ``__init__`` of ``DraftModule``, ``SpecDataModule`` and the
 parts they take. Defaults a user meets: MLflow tracking in ``sqlite:///mlflow.db`` of the working folder, the
-rich progress bar, and a checkpoint (drafter only) with ``last.ckpt``.
+rich progress bar, and a checkpoint (drafter only) with ``last.ckpt``, rewritten at every validation and epoch end;
+``fit --ckpt_path .../last.ckpt`` resumes mid-epoch into the same MLflow run (``SpecCLI.before_fit``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import os
 import sys
 from typing import Any
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_spec.data.datamodule import SpecDataModule
-from lightning_spec.module import DraftModule
+from lightning_spec.module import MLFLOW_RUN_KEY, DraftModule
 
 TRAINER_DEFAULTS = {
     # checkpoints go to runs/<mlflow experiment id>/<mlflow run id>/checkpoints (MLflow has no log folder)
@@ -58,6 +61,28 @@ class SpecCLI(LightningCLI):
                 "raise data.max_length or lower model.drafter.block_size."
             )
 
+    def before_fit(self) -> None:
+        """``fit --ckpt_path x.ckpt`` continues the MLflow run that wrote the checkpoint (its id is stored in the
+        checkpoint), so an interrupted and resumed training is one run with its metrics before and after."""
+        path = self.config_init[self.subcommand].get("ckpt_path")
+        loggers = [lg for lg in self.trainer.loggers if isinstance(lg, MLFlowLogger) and lg._run_id is None]
+        if not path or not os.path.isfile(path) or not loggers:  # also Lightning's "last"/"hpc" shortcuts
+            return
+        run_id = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get(MLFLOW_RUN_KEY)
+        if run_id is None:
+            return
+        from mlflow.exceptions import MlflowException
+
+        for logger in loggers:
+            if self.trainer.is_global_zero:
+                try:
+                    logger._mlflow_client.get_run(run_id)
+                except MlflowException:
+                    rank_zero_warn(f"{path} was written by MLflow run {run_id}, which is not in the tracking store "
+                                   f"{logger._tracking_uri}; logging the resumed training to a new run.")
+                    continue
+            logger._run_id = run_id  # MLFlowLogger continues a run id set before its first use (no public setter)
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
         # A YAML `trainer.callbacks:` list replaces defaults wholesale; add ours unless the user chose their own.
         given = list(config.get("callbacks") or []) + list(callbacks)
@@ -75,6 +100,7 @@ class SpecCLI(LightningCLI):
 EXTRA_COMMANDS: dict[str, str] = {
     "rollouts": "lightning_spec.data.rollouts:rollouts",
     "evaluate": "lightning_spec.evaluation.cli:evaluate",
+    "sweep": "lightning_spec.sweeps:sweep",
 }
 
 
@@ -85,7 +111,7 @@ def run_command(name: str, argv: list[str]) -> None:
     module, _, attr = EXTRA_COMMANDS[name].partition(":")
     func = getattr(importlib.import_module(module), attr)
     parser = ArgumentParser(prog=f"lightning-spec {name}", description=(func.__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with these options")
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help="a YAML file with these options")
     parser.add_function_arguments(func, as_group=False)
     cfg = parser.parse_args(argv)
     cfg.pop("config", None)
@@ -101,9 +127,10 @@ def main(args: list[str] | None = None) -> None:
             run_command(argv[0], argv[1:])
         else:
             run_cli(args)
-    except ValueError as err:
-        # Errors a user can cause are ValueErrors raised by our own code with one sentence naming the field:
-        # print that sentence, not a stack trace. Anything raised deeper (torch, transformers) keeps its trace.
+    except (ValueError, FloatingPointError) as err:
+        # Errors a user can cause are ValueErrors raised by our own code with one sentence naming the field (and
+        # the module's FloatingPointError for a diverged loss): print that sentence, not a stack trace. Anything
+        # raised deeper (torch, transformers) keeps its trace.
         if not _raised_here(err) or os.environ.get("LIGHTNING_SPEC_TRACEBACK"):
             raise
         print(f"lightning-spec: error: {err}", file=sys.stderr)
@@ -117,15 +144,22 @@ def _raised_here(err: BaseException) -> bool:
     return tb is not None and f"{os.sep}lightning_spec{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
-def run_cli(args: list[str] | None = None) -> None:
-    """Run the CLI; user errors propagate as ValueError (``main`` turns them into one printed sentence)."""
+def run_cli(args: list[str] | None = None, callbacks: list[Any] | None = None, exit_on_error: bool = True) -> None:
+    """Run the CLI; user errors propagate as ValueError (``main`` turns them into one printed sentence).
+
+    ``callbacks``: instances added to the trainer after the YAML's (the sweep's trial reporter); the run is
+    otherwise exactly ``fit``. ``exit_on_error=False`` raises a bad option as ``jsonargparse.ArgumentError``
+    instead of printing the usage and exiting (a sweep records it as a failed trial and goes on).
+    """
+    parser_kwargs = {} if exit_on_error else {"exit_on_error": False, "fit": {"exit_on_error": False}}
     SpecCLI(
         DraftModule,
         SpecDataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
+        trainer_defaults={**TRAINER_DEFAULTS, "callbacks": list(callbacks)} if callbacks else TRAINER_DEFAULTS,
         save_config_callback=SaveConfigToTracker,
         save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
         args=args,
+        parser_kwargs=parser_kwargs,
         auto_configure_optimizers=False,
     )
 

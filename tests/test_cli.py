@@ -192,3 +192,11 @@ def test_drafter_for_another_vocabulary_is_a_clear_error(tmp_path, make_random_l
     folder = save_drafter(drafter, tmp_path / "drafter", target_spec="random-96")
     with pytest.raises(ValueError, match=r"96-token vocabulary, but this target has 320.*'random-96'"):
         load_drafter(folder, target="tiny-random")
+
+
+def test_a_diverging_fit_stops_with_one_sentence(in_tmp, capsys):
+    # lr 1e30: the first AdamW step blows the drafter up and the next loss is NaN
+    args = ["fit", "-c", str(TINY), "--model.lr=1e30", "--model.warmup_ratio=0", "--trainer.logger=false"]
+    assert exit_code(args) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lightning-spec: error: train/loss is not finite (nan) at step 1: ") and "model.lr" in last
