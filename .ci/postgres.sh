@@ -3,6 +3,7 @@
 #                    folder, starts it on a free port of 127.0.0.1, creates the database and exports
 #                    LIGHTNING_SPEC_TEST_POSTGRES=postgresql+psycopg2://postgres@127.0.0.1:PORT/lightning_spec_test
 #   stop_postgres    stops it and removes the folder (start_postgres sets it as the EXIT trap)
+# Every step returns 1 on failure (callers decide; .ci/run goes on and the test skips, saying why).
 # initdb refuses to run as root, so as root the server runs as the `postgres` user (created if missing).
 
 pg_bin_dir() {
@@ -21,6 +22,7 @@ start_postgres() {
         apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null
         bin=$(pg_bin_dir)
+        [ -n "$bin" ] || { echo "postgres: no initdb after apt-get install postgresql" >&2; return 1; }
     fi
     PG_DIR=$(mktemp -d /tmp/lightning-spec-pg.XXXXXX)
     if [ "$(id -u)" = 0 ]; then
@@ -29,12 +31,12 @@ start_postgres() {
         as=(runuser -u postgres --)
     fi
     port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    "${as[@]}" "$bin/initdb" -D "$PG_DIR/data" -U postgres -A trust -E UTF8 --locale=C --no-sync >"$PG_DIR/initdb.log"
+    "${as[@]}" "$bin/initdb" -D "$PG_DIR/data" -U postgres -A trust -E UTF8 --locale=C --no-sync >"$PG_DIR/initdb.log" || return 1
     "${as[@]}" "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 60 \
-        -o "-p $port -k $PG_DIR -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off" start >/dev/null
+        -o "-p $port -k $PG_DIR -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off" start >/dev/null || return 1
     PG_STOP=("${as[@]}" "$bin/pg_ctl" -D "$PG_DIR/data" -m fast -w stop)
     trap stop_postgres EXIT
-    "$bin/createdb" -h 127.0.0.1 -p "$port" -U postgres lightning_spec_test
+    "$bin/createdb" -h 127.0.0.1 -p "$port" -U postgres lightning_spec_test || return 1
     export LIGHTNING_SPEC_TEST_POSTGRES="postgresql+psycopg2://postgres@127.0.0.1:$port/lightning_spec_test"
     echo "postgres: $LIGHTNING_SPEC_TEST_POSTGRES"
 }

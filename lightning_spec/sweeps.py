@@ -558,6 +558,13 @@ def _domain_keys(metrics: dict[str, float], metric: str) -> dict[str, str]:
     return {}
 
 
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
 def comparison_plots(trials: list[FrozenTrial], metric: str, direction: Any, out: Path) -> list[Path]:
     """PNG files: the metric vs block size per objective, per-domain values of each objective's best trial,
     and the optimisation history. Only trials that completed are compared."""
@@ -593,10 +600,7 @@ def comparison_plots(trials: list[FrozenTrial], metric: str, direction: Any, out
         ax.set_title(f"{metric} vs block size (line: best trial per K)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / "metric_vs_block_size.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(plt, fig, out / "metric_vs_block_size.png"))
 
         best_per_objective = {}
         for t in done:
@@ -625,10 +629,7 @@ def comparison_plots(trials: list[FrozenTrial], metric: str, direction: Any, out
             ax.set_title("per domain, best trial of each objective")
             ax.legend(fontsize=8)
             ax.grid(axis="y", alpha=0.3)
-            fig.tight_layout()
-            paths.append(out / "per_domain.png")
-            fig.savefig(paths[-1], dpi=120)
-            plt.close(fig)
+            paths.append(_save(plt, fig, out / "per_domain.png"))
 
     finished = sorted((t for t in trials if t.state.is_finished()), key=lambda t: t.number)
     if finished:
@@ -656,10 +657,7 @@ def comparison_plots(trials: list[FrozenTrial], metric: str, direction: Any, out
         ax.set_title("optimisation history" + (" (red: failed)" if failed else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / "optimization_history.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(plt, fig, out / "optimization_history.png"))
     return paths
 
 

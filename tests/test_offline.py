@@ -306,7 +306,9 @@ def test_empty_responses_take_no_rounds(diverse_target, make_block_drafter):
 # ---------------------------------------------------------------------------------- callback and CLI
 
 
-def test_offline_evaluation_callback_logs_during_fit(tmp_path, rollout_folder):
+@pytest.mark.parametrize(("max_steps", "every", "scored"), [(2, 1, [1, 2]), (3, 2, [2, 3])])
+def test_offline_evaluation_callback_logs_during_fit(tmp_path, rollout_folder, max_steps, every, scored):
+    """Every validation (not the sanity check) is scored, and the end of training when its last steps were not."""
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_spec.callbacks import OfflineEvaluation
@@ -325,11 +327,12 @@ def test_offline_evaluation_callback_logs_during_fit(tmp_path, rollout_folder):
     torch.manual_seed(0)
     module = DraftModule(BlockDrafter(block_size=3, num_anchors=4), Objective(KL()), target="tiny-random")
     callback = OfflineEvaluation(str(rollout_folder), max_rollouts=3)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=1, limit_val_batches=1,
-                        logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, val_check_interval=every,
+                        limit_val_batches=1, logger=CSVLogger(tmp_path), enable_checkpointing=False,
+                        enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=1, callbacks=[callback])
     trainer.fit(module, datamodule=dm)
-    assert [step for step, _ in callback.history] == [1, 2]  # every validation, not the sanity check
+    assert [step for step, _ in callback.history] == scored
     metrics = callback.history[-1][1]
     assert {"val/offline_mal", "val/offline_mal/chat", "val/offline_mal/code", "val/offline_accept_rate/t1"} <= set(
         metrics)

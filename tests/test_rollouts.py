@@ -306,3 +306,21 @@ def test_cli_writes_a_rollouts_folder(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([*args[:-4], "--temperature", "0.5", "--progress", "false"])
     assert exit_.value.code == 2 and "choose another --out" in capsys.readouterr().err
+
+
+def test_select_prompts_skips_prompts_longer_than_max_prompt_tokens(tiny_target, tmp_path):
+    from lightning_spec.data.rollouts import select_prompts
+
+    texts = ["hi", "a much longer question " * 8, "ok?", "another long one, " * 10]
+    source = write_jsonl(
+        tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": t}], "domain": "chat"} for t in texts]
+    )
+    everything = select_prompts(tiny_target.tokenizer, [source], None, seed=0)
+    lengths = sorted(len(p["prompt_ids"]) for p in everything)
+    limit = lengths[1]  # the two short prompts fit, the two long ones do not
+    assert lengths[2] > limit
+    kept = select_prompts(tiny_target.tokenizer, [source], None, seed=0, max_prompt_tokens=limit)
+    assert len(kept) == 2 and all(len(p["prompt_ids"]) <= limit for p in kept)
+    assert [p["prompt_ids"] for p in kept] == [p["prompt_ids"] for p in everything if len(p["prompt_ids"]) <= limit]
+    with pytest.raises(ValueError, match="max_prompt_tokens=3 tokens; raise it"):
+        select_prompts(tiny_target.tokenizer, [source], None, seed=0, max_prompt_tokens=3)

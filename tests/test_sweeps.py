@@ -16,8 +16,8 @@ import optuna
 import pytest
 import torch
 import yaml
+from test_cli import exit_code  # tests/ is on sys.path (as for fit_probe)
 
-from lightning_spec.cli import main
 from lightning_spec.sweeps import (
     TrialReporter,
     counts,
@@ -59,14 +59,6 @@ def sweep_yaml(tmp: Path, name: str = "sweep.yaml", **changes) -> Path:
     path = tmp / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
-
-
-def exit_code(args: list[str]) -> int:
-    try:
-        main(args)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
 
 
 def mlflow_runs(tracking_uri: str, experiment: str = "lightning_spec") -> list:

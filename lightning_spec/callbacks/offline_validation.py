@@ -29,7 +29,8 @@ from lightning_spec.sampling import SamplingConfig
 
 
 class OfflineEvaluation(Callback):
-    """Score the drafter offline on a fixed rollout set at the end of every validation (not the sanity check).
+    """Score the drafter offline on a fixed rollout set at the end of every validation (not the sanity check),
+    and once more when training ends if the last steps were not scored (as ``SpecDecodeValidation``).
 
     Args:
         rollouts: a rollouts folder made by ``lightning-spec rollouts`` with this run's target.
@@ -59,6 +60,7 @@ class OfflineEvaluation(Callback):
         self.history: list[tuple[int, dict[str, float]]] = []
         self._data: RolloutSet | None = None
         self._domains: list[str] = []
+        self._last_step: int | None = None  # the step of the last evaluation
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage not in ("fit", "validate") or self._data is not None:
@@ -103,6 +105,7 @@ class OfflineEvaluation(Callback):
 
     def _log(self, trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
         self.history.append((step, metrics))
+        self._last_step = step
         for key, value in metrics.items():
             trainer.callback_metrics[key] = torch.tensor(value)
         if trainer.is_global_zero:
@@ -120,8 +123,13 @@ class OfflineEvaluation(Callback):
             return
         self._log(trainer, self.evaluate(trainer, pl_module), step=trainer.global_step)
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._data is not None and self._last_step != trainer.global_step:  # the last steps were never scored
+            self._log(trainer, self.evaluate(trainer, pl_module), step=trainer.global_step)
+
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
+        self._last_step = self.history[-1][0] if self.history else None

@@ -526,12 +526,20 @@ class _Progress:
 # ------------------------------------------------------------------------------------------------ prompts
 
 
-def select_prompts(tokenizer: Any, sources: Sequence[Any], prompts_per_source: int | None, seed: int) -> list[dict]:
+def select_prompts(
+    tokenizer: Any,
+    sources: Sequence[Any],
+    prompts_per_source: int | None,
+    seed: int,
+    max_prompt_tokens: int | None = None,
+) -> list[dict]:
     """Prompts from each source: the conversation up to its first assistant turn, chat-templated with the
     generation header (as ``SpecDataModule.eval_prompts``), ``prompts_per_source`` per source spread over its
     subdomains (seeded shuffle, then round-robin: MT-Bench's 8 categories all appear in 8 prompts). A larger
     ``prompts_per_source`` keeps the smaller selection as its prefix, so extending a rollouts run only adds.
     At most ``max(1000, 10 × prompts_per_source)`` conversations are read per source unless it sets ``limit``.
+    ``max_prompt_tokens`` skips longer prompts before the selection (ShareGPT openings run to thousands of
+    tokens; batched decoding pads every row to the longest prompt of its batch).
     """
     from lightning_spec.data.chat import prompt_ids
     from lightning_spec.data.datamodule import _opening, _round_robin
@@ -539,11 +547,25 @@ def select_prompts(tokenizer: Any, sources: Sequence[Any], prompts_per_source: i
 
     prompts: list[dict] = []
     seen: set[str] = set()
+    ids: dict[tuple[int, str], list[int]] = {}  # (source, row id) -> chat-templated prompt, tokenized once
+
+    def tokens(k: int, row: dict) -> list[int]:
+        if (k, row["id"]) not in ids:
+            ids[k, row["id"]] = prompt_ids(tokenizer, _opening(row))
+        return ids[k, row["id"]]
+
     for k, source in enumerate(as_source(s) for s in sources):
         pool = None if prompts_per_source is None else max(1000, 10 * prompts_per_source)
         rows = load_source(source, limit=pool).to_list()
         if not rows:
             raise ValueError(f"--sources[{k}] ('{source.name}') gave no usable prompts; check the name or path.")
+        if max_prompt_tokens is not None:
+            rows = [row for row in rows if len(tokens(k, row)) <= max_prompt_tokens]
+            if not rows:
+                raise ValueError(
+                    f"--sources[{k}] ('{source.name}') has no prompt of at most --max_prompt_tokens="
+                    f"{max_prompt_tokens} tokens; raise it."
+                )
         picked = rows if prompts_per_source is None else _round_robin(rows, prompts_per_source, seed)
         for row in picked:
             if row["id"] in seen:  # the same conversation twice (ShareGPT repeats some ids)
@@ -554,7 +576,7 @@ def select_prompts(tokenizer: Any, sources: Sequence[Any], prompts_per_source: i
                     "id": row["id"],
                     "domain": row["domain"],
                     "subdomain": row["subdomain"],
-                    "prompt_ids": prompt_ids(tokenizer, _opening(row)),
+                    "prompt_ids": tokens(k, row),
                 }
             )
     return prompts
@@ -568,6 +590,7 @@ def rollouts(
     target: str = "smollm2-135m-instruct",
     sources: list[Source | str] = ["mt-bench", "humaneval", "mmath"],  # noqa: B006 (never mutated; a list shows in --help)
     prompts_per_source: int | None = 20,
+    max_prompt_tokens: int | None = None,
     n_per_prompt: int = 1,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -590,6 +613,7 @@ def rollouts(
         sources: prompt sources: packaged names (sharegpt, mt-bench, humaneval, mmath), local
             .jsonl/.json/.parquet files or folders, hub ids, or {name, domain, limit, split} entries.
         prompts_per_source: prompts taken from each source, spread over its subdomains; null = all.
+        max_prompt_tokens: skip prompts longer than this many tokens (chat template included); null = keep all.
         n_per_prompt: responses sampled per prompt.
         temperature: sampling temperature; 0 = greedy. Use the configuration you will evaluate or serve with.
         top_p: nucleus filtering (1 = off).
@@ -614,7 +638,9 @@ def rollouts(
     if model.tokenizer is None:
         raise ValueError(f"--target {target} has no tokenizer; rollouts need one to build chat prompts.")
     source_list = [as_source(s) for s in sources]
-    prompts = select_prompts(model.tokenizer, source_list, prompts_per_source, seed)
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"--max_prompt_tokens={max_prompt_tokens} must be at least 1, or null for no limit.")
+    prompts = select_prompts(model.tokenizer, source_list, prompts_per_source, seed, max_prompt_tokens)
     return generate_rollouts(
         model,
         prompts,
