@@ -279,7 +279,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNI
 def stop_during_a_trial(command: list[str], cwd: Path, storage: str, sig: int, log: Path) -> int:
     """Start the sweep and send ``sig`` once a trial runs after at least one finished; return that trial's number."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=cwd, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+        # SIG_DFL: a suite started in the background of a script (`./.ci/run &`) inherits SIGINT ignored, and the
+        # sweep (rightly) keeps an ignored SIGINT ignored; the child must see Ctrl-C as a terminal would send it
+        proc = subprocess.Popen(command, cwd=cwd, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline, victim = time.monotonic() + 240, None
         try:
             while victim is None and time.monotonic() < deadline and proc.poll() is None:
