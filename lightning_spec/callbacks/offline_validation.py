@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_spec.callbacks.spec_validation import full_parameters
+from lightning_spec.callbacks.spec_validation import full_parameters, publish
 from lightning_spec.evaluation.offline import (
     RolloutSet,
     check_rollouts,
@@ -106,11 +106,8 @@ class OfflineEvaluation(Callback):
     def _log(self, trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
         self.history.append((step, metrics))
         self._last_step = step
-        for key, value in metrics.items():
-            trainer.callback_metrics[key] = torch.tensor(value)
+        publish(trainer, metrics, step)
         if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
             print(f"[offline-evaluation] step {step}: val/offline_mal={metrics['val/offline_mal']:.3f}",
                   file=sys.stderr)
 

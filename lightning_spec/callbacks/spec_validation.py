@@ -129,11 +129,8 @@ class SpecDecodeValidation(Callback):
     def _log(self, trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
         self.history.append((step, metrics))
         self._last_step = step
-        for key, value in metrics.items():
-            trainer.callback_metrics[key] = torch.tensor(value)
+        publish(trainer, metrics, step)
         if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
             head = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.count("/") == 1 and "mal" in k)
             took = getattr(self, "_seconds", 0.0)
             print(f"[spec-validation] step {step}: {head} ({took:.0f} s of decoding)", file=sys.stderr)
@@ -167,6 +164,17 @@ class SpecDecodeValidation(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
         self._last_step = state_dict.get("last_step")
+
+
+def publish(trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
+    """Metrics measured outside Lightning's logging (decoding, offline scoring): into ``trainer.callback_metrics``
+    on every rank (what checkpoints, other callbacks and a sweep's reporter read), and into every logger at
+    ``step`` on rank 0 (the values are already reduced over ranks)."""
+    for key, value in metrics.items():
+        trainer.callback_metrics[key] = torch.tensor(value)
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
 
 def full_parameters(trainer: L.Trainer) -> contextlib.AbstractContextManager:
