@@ -62,8 +62,13 @@ class SamplingConfig:
         return self.logprobs(logits).exp()
 
     def sample(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """One token per row of ``probs`` (..., V) -> (...,); greedy takes the argmax."""
+        """One token per row of ``probs`` (..., V) -> (...,); greedy takes the argmax.
+
+        Seeded generators live on the CPU (one seed gives the same draws on any device), so with one the draw
+        happens there and the token moves back to ``probs``' device."""
         if self.greedy:
             return probs.argmax(-1)
         flat = probs.reshape(-1, probs.shape[-1])
-        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+        if generator is not None and generator.device != flat.device:
+            flat = flat.to(generator.device)
+        return torch.multinomial(flat, 1, generator=generator).to(probs.device).reshape(probs.shape[:-1])
