@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,7 +93,21 @@ class SpecCLI(LightningCLI):
             isinstance(c, ModelCheckpoint) for c in given
         ):
             callbacks.append(ModelCheckpoint(save_last=True))
-        return super()._instantiate_trainer(config, callbacks)
+        trainer = super()._instantiate_trainer(config, callbacks)
+        self._name_runs(trainer)
+        return trainer
+
+    def _name_runs(self, trainer: Trainer) -> None:
+        """An MLflow run without a ``run_name`` is named after its experiment file (``quickstart``): MLflow's own
+        random names repeat here, because they come from Python's RNG, which ``seed_everything`` has just reset."""
+        section = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        files = [str(f) for f in (section.get("config") or []) if f is not None]
+        if not files:
+            return
+        name = Path(files[-1]).stem
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger) and logger._run_name is None and logger._run_id is None:
+                logger._run_name = name  # read when the run is created (no public setter)
 
 
 # Subcommands that are not Lightning trainer runs: name -> "module:function", imported only when used. The

@@ -74,6 +74,7 @@ def test_fit_tiny_logs_an_mlflow_run(in_tmp):
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
+    assert run.info.run_name == "tiny"  # named after the experiment file
     params = run.data.params
     assert params["target"] == "tiny-random" and params["max_length"] == "96" and params["lr"] == "0.001"
     metrics = run.data.metrics
