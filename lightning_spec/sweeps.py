@@ -558,12 +558,12 @@ def _domain_keys(metrics: dict[str, float], metric: str) -> dict[str, str]:
     return {}
 
 
-
 def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
 
 def comparison_plots(trials: list[FrozenTrial], metric: str, direction: Any, out: Path) -> list[Path]:
     """PNG files: the metric vs block size per objective, per-domain values of each objective's best trial,

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_spec.callbacks.spec_validation import full_parameters, publish
+from lightning_spec.callbacks.spec_validation import full_parameters, last_step, publish
 from lightning_spec.evaluation.offline import (
     RolloutSet,
     check_rollouts,
@@ -60,7 +60,6 @@ class OfflineEvaluation(Callback):
         self.history: list[tuple[int, dict[str, float]]] = []
         self._data: RolloutSet | None = None
         self._domains: list[str] = []
-        self._last_step: int | None = None  # the step of the last evaluation
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage not in ("fit", "validate") or self._data is not None:
@@ -105,7 +104,6 @@ class OfflineEvaluation(Callback):
 
     def _log(self, trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
         self.history.append((step, metrics))
-        self._last_step = step
         publish(trainer, metrics, step)
         if trainer.is_global_zero:
             print(f"[offline-evaluation] step {step}: val/offline_mal={metrics['val/offline_mal']:.3f}",
@@ -121,7 +119,8 @@ class OfflineEvaluation(Callback):
         self._log(trainer, self.evaluate(trainer, pl_module), step=trainer.global_step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._data is not None and self._last_step != trainer.global_step:  # the last steps were never scored
+        # the last steps were never scored
+        if self._data is not None and last_step(self.history) != trainer.global_step:
             self._log(trainer, self.evaluate(trainer, pl_module), step=trainer.global_step)
 
     def state_dict(self) -> dict[str, Any]:
@@ -129,4 +128,3 @@ class OfflineEvaluation(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
-        self._last_step = self.history[-1][0] if self.history else None

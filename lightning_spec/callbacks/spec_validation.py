@@ -58,7 +58,6 @@ class SpecDecodeValidation(Callback):
         self.print_summary = print_summary
         self.seed = seed
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) of every evaluation
-        self._last_step: int | None = None
 
     # ------------------------------------------------------------------------------------------- helpers
     def _prompts(self, trainer: L.Trainer) -> list[dict[str, Any]]:
@@ -128,7 +127,6 @@ class SpecDecodeValidation(Callback):
 
     def _log(self, trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
         self.history.append((step, metrics))
-        self._last_step = step
         publish(trainer, metrics, step)
         if trainer.is_global_zero:
             head = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.count("/") == 1 and "mal" in k)
@@ -152,18 +150,22 @@ class SpecDecodeValidation(Callback):
             print_table(self.history[-1][1], None, self.sampling)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._last_step != trainer.global_step:  # the last steps were never validated
+        if last_step(self.history) != trainer.global_step:  # the last steps were never validated
             self._log(trainer, self.evaluate(trainer, pl_module), step=trainer.global_step)
         if self.print_summary and trainer.is_global_zero and self.history:
             before = self.history[0][1] if self.before_training and self.history[0][0] == 0 else None
             print_table(self.history[-1][1], before, self.sampling)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "last_step": self._last_step}
+        return {"history": self.history}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
-        self._last_step = state_dict.get("last_step")
+
+
+def last_step(history: list[tuple[int, dict[str, float]]]) -> int | None:
+    """The step of a validation callback's last evaluation (None before the first)."""
+    return history[-1][0] if history else None
 
 
 def publish(trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:

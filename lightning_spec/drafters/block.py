@@ -259,15 +259,14 @@ class BlockDrafter(Drafter):
     def _copy_target_layers(self, target: Any) -> None:
         """Draft layer i <- target layer L - num_layers + i (HF Llama/Qwen names: q/k/v/o_proj, gate/up/down_proj,
         input_layernorm, post_attention_layernorm)."""
-        source_layers = list(target.base.layers)[-self.num_layers :]
-        names = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
-        for layer, src in zip(self.layers, source_layers):
+        hf_name = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+        hf_name.update({m: f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        hf_name.update({m: f"mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")})
+        for layer, src in zip(self.layers, list(target.base.layers)[-self.num_layers :]):
             src_params = dict(src.named_parameters())
             for name, p in layer.named_parameters():
                 module, _, leaf = name.partition(".")
-                key = f"self_attn.{name}" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else (
-                    f"mlp.{name}" if module in ("gate_proj", "up_proj", "down_proj") else f"{names[module]}.{leaf}"
-                )
+                key = f"{hf_name[module]}.{leaf}"
                 if key not in src_params or src_params[key].shape != p.shape:
                     raise ValueError(
                         f"drafter.init_from_target: target parameter {key} is missing or shaped differently from the "
