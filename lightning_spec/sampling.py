@@ -6,7 +6,11 @@ distributions p) and the offline evaluator, so training and evaluation always ag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,12 +31,41 @@ class SamplingConfig:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
+        # NaN fails every comparison, so each check is written to be False for it
+        t = self.temperature
+        if not (isinstance(t, numbers.Real) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}.")
+        if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}.")
+        if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            raise ValueError(f"sampling.top_k must be an int >= 0 (0 = off), got {self.top_k!r}.")
+
+    # ------------------------------------------------------------------------------------------ conversion
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values, as stored in rollout metadata, results files and MLflow params."""
+        return {"temperature": float(self.temperature), "top_p": float(self.top_p), "top_k": int(self.top_k)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SamplingConfig:
+        """The inverse of ``to_dict``; unknown keys are refused in one sentence."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"sampling has unknown keys {unknown}; use {sorted(known)}.")
+        return cls(**{k: (int(v) if k == "top_k" else float(v)) for k, v in values.items()})
+
+    @classmethod
+    def coerce(cls, sampling: SamplingConfig | Mapping[str, Any] | None) -> SamplingConfig:
+        """What a public function accepts as ``sampling``: a config, a dict of its fields, or None (greedy)."""
+        if sampling is None:
+            return cls()
+        if isinstance(sampling, cls):
+            return sampling
+        if isinstance(sampling, Mapping):
+            return cls.from_dict(sampling)
+        raise TypeError(
+            f"sampling must be a SamplingConfig or a dict like {{'temperature': 1.0}}, not {type(sampling).__name__}."
+        )
 
     @property
     def greedy(self) -> bool:
