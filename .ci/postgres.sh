@@ -1,9 +1,11 @@
-# A throwaway PostgreSQL server for the multi-worker sweep test. Sourced by .ci/run:
+# A throwaway PostgreSQL server for the tests that need one (tests/test_sweeps.py, tests/test_faults_tracking.py).
+# Sourced by .ci/run:
 #   start_postgres   installs the server if missing (Debian's postgresql package), initdb's a cluster in a temp
 #                    folder, starts it on a free port of 127.0.0.1, creates the database and exports
 #                    LIGHTNING_SPEC_TEST_POSTGRES=postgresql+psycopg2://postgres@127.0.0.1:PORT/lightning_spec_test
 #   stop_postgres    stops it and removes the folder (start_postgres sets it as the EXIT trap)
-# Every step returns 1 on failure (callers decide; .ci/run goes on and the test skips, saying why).
+# Every step returns 1 on failure (callers decide: .ci/run goes on, and the tests that need the server fail,
+# saying why, unless LIGHTNING_SPEC_ALLOW_NO_POSTGRES=1 lets them skip).
 # initdb refuses to run as root, so as root the server runs as the `postgres` user (created if missing).
 
 pg_bin_dir() {

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_spec import SamplingConfig, generate, load_drafter, load_target
-from lightning_spec.data import SpecDataModule
+from lightning_spec.datamodule import SpecDataModule
 
 
 class Timings:

@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 from lightning_spec import SamplingConfig, generate, load_drafter, load_target
-from lightning_spec.data.rollouts import generate_rollouts, load_rollouts, rollout_seed, select_prompts
+from lightning_spec.data.prompts import select_prompts
+from lightning_spec.data.rollout_writer import generate_rollouts, rollout_seed
+from lightning_spec.data.rollouts import load_rollouts
 from lightning_spec.data.sources import as_source
 from lightning_spec.evaluation.offline import offline_report
 from lightning_spec.evaluation.paired import compare

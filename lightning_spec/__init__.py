@@ -1,6 +1,7 @@
 """lightning_spec: train and compare draft models for speculative decoding with PyTorch Lightning.
 
-The public API (DESIGN.md): ``SamplingConfig``, ``load_target``, ``load_drafter``, ``generate``, ``offline_rounds``.
+The public API, stable (tests and outside tools use exactly these): ``SamplingConfig``, ``load_target``,
+``load_drafter``, ``generate``, ``offline_rounds``. README "Python API" shows them at work.
 """
 
 from lightning_spec.checkpoint import load_drafter

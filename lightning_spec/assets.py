@@ -8,7 +8,6 @@ dependencies (llama-cpp, judge frameworks) that we do not install.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -180,10 +179,3 @@ def resolve_target_folder(spec: str) -> str:
     if spec == TINY:
         return str(tiny_folder())
     return spec
-
-
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
-    tmp.replace(path)

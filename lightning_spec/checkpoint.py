@@ -2,21 +2,28 @@
 
 A checkpoint stores the drafter's weights, its class and init arguments, and the target it was trained for
 (name, weight fingerprint, vocabulary size) — never the target's weights.
+
+Checkpoints and exported folders are shared between people, so reading one is a trust boundary: files are read
+with ``torch.load(weights_only=True)`` (tensors and plain values, no pickled code), and the only classes built
+from a file's ``class_path`` strings are lightning_spec's own (``build``), never an arbitrary importable name.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_spec.drafters.base import Drafter
-from lightning_spec.target import Target, load_target
+from lightning_spec.target import live_target, load_target
 
 CKPT_KEY = "lightning_spec"
+PACKAGE = "lightning_spec"
 
 
 def drafter_record(drafter: Drafter, target_spec: str) -> dict[str, Any]:
@@ -30,33 +37,123 @@ def drafter_record(drafter: Drafter, target_spec: str) -> dict[str, Any]:
     }
 
 
-def build(spec: Any) -> Any:
-    """Instantiate nested ``{class_path, init_args}`` dicts (the inverse of ``describe``)."""
-    if isinstance(spec, list):
-        return [build(x) for x in spec]
-    if isinstance(spec, dict) and "class_path" in spec:
-        module, _, name = spec["class_path"].rpartition(".")
+# ------------------------------------------------------------------------------------ describe <-> build
+def _own_class(class_path: Any, what: str) -> type:
+    """The lightning_spec class named by ``class_path``; anything else is refused (a file must not pick code)."""
+    if not isinstance(class_path, str) or not class_path.startswith(f"{PACKAGE}."):
+        raise ValueError(
+            f"{what} names {class_path!r}, which is not a lightning_spec class; only lightning_spec classes are "
+            "built from a saved file (a checkpoint cannot choose code to run)."
+        )
+    module, _, name = class_path.rpartition(".")
+    try:
         cls = getattr(importlib.import_module(module), name)
-        return cls(**{k: build(v) for k, v in spec.get("init_args", {}).items()})
+    except (ImportError, AttributeError):
+        raise ValueError(f"{what} names {class_path!r}, which this lightning_spec version does not have.") from None
+    if not inspect.isclass(cls):
+        raise ValueError(f"{what} names {class_path!r}, which is not a class.")
+    return cls
+
+
+def build(spec: Any, what: str = "class_path") -> Any:
+    """Instantiate nested ``{class_path, init_args}`` dicts (the inverse of ``describe``); lightning_spec's own
+    classes only."""
+    if isinstance(spec, list):
+        return [build(x, what) for x in spec]
+    if isinstance(spec, dict) and "class_path" in spec:
+        cls = _own_class(spec["class_path"], what)
+        return cls(**{k: build(v, what) for k, v in spec.get("init_args", {}).items()})
     return spec
 
 
+def init_arguments(obj: Any) -> dict[str, Any]:
+    """The arguments of ``type(obj).__init__`` read back from the object (each stored under its own name).
+
+    Describing by the signature, not by ``vars(obj)``, is what makes ``build(describe(obj))`` rebuild ``obj``:
+    attributes an object derives (a composite objective's parts) are not arguments it accepts."""
+    args = {}
+    for name, param in inspect.signature(type(obj).__init__).parameters.items():
+        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if not hasattr(obj, name):
+            raise TypeError(
+                f"{type(obj).__qualname__} does not keep its init argument {name!r} as an attribute, so it cannot be "
+                "described for checkpoints and MLflow; store it as self." + name + "."
+            )
+        args[name] = getattr(obj, name)
+    return args
+
+
 def describe(obj: Any) -> Any:
-    """A plain nested dict of an object's class and init-time attributes, for hyperparameter logging."""
+    """A plain nested dict of an object's class and init arguments: hyperparameter logging and rebuilding."""
     if isinstance(obj, (int, float, str, bool)) or obj is None:
         return obj
     if isinstance(obj, (list, tuple)):
         return [describe(x) for x in obj]
     path = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    if isinstance(obj, torch.nn.Module) and hasattr(obj, "config_dict"):
+    if isinstance(obj, Drafter):
         return {"class_path": path, "init_args": obj.config_dict()}
-    fields = {k: describe(v) for k, v in vars(obj).items() if not k.startswith("_")} if hasattr(obj, "__dict__") else {}
-    return {"class_path": path, "init_args": fields}
+    return {"class_path": path, "init_args": {k: describe(v) for k, v in init_arguments(obj).items()}}
 
 
-def _build(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Target | None) -> Drafter:
-    drafter: Drafter = build({"class_path": meta["drafter_class"], "init_args": meta["drafter_config"]})
-    target = load_target(target if target is not None else meta["target"])
+# ---------------------------------------------------------------------------------------------- reading
+def read_checkpoint(path: str | Path, what: str = "checkpoint") -> dict[str, Any]:
+    """A ``fit`` checkpoint's contents, read without unpickling code (``weights_only=True``).
+
+    ``what`` names the option the path came from (``--ckpt``, ``drafters``) in the one-sentence errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} '{path}' does not exist; pass the path of a .ckpt written by `lightning-spec fit`.")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{what} '{path}' is an empty file (an interrupted copy?); pass a complete .ckpt.")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(
+            f"{what} '{path}' cannot be read safely: it is not a torch file of tensors and plain values (it is "
+            "corrupt, or holds pickled Python objects, which are never loaded because that could run code)."
+        ) from None
+    except (RuntimeError, EOFError, OSError) as err:
+        raise ValueError(f"{what} '{path}' is not a readable torch checkpoint ({str(err).splitlines()[0]}).") from None
+    if not isinstance(ckpt, dict) or CKPT_KEY not in ckpt:
+        raise ValueError(
+            f"{what} '{path}' is not a lightning_spec checkpoint (no '{CKPT_KEY}' entry); pass a fit checkpoint."
+        )
+    return ckpt
+
+
+def recorded_target(path: str | Path, what: str = "checkpoint") -> str:
+    """The target spec a checkpoint or exported folder was trained for."""
+    path = Path(path)
+    if path.is_dir():
+        return _read_folder_meta(path, what)["target"]
+    return read_checkpoint(path, what)[CKPT_KEY]["target"]
+
+
+def _read_folder_meta(folder: Path, what: str) -> dict[str, Any]:
+    meta_file = folder / "drafter.json"
+    if not meta_file.is_file():
+        raise ValueError(
+            f"{what} '{folder}' is a folder without drafter.json; pass a .ckpt or a folder from save_drafter."
+        )
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} '{meta_file}' is not valid JSON ({err.msg} at line {err.lineno}).") from None
+    missing = {"drafter_class", "drafter_config", "target", "target_vocab_size"} - set(meta)
+    if missing:
+        raise ValueError(f"{what} '{meta_file}' lacks {sorted(missing)}; it was not written by save_drafter.")
+    return meta
+
+
+def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, what: str) -> Drafter:
+    cls = _own_class(meta["drafter_class"], f"{what} drafter_class")
+    if not issubclass(cls, Drafter):
+        raise ValueError(f"{what} drafter_class {meta['drafter_class']!r} is not a lightning_spec drafter.")
+    drafter: Drafter = cls(**meta["drafter_config"])
+    if target is None:  # an equal target the user already loaded (same weights fingerprint), else the recorded one
+        target = live_target(meta.get("target_fingerprint")) or meta["target"]
+    target = load_target(target)
     if target.vocab_size != meta["target_vocab_size"]:
         raise ValueError(
             f"The drafter was trained for a target with a {meta['target_vocab_size']}-token vocabulary, but this "
@@ -70,18 +167,22 @@ def _build(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Target 
 def load_drafter(path: str | Path, target: Any = None) -> Drafter:
     """Rebuild a drafter from ``path`` (a ``.ckpt`` from ``fit`` or a folder from ``save_drafter``).
 
-    ``target`` (a ``Target``, name, folder or model) defaults to the one recorded in the checkpoint.
-    """
+    ``target`` (a ``Target``, name, folder or model) defaults to a target already loaded in this process with the
+    weights the drafter was trained for (same fingerprint), so ``load_target(name)`` then ``load_drafter(path)``
+    holds one copy of the target; when none is loaded, the recorded target is loaded. ``generate`` also accepts a
+    drafter bound to another copy of the same weights."""
     path = Path(path)
+    what = "load_drafter path"
     if path.is_dir():
-        meta = json.loads((path / "drafter.json").read_text())
-        state = torch.load(path / "drafter.pt", map_location="cpu", weights_only=True)
-        return _build(meta, state, target)
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if CKPT_KEY not in ckpt:
-        raise ValueError(f"{path} is not a lightning_spec checkpoint (no '{CKPT_KEY}' entry); pass a fit checkpoint.")
+        meta = _read_folder_meta(path, what)
+        try:
+            state = torch.load(path / "drafter.pt", map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+            raise ValueError(f"{what} '{path / 'drafter.pt'}' is not a readable weights file ({err}).") from None
+        return _bind(meta, state, target, what)
+    ckpt = read_checkpoint(path, what)
     state = {k[len("drafter.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
-    return _build(ckpt[CKPT_KEY], state, target)
+    return _bind(ckpt[CKPT_KEY], state, target, what)
 
 
 def save_drafter(drafter: Drafter, folder: str | Path, target_spec: str | None = None) -> Path:

@@ -5,45 +5,32 @@ Other subcommands (``rollouts``, ``evaluate``, …) are registered in ``EXTRA_CO
 A thin LightningCLI: the YAML schema is the typed ``__init__`` of ``DraftModule``, ``SpecDataModule`` and the
 parts they take. Defaults a user meets: MLflow tracking in ``sqlite:///mlflow.db`` of the working folder, the
 rich progress bar, and a checkpoint (drafter only) with ``last.ckpt``, rewritten at every validation and epoch end;
-``fit --ckpt_path .../last.ckpt`` resumes mid-epoch into the same MLflow run (``SpecCLI.before_fit``).
+``fit --ckpt_path .../last.ckpt`` resumes mid-epoch into the same MLflow run (``tracking.prepare_loggers``), and
+``fit`` ends by printing where the checkpoint is and how to see the run (``SpecCLI.after_fit``).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import MLFlowLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.cli import LightningCLI
 
-from lightning_spec.data.datamodule import SpecDataModule
-from lightning_spec.module import MLFLOW_RUN_KEY, DraftModule
+from lightning_spec.datamodule import SpecDataModule
+from lightning_spec.module import DraftModule
+from lightning_spec.tracking import DEFAULT_LOGGER, SaveConfigToTracker, checkpoint_run_id, prepare_loggers, run_summary
 
 TRAINER_DEFAULTS = {
     # checkpoints go to runs/<mlflow experiment id>/<mlflow run id>/checkpoints (MLflow has no log folder)
     "default_root_dir": "runs",
-    "logger": {
-        "class_path": "lightning.pytorch.loggers.MLFlowLogger",
-        "init_args": {"experiment_name": "lightning_spec", "tracking_uri": "sqlite:///mlflow.db", "log_model": False},
-    },
+    "logger": DEFAULT_LOGGER,  # MLflow in sqlite:///mlflow.db of the working folder
 }
-
-
-class SaveConfigToTracker(SaveConfigCallback):
-    """Store the resolved YAML with the run: an MLflow artifact ``config.yaml`` (MLflow has no log folder)."""
-
-    def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
-        text = self.parser.dump(self.config, skip_none=False)
-        for logger in trainer.loggers:
-            if isinstance(logger, MLFlowLogger):
-                logger.experiment.log_text(logger.run_id, text, "config.yaml")
 
 
 class SpecCLI(LightningCLI):
@@ -62,27 +49,39 @@ class SpecCLI(LightningCLI):
                 "raise data.max_length or lower model.drafter.block_size."
             )
 
-    def before_fit(self) -> None:
-        """``fit --ckpt_path x.ckpt`` continues the MLflow run that wrote the checkpoint (its id is stored in the
-        checkpoint), so an interrupted and resumed training is one run with its metrics before and after."""
-        path = self.config_init[self.subcommand].get("ckpt_path")
-        loggers = [lg for lg in self.trainer.loggers if isinstance(lg, MLFlowLogger) and lg._run_id is None]
-        if not path or not os.path.isfile(path) or not loggers:  # also Lightning's "last"/"hpc" shortcuts
+    def parse_arguments(self, parser, args) -> None:
+        """Parse, then check ``--ckpt_path`` before Lightning reads the file (for its hyperparameters) and before
+        any model is loaded: a missing, empty or broken checkpoint is one sentence. ``fit --ckpt_path x.ckpt``
+        continues the MLflow run that wrote it (its id is stored in the checkpoint)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        self._resume_run = None
+        if path is None or _lightning_shortcut(str(path)):
             return
-        run_id = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get(MLFLOW_RUN_KEY)
-        if run_id is None:
-            return
-        from mlflow.exceptions import MlflowException
+        if not os.path.isfile(path):
+            raise ValueError(f"--ckpt_path '{path}' does not exist; pass the path of a .ckpt written by "
+                             "`lightning-spec fit` (e.g. runs/<experiment id>/<run id>/checkpoints/last.ckpt).")
+        run = checkpoint_run_id(path)
+        self._resume_run = run if subcommand == "fit" else None
 
-        for logger in loggers:
-            if self.trainer.is_global_zero:
-                try:
-                    logger._mlflow_client.get_run(run_id)
-                except MlflowException:
-                    rank_zero_warn(f"{path} was written by MLflow run {run_id}, which is not in the tracking store "
-                                   f"{logger._tracking_uri}; logging the resumed training to a new run.")
-                    continue
-            logger._run_id = run_id  # MLFlowLogger continues a run id set before its first use (no public setter)
+    def before_instantiate_classes(self) -> None:
+        """Set up the MLflow loggers before they are built (``tracking.prepare_loggers``): the store, the run a
+        resumed fit continues, a new run's name (the experiment file's)."""
+        section = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        files = [str(f) for f in (section.get("config") or []) if f is not None]
+        trainer = section.get("trainer")
+        if trainer is not None:
+            prepare_loggers(trainer.get("logger"), self._resume_run, Path(files[-1]).stem if files else None)
+
+    def after_fit(self) -> None:
+        """The last lines of ``fit`` (rank 0, after every callback's output): where the checkpoint is and how to
+        see the run in MLflow."""
+        if not self.trainer.is_global_zero:
+            return
+        paths = [c.last_model_path or c.best_model_path for c in self.trainer.checkpoint_callbacks]
+        lines = [f"checkpoint: {p}" for p in paths if p]
+        print("\n".join(lines + run_summary(self.trainer.loggers)), flush=True)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
         # A YAML `trainer.callbacks:` list replaces defaults wholesale; add ours unless the user chose their own.
@@ -93,27 +92,19 @@ class SpecCLI(LightningCLI):
             isinstance(c, ModelCheckpoint) for c in given
         ):
             callbacks.append(ModelCheckpoint(save_last=True))
-        trainer = super()._instantiate_trainer(config, callbacks)
-        self._name_runs(trainer)
-        return trainer
+        return super()._instantiate_trainer(config, callbacks)
 
-    def _name_runs(self, trainer: Trainer) -> None:
-        """An MLflow run without a ``run_name`` is named after its experiment file (``quickstart``): MLflow's own
-        random names repeat here, because they come from Python's RNG, which ``seed_everything`` has just reset."""
-        section = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
-        files = [str(f) for f in (section.get("config") or []) if f is not None]
-        if not files:
-            return
-        name = Path(files[-1]).stem
-        for logger in trainer.loggers:
-            if isinstance(logger, MLFlowLogger) and logger._run_name is None and logger._run_id is None:
-                logger._run_name = name  # read when the run is created (no public setter)
+
+def _lightning_shortcut(path: str) -> bool:
+    """``--ckpt_path`` values that are not local files: Lightning's ``last``/``best``/``hpc``/``registry`` and
+    remote URLs (``s3://...``)."""
+    return path in ("last", "best", "hpc") or path.startswith("registry") or "://" in path
 
 
 # Subcommands that are not Lightning trainer runs: name -> "module:function", imported only when used. The
 # function's typed signature and docstring are its options and --help, parsed here like LightningCLI does.
 EXTRA_COMMANDS: dict[str, str] = {
-    "rollouts": "lightning_spec.data.rollouts:rollouts",
+    "rollouts": "lightning_spec.data.rollout_writer:rollouts",
     "evaluate": "lightning_spec.evaluation.cli:evaluate",
     "sweep": "lightning_spec.sweeps:sweep",
 }
@@ -125,7 +116,9 @@ def run_command(name: str, argv: list[str]) -> None:
 
     module, _, attr = EXTRA_COMMANDS[name].partition(":")
     func = getattr(importlib.import_module(module), attr)
-    parser = ArgumentParser(prog=f"lightning-spec {name}", description=(func.__doc__ or "").split("\n\n")[0])
+    parser = ArgumentParser(
+        prog=f"lightning-spec {name}", description=(func.__doc__ or "").split("\n\n")[0], exit_on_error=False
+    )
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="a YAML file with these options")
     parser.add_function_arguments(func, as_group=False)
     cfg = parser.parse_args(argv)
@@ -134,14 +127,22 @@ def run_command(name: str, argv: list[str]) -> None:
 
 
 def main(args: list[str] | None = None) -> None:
+    from jsonargparse import ArgumentError
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     argv = list(sys.argv[1:] if args is None else args)
+    command = argv[0] if argv and not argv[0].startswith("-") else "fit"
     try:
         if argv and argv[0] in EXTRA_COMMANDS:
             run_command(argv[0], argv[1:])
         else:
-            run_cli(args)
+            run_cli(args, exit_on_error=False)
+    except ArgumentError as err:  # a bad option or YAML value: jsonargparse's nested report, boiled down
+        if os.environ.get("LIGHTNING_SPEC_TRACEBACK"):
+            raise
+        print(f"lightning-spec: error: {parser_error_sentence(str(err), command)}", file=sys.stderr)
+        raise SystemExit(2) from None
     except (ValueError, FloatingPointError) as err:
         # Errors a user can cause are ValueErrors raised by our own code with one sentence naming the field (and
         # the module's FloatingPointError for a diverged loss): print that sentence, not a stack trace. Anything
@@ -150,6 +151,27 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"lightning-spec: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+_PARSER_NOISE = re.compile(
+    r"^(Does not validate against any of the Union subtypes|Subtypes:|Errors:|Expected a <class 'NoneType'>|"
+    r"Given value|Problem with given class_path|Parser key|tip:|usage:)"
+)
+
+
+def parser_error_sentence(message: str, command: str = "fit") -> str:
+    """jsonargparse's report of a bad option — for a class inside a Union (``model.objective.loss``) dozens of lines
+    of alternatives, with the cause at the bottom — as one sentence: the full key, the innermost cause, the value."""
+    message = re.sub(r"^\s*error:\s*", "", message.strip())
+    key = ".".join(re.findall(r'Parser key "([^"]+)"', message))
+    cause, depth = "", -1
+    for line in message.splitlines():  # the most indented line that is not Union bookkeeping is the cause
+        text = line.strip().lstrip("- ").strip()
+        if text and not _PARSER_NOISE.match(text) and len(line) - len(line.lstrip()) > depth:
+            cause, depth = text, len(line) - len(line.lstrip())
+    given = [g.strip() for g in re.findall(r"Given value: (.+)", message) if "NestedArg" not in g]
+    value = f" (given {given[-1]})" if given and given[-1] not in cause else ""
+    return f"{key + ': ' if key else ''}{cause.rstrip('.')}{value}; see `lightning-spec {command} --help`."
 
 
 def _raised_here(err: BaseException) -> bool:
@@ -166,7 +188,8 @@ def run_cli(args: list[str] | None = None, callbacks: list[Any] | None = None, e
     otherwise exactly ``fit``. ``exit_on_error=False`` raises a bad option as ``jsonargparse.ArgumentError``
     instead of printing the usage and exiting (a sweep records it as a failed trial and goes on).
     """
-    parser_kwargs = {} if exit_on_error else {"exit_on_error": False, "fit": {"exit_on_error": False}}
+    quiet = {"exit_on_error": False}
+    parser_kwargs = {} if exit_on_error else {**quiet, **{c: quiet for c in ("fit", "validate", "test", "predict")}}
     SpecCLI(
         DraftModule,
         SpecDataModule,

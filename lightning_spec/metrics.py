@@ -1,54 +1,75 @@
-"""Decoding metrics as torchmetrics, so they sum across DDP ranks before the ratio is taken.
+"""Acceptance metrics as ratios of sums, with the sums added across DDP ranks before any ratio is taken.
 
-MAL is pooled: Σ tokens / Σ rounds, bonus included (METHODS.md §1.3) — never a mean of per-prompt ratios.
-Conditional acceptance per slot AR_k = #rounds that accepted draft k / #rounds that reached draft k
-(EDR eq. 19, DSpark §4.3.1).
+MAL is pooled: Σ committed tokens / Σ rounds, bonus included — never a mean of per-prompt ratios, nor of per-rank
+ratios. Conditional acceptance per slot AR_k = #rounds that accepted draft k / #rounds that reached draft k
+(EDR eq. 19, DSpark §4.3.1). The decoding callbacks measure their share of the prompts (or rollouts) on every
+rank, add the sums with ``reduce_sums`` (one collective) and divide with ``acceptance_metrics``, so every rank
+logs the value one process would have measured. ``RatioOfSums`` is the same rule for a metric that goes through
+Lightning's ``self.log`` (the validation loss), where torchmetrics does the adding.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 
 
-class MeanAcceptedLength(Metric):
-    """Σ committed tokens / Σ rounds."""
-
-    full_state_update = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("tokens", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("rounds", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, tokens: int, rounds: int) -> None:
-        self.tokens += tokens
-        self.rounds += rounds
-
-    def compute(self) -> Tensor:
-        return (self.tokens / self.rounds.clamp_min(1)).float()
+def slot_counts(accept_lengths: Sequence[int], block_size: int) -> tuple[Tensor, Tensor]:
+    """(accepted, reached), each (K,) float64, from the accepted-draft count of every round: a round that accepted
+    ``a`` drafts reached slots 1..a+1 and accepted slots 1..a."""
+    acc = torch.as_tensor(list(accept_lengths), dtype=torch.float64)  # (R,)
+    k = torch.arange(1, block_size + 1, dtype=torch.float64)  # (K,)
+    return (acc[:, None] >= k).sum(0).double(), (acc[:, None] >= k - 1).sum(0).double()
 
 
-class SlotAcceptance(Metric):
-    """AR_k for k = 1..K from the accepted-draft counts of each round."""
+def acceptance_sums(
+    domain_sums: Mapping[str, tuple[float, float]], accepted: Tensor, reached: Tensor, domains: Sequence[str]
+) -> dict[str, Tensor]:
+    """The sums MAL and AR_k are ratios of, as float64 tensors laid out the same on every rank.
 
-    full_state_update = False
+    ``domain_sums`` maps domain -> (Σ tokens, Σ rounds) of this rank's share (a domain it decoded nothing of is 0);
+    ``domains`` are all the domains of the evaluation, in one order that every rank shares.
+    """
+    tokens = torch.tensor([float(domain_sums.get(d, (0.0, 0.0))[0]) for d in domains], dtype=torch.float64)  # (D,)
+    rounds = torch.tensor([float(domain_sums.get(d, (0.0, 0.0))[1]) for d in domains], dtype=torch.float64)  # (D,)
+    return {"tokens": tokens, "rounds": rounds, "accepted": accepted.double().cpu(), "reached": reached.double().cpu()}
 
-    def __init__(self, block_size: int) -> None:
-        super().__init__()
-        self.block_size = block_size
-        self.add_state("reached", default=torch.zeros(block_size, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("accepted", default=torch.zeros(block_size, dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, accept_lengths: list[int]) -> None:
-        acc = torch.as_tensor(accept_lengths, dtype=torch.float64, device=self.reached.device)  # (R,)
-        k = torch.arange(1, self.block_size + 1, dtype=torch.float64, device=acc.device)  # (K,)
-        self.reached += (acc[:, None] >= k - 1).sum(0)
-        self.accepted += (acc[:, None] >= k).sum(0)
+def reduce_sums(trainer: Any, sums: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Every tensor of ``sums`` summed over the ranks of ``trainer`` in one all-reduce; float64 on the CPU.
 
-    def compute(self) -> Tensor:
-        return (self.accepted / self.reached.clamp_min(1)).float()  # (K,)
+    Every rank must pass the same keys with the same shapes (the collective lines them up by position). One
+    process: the sums themselves.
+    """
+    if trainer.world_size == 1:
+        return {key: value.double().cpu() for key, value in sums.items()}
+    flat = [value.double().reshape(-1).cpu() for value in sums.values()]
+    # on the strategy's device: NCCL reduces CUDA tensors only
+    packed = trainer.strategy.reduce(torch.cat(flat).to(trainer.strategy.root_device), reduce_op="sum").cpu()
+    parts = packed.split([t.numel() for t in flat])
+    return {key: part.reshape(value.shape) for (key, value), part in zip(sums.items(), parts, strict=True)}
+
+
+def acceptance_metrics(
+    sums: Mapping[str, Tensor], domains: Sequence[str], mal: str, accept_rate: str
+) -> dict[str, float]:
+    """``<mal>`` (pooled over domains), ``<mal>/<domain>`` and ``<accept_rate>/t<k>`` for k = 1..K from the
+    (reduced) ``acceptance_sums``."""
+    tokens, rounds = sums["tokens"], sums["rounds"]
+    out = {mal: ratio(tokens.sum(), rounds.sum())}
+    out.update({f"{mal}/{d}": ratio(tokens[i], rounds[i]) for i, d in enumerate(domains)})
+    rates = sums["accepted"] / sums["reached"].clamp_min(1e-12)  # (K,)
+    out.update({f"{accept_rate}/t{k}": rate for k, rate in enumerate(rates.tolist(), start=1)})
+    return out
+
+
+def ratio(num: float | Tensor, den: float | Tensor) -> float:
+    """num / den, 0 when both are 0 (nothing measured)."""
+    return float(num) / max(float(den), 1e-12)
 
 
 class RatioOfSums(Metric):

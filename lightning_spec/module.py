@@ -1,4 +1,5 @@
-"""DraftModule: target + drafter + objective, one ``training_step`` for every method (DESIGN.md "Data flow").
+"""DraftModule: target + drafter + objective, one ``training_step`` for every method: a batch's target features,
+the anchors, the drafter's forward over them, the objective's ``(num, den)``, one reduction.
 
 Reduction. The objective returns ``LossTerms(num, den)``. We back-propagate the *numerator* of each micro-batch
 and, just before the optimizer step, divide the accumulated gradients by the global Σ den (summed over the
@@ -13,19 +14,20 @@ tests/test_resume.py). Logged training metrics are those of the global batch (su
 
 Checkpoints hold the drafter only: the frozen target's weights are stripped on save and re-attached on load;
 ``load_drafter`` rebuilds a drafter from a checkpoint (see ``checkpoint.py``). They also carry the MLflow run id
-(``MLFLOW_RUN_KEY``), so ``fit --ckpt_path`` continues the same run (``cli.py``).
+(``tracking.MLFLOW_RUN_KEY``), so ``fit --ckpt_path`` continues the same run (``tracking.prepare_loggers``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 
@@ -35,12 +37,9 @@ from lightning_spec.drafters.base import Drafter, DraftOutput
 from lightning_spec.feature_cache import FeatureCache, cache_key
 from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.objective import Objective, TargetInfo
+from lightning_spec.schedule import TrainingClock
 from lightning_spec.target import load_target
-
-# The frozen target stays in eval mode on purpose (see Target.train); Lightning warns about every such module.
-warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
-
-MLFLOW_RUN_KEY = "mlflow_run_id"  # checkpoint key: the MLflow run that wrote it (continued by `fit --ckpt_path`)
+from lightning_spec.tracking import checkpoint_record
 
 
 def anchor_seeds(run_seed: int, salt: int, index: Tensor) -> Tensor:
@@ -49,6 +48,20 @@ def anchor_seeds(run_seed: int, salt: int, index: Tensor) -> Tensor:
     Copies of one example in one optimizer step (domain-weighted sampling draws with replacement) share anchors."""
     base = ((run_seed * 1_000_003 + salt + 1) * 1_000_033) % 2**62
     return (index.to(torch.int64) + base) % 2**62
+
+
+def check_optimizer_settings(lr: float, weight_decay: float, betas, warmup_ratio: float, min_lr_ratio: float) -> None:
+    """Refuse, naming the field, what AdamW or the schedule would reject later (or silently misuse)."""
+    checks = [
+        (math.isfinite(lr) and lr > 0, "model.lr", lr, "a learning rate > 0, e.g. 1e-3"),
+        (math.isfinite(weight_decay) and weight_decay >= 0, "model.weight_decay", weight_decay, "a value >= 0"),
+        (len(betas) == 2 and all(0 <= b < 1 for b in betas), "model.betas", betas, "two values in [0, 1)"),
+        (0 <= warmup_ratio < 1, "model.warmup_ratio", warmup_ratio, "a share of the steps in [0, 1)"),
+        (0 <= min_lr_ratio <= 1, "model.min_lr_ratio", min_lr_ratio, "a share of model.lr in [0, 1]"),
+    ]
+    for ok, field, value, wanted in checks:
+        if not ok:
+            raise ValueError(f"{field} is {value}; it must be {wanted}.")
 
 
 class DraftModule(L.LightningModule):
@@ -87,6 +100,7 @@ class DraftModule(L.LightningModule):
         self.save_hyperparameters(ignore=ignore)  # drafter and objective are recorded below via describe()
         if feature_cache not in ("memory", "disk", "off"):
             raise ValueError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
+        check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio)
         self.target = load_target(target, dtype=target_dtype) if isinstance(target, str) else load_target(target)
         self.target_spec = target if isinstance(target, str) else self.target.name
         drafter, objective = build(drafter), build(objective)  # dicts when reloaded from hparams
@@ -102,6 +116,8 @@ class DraftModule(L.LightningModule):
         self._den_accum = torch.zeros((), dtype=torch.float64)
         self._features: FeatureCache | None = None
         self._anchor_seed: int | None = None  # run seed of anchor_seeds; set in setup, restored from checkpoints
+        self._target_work = [0.0, 0]  # seconds and examples of target forwards since the last optimizer step
+        self._last_step_time: float | None = None
 
     # --------------------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
@@ -160,9 +176,12 @@ class DraftModule(L.LightningModule):
         lengths = batch["attention_mask"].sum(1).tolist()
         missing = [i for i, x in enumerate(index) if x not in cache]
         if missing:
+            start = time.perf_counter()
             out = self.target(ids[missing], layers=layers, logits=False)
             for j, i in enumerate(missing):
                 cache.put(index[i], out.features[j, : lengths[i]], out.last_hidden[j, : lengths[i]])
+            self._target_work[0] += time.perf_counter() - start  # the training clock's projection (schedule.py)
+            self._target_work[1] += len(missing)
         n, s = ids.shape
         feats = ids.new_zeros((n, s, len(layers) * self.target.hidden_size), dtype=torch.float32)
         last = ids.new_zeros((n, s, self.target.hidden_size), dtype=torch.float32)
@@ -204,7 +223,6 @@ class DraftModule(L.LightningModule):
             anchors, keep, extra = chosen
             draft = self.drafter(batch, features, anchors=anchors, keep=keep)
             draft.extra = extra
-        draft.domain_id = batch.get("domain_id")
         if self.objective.needs_target:
             with torch.no_grad():
                 draft.target_logits = self.target_logits(draft, last)
@@ -246,7 +264,30 @@ class DraftModule(L.LightningModule):
         self.log(f"train/acc/t{k}", acc[-1].float(), batch_size=n)
         return terms.num  # divided by the global Σ den in on_before_optimizer_step
 
+    def _time_budget(self):
+        """(elapsed, left) seconds of ``trainer.max_time``'s training budget, or None without one."""
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        if timer is None or timer.time_remaining() is None:
+            return None
+        return lambda: (timer.time_elapsed(), timer.time_remaining())
+
+    def _tick(self) -> None:
+        """Feed the training clock one optimizer step: its wall time and the target forwards inside it."""
+        now = time.perf_counter()
+        last, self._last_step_time = self._last_step_time, now
+        seconds, examples = self._target_work
+        self._target_work = [0.0, 0]
+        clock = getattr(self, "_clock", None)
+        if last is None or clock is None:
+            return
+        uncached = 0
+        dataset = getattr(getattr(self.trainer, "datamodule", None), "train_dataset", None)
+        if self._features is not None and dataset is not None:
+            uncached = max(len(dataset) - len(self._features), 0)
+        clock.record(self.global_step + 1, now - last, seconds, examples, uncached)
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._tick()
         den = self._den_accum.clone()
         if self.trainer.world_size > 1:
             den = self.trainer.strategy.reduce(den, reduce_op="sum")
@@ -258,6 +299,18 @@ class DraftModule(L.LightningModule):
             if p.grad is not None:
                 p.grad.mul_(scale)
         self._den_accum = torch.zeros_like(self._den_accum)
+
+    def on_fit_start(self) -> None:
+        # The frozen target stays in eval mode on purpose (Target.train), and Lightning's fit loop warns about
+        # every module in eval mode when training starts: silence that one warning for this fit only.
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+
+    def teardown(self, stage: str) -> None:
+        quiet = self.__dict__.pop("_quiet", None)
+        if quiet is not None:
+            quiet.__exit__(None, None, None)
 
     def on_train_epoch_end(self) -> None:
         if self._features is not None:
@@ -293,12 +346,12 @@ class DraftModule(L.LightningModule):
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup_ratio * total)
+        self._clock = TrainingClock(total, warmup, self._time_budget())
+        if getattr(self, "_clock_state", None):  # a resumed run keeps a switch to the time schedule
+            self._clock.load_state_dict(self._clock_state)
 
-        def schedule(step: int) -> float:  # linear warm-up, then cosine to min_lr_ratio
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        def schedule(step: int) -> float:  # linear warm-up, then cosine to min_lr_ratio; ends on time (schedule.py)
+            return self._clock.multiplier(step, hp.min_lr_ratio)
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -308,14 +361,15 @@ class DraftModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
         checkpoint[CKPT_KEY] = drafter_record(self.drafter, self.target_spec)
         checkpoint["anchor_seed"] = self._anchor_seed
+        if getattr(self, "_clock", None) is not None:
+            checkpoint["training_clock"] = self._clock.state_dict()
         if self._trainer is not None and self.trainer.is_global_zero:  # rank 0 writes the file and owns the run
-            for logger in self.trainer.loggers:
-                if isinstance(logger, MLFlowLogger):
-                    checkpoint[MLFLOW_RUN_KEY] = logger.run_id
+            checkpoint.update(checkpoint_record(self.trainer.loggers))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         own = self.state_dict()
         checkpoint["state_dict"].update({k: v for k, v in own.items() if k.startswith("target.")})
+        self._clock_state = checkpoint.get("training_clock")  # restored once configure_optimizers built the clock
         if checkpoint.get("anchor_seed") is not None:  # a resumed run draws the anchors the original would have
             self._anchor_seed = int(checkpoint["anchor_seed"])
 

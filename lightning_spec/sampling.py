@@ -1,7 +1,9 @@
-"""SamplingConfig: the distribution tokens are drawn from (METHODS.md §1.1, "sampling configuration must match").
+"""SamplingConfig: the distribution tokens are drawn from, after temperature, top-k and top-p.
 
-One implementation serves the decoding engine (verification and drafting), the objectives (target
-distributions p) and the offline evaluator, so training and evaluation always agree on p.
+Lossless verification is exact only when p and q are the distributions tokens were actually drawn from
+(Leviathan et al. 2023; EDR, Zhao & Cai 2026, arXiv 2610.10411, §5.1). So one implementation serves the
+decoding engine (verification and drafting), the objectives (target distributions p) and the offline
+evaluator, and training and evaluation always agree on p.
 """
 
 from __future__ import annotations

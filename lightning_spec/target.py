@@ -1,4 +1,4 @@
-"""Target: the frozen LLM whose outputs must not change (DESIGN.md "Words").
+"""Target: the frozen LLM whose outputs must not change (speculative decoding reproduces them exactly).
 
 It gives a drafter what it asks for — hidden states of chosen layers and the final normed hidden state — and
 runs prefill/verify forwards against a KV cache that is cropped after a rejection. Nothing here trains.
@@ -10,8 +10,11 @@ transformers the entry of the *last* layer is already passed through the final n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
+import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_spec.assets import resolve_target_folder
+from lightning_spec.assets import PACKAGED_TARGETS, resolve_target_folder
+
+_LIVE: weakref.WeakSet[Target] = weakref.WeakSet()  # every Target of this process, for ``live_target``
 
 
 @dataclass
@@ -41,6 +46,7 @@ class Target(nn.Module):
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._cache_kw = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
         self._fingerprint: str | None = None
+        _LIVE.add(self)
 
     def train(self, mode: bool = True) -> Target:
         """The target is frozen: it stays in eval mode whatever Lightning asks of the enclosing module."""
@@ -150,11 +156,51 @@ class Target(nn.Module):
         if extra > 0:
             cache.crop(-extra)
 
+    @torch.no_grad()
+    def forward_left_padded(
+        self,
+        input_ids: Tensor,  # (N, T)
+        attention_mask: Tensor,  # (N, past + T) 1 = real token, over the cached positions and these
+        position_ids: Tensor,  # (N, T) each row's own positions: 0 at its first real token
+        cache: Any,
+    ) -> Tensor:
+        """Final normed hidden state (N, T, H) of a left-padded batch that extends ``cache`` (batched plain
+        decoding, ``decoding/batched.py``): each row sees only its own tokens, at its own positions."""
+        out = self.base(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **{self._cache_kw: cache},
+        )
+        return out.last_hidden_state
+
+
+def live_target(fingerprint: str | None) -> Target | None:
+    """A target already loaded in this process with this weight fingerprint, or None (``load_drafter`` binds a
+    drafter to the user's own target instead of loading a second copy)."""
+    if fingerprint is None:
+        return None
+    return next((t for t in list(_LIVE) if t.fingerprint == fingerprint), None)
+
+
+def _unknown_target(spec: str, err: BaseException) -> ValueError:
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+    return ValueError(
+        f"model.target {spec!r} is not a packaged name ({', '.join(PACKAGED_TARGETS)}), a local model folder, or a "
+        f"Hugging Face hub id that can be loaded here{offline} ({reason.rstrip('.')})."
+    )
+
 
 def load_tokenizer(spec: str):
+    """The one tokenizer loader: the tokenizer of a packaged name, a local folder or a hub id."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_target_folder(spec))
+    try:
+        return AutoTokenizer.from_pretrained(resolve_target_folder(spec))
+    except (OSError, ValueError) as err:
+        raise _unknown_target(spec, err) from None
 
 
 def load_target(spec: Any, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> Target:
@@ -174,7 +220,12 @@ def load_target(spec: Any, dtype: torch.dtype | str = torch.float32, device: str
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     folder = resolve_target_folder(spec)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    if spec not in PACKAGED_TARGETS and not os.path.isdir(folder) and "/" not in spec.strip("/"):
+        raise _unknown_target(spec, ValueError("no such folder, and hub ids have the form org/name"))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    except (OSError, ValueError) as err:  # transformers reports an unknown name as a failed download
+        raise _unknown_target(spec, err) from None
     if getattr(model.config, "_attn_implementation", None) == "sdpa" and _register_shared_kv_sdpa():
         model.set_attn_implementation(SHARED_KV_SDPA)  # same outputs, faster verify forwards on CPU
     return Target(model, tokenizer=load_tokenizer(spec), name=spec)
@@ -219,9 +270,11 @@ def sdpa_shared_kv(
     return out.transpose(1, 2).contiguous(), None  # (N, T, heads, D), no attention weights
 
 
+@functools.cache
 def _register_shared_kv_sdpa() -> bool:
-    """Register ``sdpa_shared_kv`` (with transformers' SDPA mask builder) under ``SHARED_KV_SDPA``; idempotent.
-    False where this torch/transformers lacks a piece (``enable_gqa`` needs torch 2.5): keep plain ``sdpa``."""
+    """Register ``sdpa_shared_kv`` (with transformers' SDPA mask builder) under ``SHARED_KV_SDPA``, once per process
+    (transformers' attention registry is global). False where this torch/transformers lacks a piece
+    (``enable_gqa`` needs torch 2.5): keep plain ``sdpa``."""
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
         return False
     try:

@@ -135,6 +135,19 @@ class FixedDrafter(Drafter):
         return {"block_size": self.block_size}
 
 
+@pytest.fixture
+def saved_drafter(tmp_path, tiny_target):
+    """An untrained drafter for ``tiny-random`` saved as a fit checkpoint holds it (``.ckpt``) and as an exported
+    folder: (drafter, ckpt path, folder)."""
+    from lightning_spec.checkpoint import CKPT_KEY, drafter_record, save_drafter
+
+    drafter = block_drafter(tiny_target, block_size=3)
+    ckpt = tmp_path / "last.ckpt"
+    state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
+    torch.save({"state_dict": state, CKPT_KEY: drafter_record(drafter, "tiny-random")}, ckpt)
+    return drafter, ckpt, save_drafter(drafter, tmp_path / "exported", "tiny-random")
+
+
 # Helpers as fixtures, so test modules never import conftest.
 @pytest.fixture(scope="session")
 def make_random_llama():

@@ -64,10 +64,11 @@ def test_every_experiment_yaml_parses(path, in_tmp, capsys, monkeypatch):
 # ------------------------------------------------------------------------------------------- a tiny fit
 
 
-def test_fit_tiny_logs_an_mlflow_run(in_tmp):
+def test_fit_tiny_logs_an_mlflow_run(in_tmp, capsys):
     import mlflow
 
     assert exit_code(["fit", "-c", str(TINY)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("lightning_spec")
     runs = client.search_runs([experiment.experiment_id])
@@ -88,6 +89,13 @@ def test_fit_tiny_logs_an_mlflow_run(in_tmp):
     (last,) = in_tmp.rglob("last.ckpt")
     drafter = load_drafter(last)
     assert drafter.block_size == 4 and drafter.target.vocab_size == 320
+    # fit ends with where the checkpoint is and how to see the run, after the MAL table (printed at train end)
+    assert out[-3:] == [
+        f"checkpoint: {last.relative_to(in_tmp)}",
+        f"MLflow run: {run.info.run_id} (experiment 'lightning_spec', id {experiment.experiment_id})",
+        "see it: mlflow ui --backend-store-uri sqlite:///mlflow.db",
+    ]
+    assert any(line.startswith("└") for line in out[:-3])  # the table's last border came before
 
 
 # ----------------------------------------------------------------------------------------------- errors

@@ -14,8 +14,9 @@ import torch
 from transformers import AutoTokenizer
 
 from lightning_spec import assets
-from lightning_spec.data import Source, SpecDataModule, iter_json_list, load_source, prompt_ids, tokenize_conversation
+from lightning_spec.data import Source, iter_json_list, load_source, prompt_ids, tokenize_conversation
 from lightning_spec.data import sources as sources_module
+from lightning_spec.datamodule import SpecDataModule
 
 TWO_TURNS = [
     {"role": "user", "content": "Hi there"},
@@ -300,7 +301,7 @@ def test_fingerprint_and_token_counts(tiny_tok, tmp_path):
 
 
 def test_ddp_shards_interleave_the_one_process_order(tiny_tok, tmp_path):
-    from lightning_spec.data.datamodule import DomainSampler
+    from lightning_spec.loaders import DomainSampler
 
     chat = write_jsonl(tmp_path / "chat.jsonl", chat_rows(20, prefix="chat"))
     code = write_jsonl(tmp_path / "code.jsonl", chat_rows(21, domain="code", prefix="code"))

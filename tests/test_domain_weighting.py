@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
-from lightning_spec.callbacks import DomainReweighting, SpecDecodeValidation
+from lightning_spec.callbacks import DomainReweighting, EvaluationCallback, SpecDecodeValidation
 from lightning_spec.callbacks.domain_weighting import _apply_floor
-from lightning_spec.data import SpecDataModule
+from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import BlockDrafter
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, ExpDecay, Objective
@@ -142,10 +142,26 @@ class ScriptedValidation(SpecDecodeValidation):
         self.script = script
         self.calls = 0
 
-    def evaluate(self, trainer, module, plain=True):
+    def evaluate(self, trainer, module, before_training=False):
         mals = self.script[min(self.calls, len(self.script) - 1)]
         self.calls += 1
         return {"val/mal": sum(mals.values()) / len(mals), **{f"val/mal/{d}": v for d, v in mals.items()}}
+
+
+class OwnEvaluation(EvaluationCallback):
+    """A user's evaluation, none of ours: it declares the per-domain MAL it logs, under a prefix of its own."""
+
+    name = "own-evaluation"
+
+    def __init__(self, mals: dict[str, float]) -> None:
+        super().__init__(before_training=True)
+        self.mals = mals
+
+    def mal_prefixes(self) -> set[str]:
+        return {"own/mal"}
+
+    def evaluate(self, trainer, module, before_training=False):
+        return {f"own/mal/{d}": v for d, v in self.mals.items()}
 
 
 class RecordingDataModule(SpecDataModule):
@@ -312,3 +328,14 @@ def test_single_training_domain_and_a_missing_metric(data_args, tiny_target, tmp
         trainer([DomainReweighting(metric="val/offline_mal"), ScriptedValidation(SCRIPT)], max_epochs=1).fit(
             module(tiny_target), datamodule=dm
         )
+
+
+def test_any_callback_that_declares_the_metric_feeds_the_weights(data_args, tiny_target):
+    """DomainReweighting asks the callbacks what they log; it knows none of them by class."""
+    dm = RecordingDataModule(**data_args)
+    reweight = DomainReweighting(metric="own/mal", beta=1.0, floor=0.0, smoothing=0.0)
+    trainer([reweight, OwnEvaluation({"chat": 1.0, "code": 3.0})], max_epochs=1).fit(module(tiny_target), datamodule=dm)
+    # (1/1) : (1/3) -> 0.75 : 0.25, before training and after the epoch's validation
+    assert [step for step, _ in reweight.history] == [0, dm.trainer.global_step]
+    assert close(reweight.weights, {"chat": 0.75, "code": 0.25})
+    assert close(shares(dm, dm.domain_weights), reweight.weights)

@@ -10,10 +10,10 @@ from torch.utils.data import DataLoader
 
 from lightning_spec import SamplingConfig, generate, load_drafter
 from lightning_spec.checkpoint import CKPT_KEY, save_drafter
-from lightning_spec.data import SpecDataModule
-from lightning_spec.data.datamodule import collate
+from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import BlockDrafter
 from lightning_spec.feature_cache import FeatureCache, cache_key
+from lightning_spec.loaders import collate
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, ExpDecay, Objective
 
@@ -358,7 +358,7 @@ def test_fsdp_shards_the_drafter_and_leaves_the_target_whole(tiny_target):
 
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    from lightning_spec.callbacks.spec_validation import full_parameters
+    from lightning_spec.callbacks.base import full_parameters
 
     for strategy, sharded in ((FSDPStrategy(sharding_strategy="FULL_SHARD"), True), (DDPStrategy(), False)):
         strategy.parallel_devices = [torch.device("cpu")]

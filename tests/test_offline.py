@@ -13,10 +13,11 @@ import torch
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import save_drafter
 from lightning_spec.data import prompt_ids
-from lightning_spec.data.rollouts import generate_rollouts
+from lightning_spec.data.rollout_writer import generate_rollouts
+from lightning_spec.data.rollouts import load_rollout_set, spread
 from lightning_spec.drafters import BlockDrafter, DraftOutput, Proposal
 from lightning_spec.evaluation import offline
-from lightning_spec.evaluation.offline import load_rollout_set, offline_report, spread
+from lightning_spec.evaluation.offline import offline_report
 
 GREEDY = SamplingConfig()
 T1 = SamplingConfig(temperature=1.0)
@@ -312,7 +313,7 @@ def test_offline_evaluation_callback_logs_during_fit(tmp_path, rollout_folder, m
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_spec.callbacks import OfflineEvaluation
-    from lightning_spec.data import SpecDataModule
+    from lightning_spec.datamodule import SpecDataModule
     from lightning_spec.module import DraftModule
     from lightning_spec.objectives import KL, Objective
 

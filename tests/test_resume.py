@@ -14,7 +14,7 @@ import torch
 from fit_probe import TINY, callback, fit, metric_history, mlflow_runs
 
 from lightning_spec.cli import run_cli
-from lightning_spec.module import MLFLOW_RUN_KEY
+from lightning_spec.tracking import MLFLOW_RUN_KEY
 
 STEPS = 8
 COMMON = [f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=2"]

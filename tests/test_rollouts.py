@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from lightning_spec import SamplingConfig, generate
-from lightning_spec.data import SpecDataModule, prompt_ids
+from lightning_spec.data import prompt_ids
+from lightning_spec.data import rollout_writer as W
 from lightning_spec.data import rollouts as R
-from lightning_spec.data.rollouts import check_compatible, generate_rollouts, load_rollouts, rollout_seed
+from lightning_spec.data.rollout_writer import generate_rollouts, rollout_seed
+from lightning_spec.data.rollouts import check_compatible, load_rollouts
+from lightning_spec.datamodule import SpecDataModule
 
 # Openings of very different lengths, so one batch mixes short and long prompts (left padding is exercised).
 TEXTS = [
@@ -97,7 +100,7 @@ def test_a_killed_run_resumes_to_the_same_dataset(tiny_target, prompts, tmp_path
     reference = run(tiny_target, prompts, tmp_path / "ref", batch_size=3).to_list()
 
     folder = tmp_path / "killed"
-    real_write = R._write_shard
+    real_write = W._write_shard
     written = []
 
     def write_then_die(shard_dir, index, rows):
@@ -108,23 +111,23 @@ def test_a_killed_run_resumes_to_the_same_dataset(tiny_target, prompts, tmp_path
             raise KeyboardInterrupt
         return path
 
-    monkeypatch.setattr(R, "_write_shard", write_then_die)
+    monkeypatch.setattr(W, "_write_shard", write_then_die)
     with pytest.raises(KeyboardInterrupt):
         run(tiny_target, prompts, folder, batch_size=3)
-    monkeypatch.setattr(R, "_write_shard", real_write)
+    monkeypatch.setattr(W, "_write_shard", real_write)
     assert len(written) == 6 and not (folder / R.META_FILE).exists()
     with pytest.raises(ValueError, match="unfinished rollouts run"):
         load_rollouts(folder)
 
     # the rerun draws only what is missing, with another batch size, and ends where one run would have
     drawn = []
-    real_sample = R.sample_batch
+    real_sample = W.sample_batch
 
     def counting(target, batch_prompts, *args, **kwargs):
         drawn.append(len(batch_prompts))
         return real_sample(target, batch_prompts, *args, **kwargs)
 
-    monkeypatch.setattr(R, "sample_batch", counting)
+    monkeypatch.setattr(W, "sample_batch", counting)
     resumed = run(tiny_target, prompts, folder, batch_size=4).to_list()
     assert sum(drawn) == len(reference) - 6
     assert resumed == reference
@@ -309,7 +312,7 @@ def test_cli_writes_a_rollouts_folder(tmp_path, monkeypatch, capsys):
 
 
 def test_select_prompts_skips_prompts_longer_than_max_prompt_tokens(tiny_target, tmp_path):
-    from lightning_spec.data.rollouts import select_prompts
+    from lightning_spec.data.prompts import select_prompts
 
     texts = ["hi", "a much longer question " * 8, "ok?", "another long one, " * 10]
     source = write_jsonl(

@@ -16,6 +16,8 @@ import optuna
 import pytest
 import torch
 import yaml
+from filelock import FileLock
+from lightning.pytorch.callbacks import Callback
 from test_cli import exit_code  # tests/ is on sys.path (as for fit_probe)
 
 from lightning_spec.sweeps import (
@@ -32,7 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
 TINY_SWEEP = ROOT / "sweeps" / "tiny.yaml"
 TINY = ROOT / "experiments" / "tiny.yaml"
-POSTGRES = os.environ.get("LIGHTNING_SPEC_TEST_POSTGRES")
 
 # A trial of a few seconds: 2 optimizer steps, one validation (greedy decoding of 3 prompts, 8 tokens).
 FAST = {
@@ -273,34 +274,73 @@ def sweep_command(*args: str) -> list[str]:
     return [*command, "sweep", *args]
 
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+# tests/ importable in the sweep's process: its trials load PauseWhenArmed from this module by class path
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+       "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")] if p)}
 
 
-def stop_during_a_trial(command: list[str], cwd: Path, storage: str, sig: int, log: Path) -> int:
-    """Start the sweep and send ``sig`` once a trial runs after at least one finished; return that trial's number."""
+class PauseWhenArmed(Callback):
+    """In a trial's fit: at training step ``step``, if the file ``<folder>/armed`` exists, write
+    ``<folder>/paused`` and wait while ``armed`` exists (at most ``limit`` s). A test that sees ``paused`` knows
+    a trial is in the middle of its fit, and stays there until the test's signal arrives."""
+
+    def __init__(self, folder: str, step: int = 1, limit: float = 120.0) -> None:
+        self.folder, self.step, self.limit = Path(folder), step, limit
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        armed = self.folder / "armed"
+        if trainer.global_step != self.step or not armed.exists():
+            return
+        (self.folder / "paused").write_text(str(os.getpid()))
+        deadline = time.monotonic() + self.limit
+        while armed.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, log: Path, seconds: float = 240.0) -> None:
+    """Poll ``condition()`` (a state of the study or a file, never a guess of how long something takes) until it
+    holds; fail if the process ends first or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached (exit code {proc.poll()})\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def stop_during_a_trial(command: list[str], cwd: Path, storage: str, sig: int, log: Path, folder: Path) -> int:
+    """Start the sweep; once a trial of the study has completed, arm ``PauseWhenArmed`` (in ``folder``); when a
+    trial has paused mid-fit, send ``sig`` and return that trial's number (the one RUNNING trial)."""
+    database = cwd / "optuna.db"
+
+    def study_trials() -> list:
+        if not database.exists():
+            return []
+        with FileLock(f"{database}.lock"):  # the sweep's own lock: never read tables it is creating
+            try:
+                return optuna.load_study(study_name="resume", storage=storage).trials
+            except KeyError:  # the study is not created yet
+                return []
+
+    armed, paused = folder / "armed", folder / "paused"
     with open(log, "w") as out:
         # SIG_DFL: a suite started in the background of a script (`./.ci/run &`) inherits SIGINT ignored, and the
         # sweep (rightly) keeps an ignored SIGINT ignored; the child must see Ctrl-C as a terminal would send it
         proc = subprocess.Popen(command, cwd=cwd, env=ENV, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        deadline, victim = time.monotonic() + 240, None
         try:
-            while victim is None and time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.3)
-                try:
-                    trials = optuna.load_study(study_name="resume", storage=storage).trials
-                except KeyError:  # the study is not created yet
-                    continue
-                running = [t for t in trials if t.state.name == "RUNNING" and "mlflow_run_id" in t.user_attrs]
-                if running and any(t.state.name == "COMPLETE" for t in trials):
-                    proc.send_signal(sig)
-                    victim = running[0].number
+            wait_for(lambda: any(t.state.name == "COMPLETE" for t in study_trials()), proc, "a complete trial", log)
+            armed.touch()
+            wait_for(paused.exists, proc, "a trial paused mid-fit", log)
+            (victim,) = [t.number for t in study_trials() if t.state.name == "RUNNING"]
+            proc.send_signal(sig)
             proc.wait(timeout=120)
         finally:
+            armed.unlink(missing_ok=True)  # the next sweep's trials run through
+            paused.unlink(missing_ok=True)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert victim is not None and proc.returncode != 0, log.read_text()[-3000:]
+    assert proc.returncode != 0, log.read_text()[-3000:]
     return victim
 
 
@@ -309,15 +349,16 @@ def test_an_interrupted_or_killed_sweep_resumes_without_repeating_finished_trial
     trial: the trial stays RUNNING. The same command again: both trials are failed as interrupted (not counted)
     and their params run again, finished trials are not repeated, and the study ends with exactly 4."""
     space = {"model.drafter.init_args.block_size": {"choices": [2, 3, 4, 5]}}
-    overrides = {**FAST, "trainer.max_steps": 12, "trainer.val_check_interval": 3}  # long enough to be hit
+    pause = {"class_path": "test_sweeps.PauseWhenArmed", "init_args": {"folder": str(tmp_path)}}
+    overrides = {**FAST, "trainer.callbacks": [*FAST["trainer.callbacks"], pause]}
     config = sweep_yaml(tmp_path, study_name="resume", sampler="grid", space=space, overrides=overrides)
     command = sweep_command("-c", str(config))
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     trials = lambda: {t.number: t for t in optuna.load_study(study_name="resume", storage=storage).trials}
 
-    stopped = stop_during_a_trial(command, tmp_path, storage, signal.SIGINT, tmp_path / "first.log")
+    stopped = stop_during_a_trial(command, tmp_path, storage, signal.SIGINT, tmp_path / "first.log", tmp_path)
     assert "stopped by" in trials()[stopped].user_attrs["interrupted"] and trials()[stopped].state.name == "FAIL"
-    killed = stop_during_a_trial(command, tmp_path, storage, signal.SIGKILL, tmp_path / "second.log")
+    killed = stop_during_a_trial(command, tmp_path, storage, signal.SIGKILL, tmp_path / "second.log", tmp_path)
     before = trials()
     assert before[killed].state.name == "RUNNING"  # nobody told the study
     done_before = {n: t.params for n, t in before.items() if t.state.name == "COMPLETE"}
@@ -343,14 +384,31 @@ def test_an_interrupted_or_killed_sweep_resumes_without_repeating_finished_trial
     assert {client.get_run(after[v].user_attrs["mlflow_run_id"]).info.status for v in (stopped, killed)} == {"KILLED"}
 
 
-@pytest.mark.skipif(not POSTGRES, reason="LIGHTNING_SPEC_TEST_POSTGRES is unset (.ci/run starts a PostgreSQL server)")
-def test_two_workers_share_a_postgres_study(tmp_path):
+def postgres_url() -> str:
+    """The PostgreSQL server of .ci/run (``LIGHTNING_SPEC_TEST_POSTGRES``). Without one the test skips, unless
+    ``LIGHTNING_SPEC_REQUIRE_POSTGRES=1`` (.ci/run sets it unless ``LIGHTNING_SPEC_ALLOW_NO_POSTGRES=1``): then
+    a server that did not start fails CI instead of hiding behind a skip."""
+    url = os.environ.get("LIGHTNING_SPEC_TEST_POSTGRES")
+    if url:
+        return url
+    why = "LIGHTNING_SPEC_TEST_POSTGRES is unset (.ci/run starts a PostgreSQL server)"
+    if os.environ.get("LIGHTNING_SPEC_REQUIRE_POSTGRES") == "1":
+        pytest.fail(why + ", and LIGHTNING_SPEC_REQUIRE_POSTGRES=1 says this run needs it")
+    pytest.skip(why)
+
+
+@pytest.fixture
+def postgres() -> str:
+    return postgres_url()
+
+
+def test_two_workers_share_a_postgres_study(tmp_path, postgres):
     """Two `sweep` processes on one study: exactly n_trials=4 trials between them, no number twice, each trial
     exactly one MLflow child run (MLflow in its own fresh PostgreSQL database)."""
     import sqlalchemy as sa
 
     name = f"workers_{uuid.uuid4().hex[:8]}"
-    server = sa.engine.make_url(POSTGRES)
+    server = sa.engine.make_url(postgres)
     admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(sa.text(f"CREATE DATABASE mlflow_{name}"))
@@ -358,7 +416,7 @@ def test_two_workers_share_a_postgres_study(tmp_path):
     try:
         space = {"model.lr": {"low": 1.0e-4, "high": 1.0e-2, "log": True}}
         config = sweep_yaml(tmp_path, study_name=name, sampler="random", n_trials=4, space=space,
-                            storage=POSTGRES, tracking_uri=tracking)
+                            storage=postgres, tracking_uri=tracking)
         command = sweep_command("-c", str(config))
         procs = [subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True) for _ in range(2)]
@@ -366,7 +424,7 @@ def test_two_workers_share_a_postgres_study(tmp_path):
         for proc, (_, err) in zip(procs, outs):
             assert proc.returncode == 0, err[-3000:]
 
-        trials = optuna.load_study(study_name=name, storage=POSTGRES).trials
+        trials = optuna.load_study(study_name=name, storage=postgres).trials
         assert sorted(t.number for t in trials) == [0, 1, 2, 3]
         assert all(t.state.name == "COMPLETE" for t in trials)
         workers = {t.user_attrs["worker"]["pid"] for t in trials}
@@ -379,7 +437,7 @@ def test_two_workers_share_a_postgres_study(tmp_path):
         assert {r.info.run_id for r in children} == {t.user_attrs["mlflow_run_id"] for t in trials}
         assert parent.info.status == "FINISHED" and len(runs) == 5
         assert json.loads(parent.data.tags["best_params"]) == optuna.load_study(
-            study_name=name, storage=POSTGRES).best_params
+            study_name=name, storage=postgres).best_params
     finally:
         admin.dispose()
         with sa.create_engine(server, isolation_level="AUTOCOMMIT").connect() as conn:

@@ -27,17 +27,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
-import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_spec.callbacks.offline_validation import OfflineEvaluation
-from lightning_spec.callbacks.spec_validation import SpecDecodeValidation
+from lightning_spec.callbacks.base import MetricsCallback
 
 LOG_PREFIX = "train/domain_weight"
 
 
-class DomainReweighting(Callback):
+class DomainReweighting(MetricsCallback):
     """Re-weight the training domains after every validation: weight ∝ (1 / MAL_d)^beta, floored, smoothed.
 
     The rule, over the domains of the training data (validation domains without training data are ignored):
@@ -56,7 +53,8 @@ class DomainReweighting(Callback):
     Args:
         metric: prefix of the per-domain MAL to read: ``val/mal`` (``SpecDecodeValidation``, first sampling
             config), ``val/temp<T>/mal`` (its other sampling configs) or ``val/offline_mal``
-            (``OfflineEvaluation``); the callback that logs it must be in ``trainer.callbacks``.
+            (``OfflineEvaluation``); a callback in ``trainer.callbacks`` must declare that it logs it
+            (``MetricsCallback.mal_prefixes``).
         beta: sharpness of the rule; 0 = uniform over domains, 1 = ∝ 1/MAL, larger favours the worst domain more.
         floor: minimum share of every training domain, in [0, 1); ``floor × number of training domains``
             must be at most 1.
@@ -79,12 +77,12 @@ class DomainReweighting(Callback):
             raise ValueError(
                 f"DomainReweighting.smoothing={smoothing} must be in [0, 1) (0 = no memory); use e.g. 0.5."
             )
+        super().__init__()  # self.history: (step, weights) of every update
         self.metric = metric
         self.beta = float(beta)
         self.floor = float(floor)
         self.smoothing = float(smoothing)
         self.weights: dict[str, float] | None = None  # the smoothed weights the sampler was last given
-        self.history: list[tuple[int, dict[str, float]]] = []  # (step, weights) of every update
         self._domains: list[str] = []
         self._sizes: dict[str, int] = {}  # training examples per domain
         self._initial_pending = False
@@ -155,7 +153,8 @@ class DomainReweighting(Callback):
         self._domains = sorted(self._sizes)
         n = len(self._domains)
         self._check_floor(n)
-        produced = _logged_prefixes(trainer.callbacks)
+        # the producers declare what they log: any MetricsCallback, ours or a user's, may feed the weights
+        produced = {p for cb in trainer.callbacks if isinstance(cb, MetricsCallback) for p in cb.mal_prefixes()}
         if self.metric not in produced:
             raise ValueError(
                 f"DomainReweighting.metric='{self.metric}' is not logged by any callback of this run (they log "
@@ -210,19 +209,14 @@ class DomainReweighting(Callback):
         trainer.datamodule.set_domain_weights({d: w / self._sizes[d] for d, w in weights.items()})
         step = trainer.global_step
         self.history.append((step, dict(weights)))
-        logged = {f"{LOG_PREFIX}/{d}": w for d, w in weights.items()}
-        for key, value in logged.items():
-            trainer.callback_metrics[key] = torch.tensor(value)
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(logged, step=step)
+        self.publish(trainer, {f"{LOG_PREFIX}/{d}": w for d, w in weights.items()}, step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weights": self.weights, "history": self.history}
+        return {"weights": self.weights, **super().state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
         self.weights = state_dict.get("weights")
-        self.history = list(state_dict.get("history", []))
 
 
 def _restrict(weights: Mapping[str, float] | None, domains: list[str]) -> dict[str, float] | None:
@@ -254,14 +248,3 @@ def _apply_floor(weights: dict[str, float], floor: float) -> dict[str, float]:
     out = {d: floor if d in clipped else w * scale for d, w in weights.items()}
     total = sum(out.values())
     return {d: w / total for d, w in out.items()}
-
-
-def _logged_prefixes(callbacks: Sequence[Callback]) -> set[str]:
-    """The per-domain MAL prefixes the validation callbacks of this run log."""
-    out: set[str] = set()
-    for cb in callbacks:
-        if isinstance(cb, SpecDecodeValidation):
-            out |= {f"{SpecDecodeValidation.prefix(i, s)}/mal" for i, s in enumerate(cb.sampling)}
-        elif isinstance(cb, OfflineEvaluation):
-            out.add("val/offline_mal")
-    return out

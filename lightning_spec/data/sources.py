@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -270,14 +270,15 @@ def _load_ordinary(source: Source) -> datasets.Dataset:
             # datasets' JSON builder dies with a bare StopIteration on an empty file: treat it as zero rows,
             # so the data module reports "gave no usable conversations" and names the source.
             return datasets.Dataset.from_dict({"messages": []})
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return _read_local(source, [path], lambda: datasets.load_dataset(builder, data_files=str(path), split="train"))
     if path.is_dir():
         if (path / "rollouts.json").is_file() or (path / "shards" / "run.json").is_file():
             raise ValueError(
                 f"data source '{source.name}' is a rollouts folder, which holds token ids, not conversations; use it "
                 "as a data.train_sources entry or as the rollouts of offline evaluation."
             )
-        return datasets.load_dataset(str(path), split=source.split)
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in (".json", ".jsonl"))
+        return _read_local(source, files, lambda: datasets.load_dataset(str(path), split=source.split))
     looks_like_path = source.name.startswith((".", "/", "~")) or path.suffix.lower() in builders
     if looks_like_path or source.name.count("/") > 1 or not source.name.strip():
         raise ValueError(
@@ -291,6 +292,46 @@ def _load_ordinary(source: Source) -> datasets.Dataset:
             f"data source '{source.name}' is not a packaged name ({', '.join(PACKAGED)}), not an existing file or "
             f"folder, and could not be loaded from the hub ({type(err).__name__}: {err}); fix the name or the path."
         ) from err
+
+
+def _read_local(source: Source, files: list[Path], read: Callable[[], datasets.Dataset]) -> datasets.Dataset:
+    """``read()``; when ``datasets`` fails on a local file, one sentence naming the file and the line at fault
+    (its own error is a 100-line traceback from inside the JSON builder, "in row 1" of a chunk at best)."""
+    try:
+        return read()
+    except Exception as err:
+        for path in files:
+            where = _bad_json_line(path)
+            if where is not None:
+                raise ValueError(
+                    f"data source '{source.name}': {path} line {where[0]} is not valid JSON ({where[1]}); fix or "
+                    "remove that line (JSON Lines: one JSON object per line)."
+                ) from None
+        raise ValueError(
+            f"data source '{source.name}' could not be read by datasets ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else 'no message'}); check the file's format."
+        ) from err
+
+
+def _bad_json_line(path: Path) -> tuple[int, str] | None:
+    """(line number, reason) where a JSON Lines file stops parsing, None where it parses. A file whose first line
+    is no record of its own is one JSON document (a pretty-printed list) and is judged as a whole."""
+    if path.suffix.lower() not in (".json", ".jsonl"):
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace")
+    records = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    for k, (number, line) in enumerate(records):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as err:
+            if k > 0:
+                return number, err.msg
+            try:
+                json.loads(text)
+                return None
+            except json.JSONDecodeError as whole:
+                return whole.lineno, whole.msg
+    return None
 
 
 def _ordinary_rows(source: Source, dataset: datasets.Dataset) -> Iterator[dict]:
@@ -323,17 +364,16 @@ def _ordinary_rows(source: Source, dataset: datasets.Dataset) -> Iterator[dict]:
 # -------------------------------------------------------------------------------------------------- entry
 
 
-def load_source(source: Source | str, *, limit: int | None = None, seed: int = 0) -> datasets.Dataset:
+def load_source(source: Source | str, *, limit: int | None = None) -> datasets.Dataset:
     """Load one source as a ``datasets.Dataset`` with columns ``id, messages, domain, subdomain``.
+
+    Rows keep file order, so ``limit`` is a stable prefix; shuffling happens where prompts or batches are drawn.
 
     Args:
         source: a ``Source`` or a plain name/path (see ``Source.name``).
         limit: keep the first ``limit`` usable conversations (file order, so the result is deterministic and
             reading stops early); ``Source.limit`` wins when set. None = all.
-        seed: unused by the loaders themselves (rows keep file order so ``limit`` is a stable prefix); accepted
-            so callers can pass one seed everywhere. Shuffling happens in the data module.
     """
-    del seed
     source = as_source(source)
     limit = source.limit if source.limit is not None else limit
     if limit is not None and limit < 0:

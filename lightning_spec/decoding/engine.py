@@ -1,4 +1,8 @@
-"""The decoding loop: one engine for plain and speculative decoding, every drafter (DESIGN.md "Data flow").
+"""The decoding loop: one engine for plain and speculative decoding, every drafter.
+
+A round: the drafter proposes a block, one target forward verifies anchor + block, the rules of ``verify.py``
+accept a prefix (greedy match or lossless rejection sampling), the accepted tokens and the bonus are committed,
+the target cache is cropped and the drafter's context extended with the committed features.
 
 Convention: the prefill covers the prompt *except its last token*; that token is the anchor of the first
 round. So every new token is committed by some round, rounds = target verification forwards, and
@@ -8,8 +12,9 @@ Plain decoding is the same loop with an empty draft (K = 0).
 
 from __future__ import annotations
 
+import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +35,6 @@ class Generation:
     draft_seconds: float = 0.0  # time inside drafter.propose
     verify_seconds: float = 0.0  # time inside the target verify forwards
     block_size: int = 0  # K used (0 for plain decoding)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def mal(self) -> float:
@@ -38,17 +42,43 @@ class Generation:
         return len(self.tokens) / max(self.rounds, 1)
 
 
-def _as_ids(input_ids: Any, device: torch.device) -> Tensor:
+def _as_ids(input_ids: Any, vocab_size: int, device: torch.device) -> Tensor:
     if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # a tokenizer's BatchEncoding
         input_ids = input_ids["input_ids"]
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    try:
+        ids = torch.as_tensor(input_ids, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        ids = None
+    if ids is None or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError("input_ids must be token ids: a non-empty list of ints, a 1-D tensor, or a (1, S) tensor.")
+    ids = ids.long()
     if ids.dim() == 2:
         if ids.shape[0] != 1:
             raise ValueError(f"generate takes one prompt; input_ids has batch size {ids.shape[0]}.")
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError("input_ids must be a non-empty list of ints, a 1-D tensor, or a (1, S) tensor.")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise ValueError(
+            f"input_ids holds token id {int(bad[0])}, outside the target's vocabulary 0..{vocab_size - 1}; "
+            "tokenize the prompt with the target's own tokenizer (target.tokenizer)."
+        )
     return ids[None]  # (1, S)
+
+
+def _check_drafter(target: Any, drafter: Any) -> None:
+    """The drafter must be bound to ``target`` or to another copy of the same weights (``load_drafter`` without a
+    target may have loaded one); then it is re-bound to ``target``, whose embedding and LM head it borrows."""
+    if drafter.target is target or drafter.target.model is target.model:
+        return
+    if drafter.target.fingerprint != target.fingerprint:
+        raise ValueError(
+            f"The drafter is bound to a different target ({drafter.target.name!r}, weights fingerprint "
+            f"{drafter.target.fingerprint}) than the one passed to generate ({target.name!r}, {target.fingerprint}); "
+            "load it with load_drafter(path, target=target) for the target it was trained for."
+        )
+    drafter.bind(target)
 
 
 @torch.no_grad()
@@ -60,10 +90,16 @@ def generate(
     drafter: Any = None,
     seed: int | None = None,
 ) -> Generation:
-    """Decode one prompt with the target, speculatively when a drafter is given. See DESIGN.md "Public API"."""
-    sampling = sampling or SamplingConfig()
+    """Decode one prompt with the target, speculatively when a drafter is given.
+
+    ``input_ids``: one prompt (list of ints, 1-D or (1, S) tensor, or a tokenizer's output); ``sampling``: a
+    ``SamplingConfig`` or a dict of its fields (None: greedy); ``drafter=None`` decodes plainly with the same code
+    path; ``seed`` makes sampled decoding reproducible. Stops after ``max_new_tokens`` or the target's EOS."""
+    sampling = SamplingConfig.coerce(sampling)
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
     device = target.device
-    ids = _as_ids(input_ids, device)
+    ids = _as_ids(input_ids, target.vocab_size, device)
     generator = None
     if seed is not None:
         generator = torch.Generator().manual_seed(seed)
@@ -72,8 +108,8 @@ def generate(
     eos = set(target.eos_token_ids)
     layers = list(drafter.target_layers) if drafter is not None else []
     k = drafter.block_size if drafter is not None else 0
-    if drafter is not None and drafter.target is not target and drafter.target.model is not target.model:
-        raise ValueError("The drafter is bound to a different target than the one passed to generate.")
+    if drafter is not None:
+        _check_drafter(target, drafter)
 
     start = time.perf_counter()
     cache = target.new_cache()

@@ -1,4 +1,4 @@
-"""Pure chain-verification rules (METHODS.md §1.1; Leviathan et al. 2023, Chen et al. 2023).
+"""Pure chain-verification rules (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318).
 
 Both take the K draft tokens and the target's K + 1 verified distributions (positions anchor .. anchor + K)
 and return ``(accepted, next_token)``: how many draft tokens are kept and the token the target commits after

@@ -1,8 +1,9 @@
 """What every drafter gives the rest of the framework: ``DraftOutput`` for training, ``Proposal`` for decoding.
 
-A drafter owns no loss, optimizer or logging (DESIGN.md "Dependencies"). It borrows the target's frozen
-embedding and LM head through ``bind(target)``; they are never registered as drafter parameters, so a
-drafter checkpoint holds the drafter only.
+A drafter owns no loss, optimizer or logging: ``objectives/`` and ``module.py`` import drafters, never the
+reverse, so every objective trains every drafter. It borrows the target's frozen embedding and LM head through
+``bind(target)``; they are never registered as drafter parameters, so a drafter checkpoint holds the drafter
+only.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ class DraftOutput:
     labels: Tensor  # (N, A, K) gold tokens as draft-vocabulary ids (0 where invalid)
     valid: Tensor  # (N, A, K) bool: a supervised label that the draft vocabulary contains
     anchors: Tensor  # (N, A) anchor positions n (0 where the anchor slot is unused)
-    domain_id: Tensor | None = None  # (N,) domain of each sequence
     target_logits: Tensor | None = None  # (N, A, K, Vd) target logits at position n + t - 1 (the shift!)
     extra: dict[str, Any] | None = None  # what an objective's select_anchors computed for its parts (EDR)
 
@@ -84,10 +84,6 @@ class Drafter(nn.Module):
     def config_dict(self) -> dict[str, Any]:
         """The init arguments that rebuild this drafter (stored in checkpoints)."""
         raise NotImplementedError
-
-
-def num_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -1,4 +1,4 @@
-"""BlockDrafter: the DFlash block-parallel drafter (Chen, Liang, Liu 2026; METHODS.md §2.2).
+"""BlockDrafter: the DFlash block-parallel drafter (Chen, Liang, Liu 2026, arXiv 2602.06036).
 
 Reads top to bottom:
 1. Context: features of chosen target layers, concatenated, fused by ``fc`` + RMSNorm -> H_ctx (N, S, H).
@@ -8,10 +8,11 @@ Reads top to bottom:
    is a learned vector). Attention is bidirectional inside the block; the block sees context strictly before
    the anchor, because at inference the anchor (the bonus token) has no target hidden state yet.
 4. Slot t = 1..K predicts x_{n+t} through the target's frozen LM head, optionally restricted to a reduced
-   draft vocabulary (the d2t / t2d maps of METHODS.md §2.1).
+   draft vocabulary (as EAGLE-3's, Li et al. 2025, arXiv 2503.01840; the d2t / t2d maps of
+   its SpecForge and vLLM speculators checkpoints, target id = draft id + d2t[draft id]).
 
-Naming: ``block_size`` = K = draft proposals per round (DESIGN.md). DFlash papers count the anchor in their
-block, so their B = 16 is ``block_size: 15`` here.
+Naming: ``block_size`` = K = draft proposals per round, everywhere in this package (README "Conventions").
+DFlash papers count the anchor in their block, so their B = 16 is ``block_size: 15`` here.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ class BlockDrafter(Drafter):
                 f"drafter.draft_vocab_size={self.draft_vocab_size} must be in 1..{vocab} (the target vocabulary)."
             )
         vd = self.draft_vocab_size or vocab
-        # vocab_ids[i] = target id of draft id i (sorted); METHODS' d2t[i] = vocab_ids[i] - i.
+        # vocab_ids[i] = target id of draft id i (sorted); EAGLE-3's d2t[i] = vocab_ids[i] - i.
         self.register_buffer("vocab_ids", torch.arange(vd), persistent=True)
         self.register_buffer("vocab_ready", torch.tensor(self.draft_vocab_size is None), persistent=True)
         self._init_weights(target)
@@ -276,7 +277,7 @@ class BlockDrafter(Drafter):
 
     @torch.no_grad()
     def set_vocab(self, token_counts: Tensor) -> None:
-        """Pick the ``draft_vocab_size`` most frequent target tokens (METHODS.md §2.1 reduced vocabulary)."""
+        """Pick the ``draft_vocab_size`` most frequent target tokens (EAGLE-3's reduced draft vocabulary)."""
         vd = self.vocab_ids.numel()
         top = token_counts.float().topk(vd).indices.sort().values
         self.vocab_ids.copy_(top.to(self.vocab_ids.device))

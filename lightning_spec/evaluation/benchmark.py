@@ -1,6 +1,6 @@
 """Real speculative decoding over a set of prompts: MAL per domain, acceptance per slot, tokens/s, speedup.
 
-Used by the ``SpecDecodeValidation`` callback, the quickstart table and the benchmarks. Plain decoding of the
+Used by the ``SpecDecodeValidation`` callback and ``lightning-spec evaluate --mode online``. Plain decoding of the
 same prompts runs in the same process through the same engine, so the speedup is a like-for-like ratio.
 """
 
@@ -9,26 +9,49 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from lightning_spec.decoding.engine import generate
-from lightning_spec.metrics import MeanAcceptedLength, SlotAcceptance
+from lightning_spec.metrics import ratio, slot_counts
 from lightning_spec.sampling import SamplingConfig
 
 
 @dataclass
 class DecodeReport:
-    """Pooled results of decoding a prompt set (metrics objects so DDP ranks can be summed)."""
+    """Sums over a decoded prompt set; every figure is a ratio of them (so DDP ranks add their sums first).
 
-    mal: MeanAcceptedLength
-    mal_by_domain: dict[str, MeanAcceptedLength]
-    slots: SlotAcceptance
-    tokens: int = 0
+    The per-domain and per-slot sums have the names and shapes of ``OfflineReport``'s (``domain_sums``,
+    ``slot_accepted``, ``slot_reached``), so one reduction serves both evaluations.
+    """
+
+    slot_accepted: Tensor  # (K,) float64 rounds that accepted draft k
+    slot_reached: Tensor  # (K,) float64 rounds that verified draft k
+    by_domain: dict[str, list[int]] = field(default_factory=dict)  # domain -> [Σ tokens, Σ rounds]
+    tokens: int = 0  # committed tokens, bonus included
+    rounds: int = 0
     seconds: float = 0.0
     plain_tokens: int = 0
     plain_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    rounds: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    def domain_sums(self) -> dict[str, tuple[float, float]]:
+        """{domain: (Σ tokens, Σ rounds)}, domains sorted."""
+        return {d: (float(t), float(r)) for d, (t, r) in sorted(self.by_domain.items())}
+
+    @property
+    def mal(self) -> float:
+        return ratio(self.tokens, self.rounds)
+
+    @property
+    def mal_by_domain(self) -> dict[str, float]:
+        return {d: ratio(t, r) for d, (t, r) in self.domain_sums().items()}
+
+    @property
+    def accept_rate(self) -> Tensor:
+        """AR_k = rounds accepting draft k / rounds verifying it, k = 1..K."""
+        return self.slot_accepted / self.slot_reached.clamp_min(1e-12)
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,17 +82,17 @@ def decode_prompts(
     plain/speculative see the same prompts.
     ``progress`` is an optional callable advanced once per prompt.
     """
-    report = DecodeReport(
-        mal=MeanAcceptedLength(),
-        mal_by_domain={},
-        slots=SlotAcceptance(drafter.block_size if drafter is not None else 1),
-    )
+    block_size = drafter.block_size if drafter is not None else 1
+    report = DecodeReport(torch.zeros(block_size, dtype=torch.float64), torch.zeros(block_size, dtype=torch.float64))
     for i, prompt in enumerate(prompts):
         prompt_seed = prompt.get("seed", seed + i)
         gen = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=drafter, seed=prompt_seed)
-        report.mal.update(len(gen.tokens), gen.rounds)
-        report.mal_by_domain.setdefault(prompt["domain"], MeanAcceptedLength()).update(len(gen.tokens), gen.rounds)
-        report.slots.update(gen.accept_lengths)
+        sums = report.by_domain.setdefault(prompt["domain"], [0, 0])
+        sums[0] += len(gen.tokens)
+        sums[1] += gen.rounds
+        accepted, reached = slot_counts(gen.accept_lengths, block_size)
+        report.slot_accepted += accepted
+        report.slot_reached += reached
         report.tokens += len(gen.tokens)
         report.rounds += gen.rounds
         report.seconds += gen.seconds

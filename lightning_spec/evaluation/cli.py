@@ -16,23 +16,16 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from lightning_spec.evaluation.offline import (
-    OfflineReport,
-    _progress,
-    check_rollouts,
-    load_rollout_set,
-    offline_report,
-    rollout_sampling,
-    spread,
-)
+from lightning_spec.data.rollouts import check_rollouts, load_rollout_set, rollout_sampling, spread
+from lightning_spec.evaluation.offline import OfflineReport, offline_report
 from lightning_spec.evaluation.paired import Comparison, compare, compare_reports
+from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -48,15 +41,10 @@ def arm_names(drafters: list[str], names: list[str] | None) -> list[str]:
 
 
 def _recorded_target(path: str) -> str:
-    """The target a checkpoint or exported drafter folder was trained for."""
-    from lightning_spec.checkpoint import CKPT_KEY
+    """The target a checkpoint or exported drafter folder was trained for (read as data: checkpoint.py)."""
+    from lightning_spec.checkpoint import recorded_target
 
-    p = Path(path)
-    if p.is_dir():
-        return json.loads((p / "drafter.json").read_text())["target"]
-    if not p.is_file():
-        raise ValueError(f"--drafters: {path} does not exist; pass fit checkpoints (.ckpt) or exported folders.")
-    return torch.load(p, map_location="cpu", weights_only=False)[CKPT_KEY]["target"]
+    return recorded_target(path, what="--drafters entry")
 
 
 def _sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> SamplingConfig | None:
@@ -67,10 +55,6 @@ def _sampling(temperature: float | None, top_p: float | None, top_k: int | None)
         top_p=1.0 if top_p is None else top_p,
         top_k=0 if top_k is None else top_k,
     )
-
-
-def _sampling_dict(s: SamplingConfig) -> dict[str, Any]:
-    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
 
 
 # -------------------------------------------------------------------------------------------------- offline
@@ -128,7 +112,7 @@ def run_offline(
         "mode": "offline",
         "target": spec,
         "target_fingerprint": model.fingerprint,
-        "sampling": _sampling_dict(sampling),
+        "sampling": sampling.to_dict(),
         "rollouts": rollouts,
         "rows": {
             "prompt_id": first.prompt_keys,
@@ -159,7 +143,7 @@ def run_online(
     progress: bool,
 ) -> tuple[dict[str, Any], Comparison]:
     from lightning_spec.checkpoint import load_drafter
-    from lightning_spec.data.rollouts import select_prompts
+    from lightning_spec.data.prompts import select_prompts
     from lightning_spec.data.sources import as_source
     from lightning_spec.evaluation.benchmark import decode_prompts
     from lightning_spec.target import load_target
@@ -179,18 +163,14 @@ def run_online(
     rnd = np.zeros((len(loaded) + 1, n))
     sec = np.zeros((len(loaded) + 1, n))
     slots = [np.zeros((2, d.block_size)) for d in loaded]
-    bar, advance = _progress(progress, n, f"online decoding ({len(loaded)} drafters + plain)")
-    try:
+    with progress_bar(f"online decoding ({len(loaded)} drafters + plain)", n, progress) as bar:
         for i, prompt in enumerate(prompts):
             for j, d in enumerate([None, *loaded]):
                 rep = decode_prompts(model, d, [prompt], sampling, max_new_tokens, seed=seed + i)
                 tok[j, i], rnd[j, i], sec[j, i] = rep.tokens, rep.rounds, rep.seconds
                 if d is not None:
-                    slots[j - 1] += np.stack([rep.slots.accepted.cpu().numpy(), rep.slots.reached.cpu().numpy()])
-            advance(1)
-    finally:
-        if bar is not None:
-            bar.stop()
+                    slots[j - 1] += np.stack([rep.slot_accepted.numpy(), rep.slot_reached.numpy()])
+            bar.advance(1)
 
     keys = [p["id"] for p in prompts]
     domains = [p["domain"] for p in prompts]
@@ -224,7 +204,7 @@ def run_online(
         "mode": "online",
         "target": spec,
         "target_fingerprint": model.fingerprint,
-        "sampling": _sampling_dict(sampling),
+        "sampling": sampling.to_dict(),
         "sources": [str(s) for s in sources],
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -292,34 +272,16 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
         console.print(f"{a.name}: MAL per checkpoint {', '.join(f'{m:.3f}' for m in a.checkpoint_mal)}")
 
 
-def absolute_sqlite_uri(uri: str) -> str:
-    """``sqlite:///mlflow.db`` -> ``sqlite:////abs/cwd/mlflow.db``. MLflow caches one store per URI string for the
-    life of the process, so a relative URI would keep writing to the folder of its first use."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str(Path(uri[len(prefix):]).resolve())
-    return uri
-
-
 def log_mlflow(result: dict[str, Any], comparison: Comparison, tracking_uri: str, experiment_name: str) -> list[str]:
     """One MLflow run per arm: params (mode, target, sampling, checkpoints), metrics ``<mode>/mal``,
     ``<mode>/mal/<domain>``, ``<mode>/accept_rate/t<k>``, ``<mode>/delta_mal`` (+ ``_lo``/``_hi``), online
     also ``online/tokens_per_s`` and ``online/speedup``. Returns the run ids."""
-    from mlflow.entities import Metric, Param, RunTag
-    from mlflow.tracking import MlflowClient
+    from lightning_spec.tracking import log_runs
 
-    client = MlflowClient(tracking_uri=absolute_sqlite_uri(tracking_uri))
-    experiment = client.get_experiment_by_name(experiment_name)
-    exp_id = experiment.experiment_id if experiment is not None else client.create_experiment(experiment_name)
     mode = result["mode"]
-    now = int(time.time() * 1000)
-    run_ids = []
+    runs = []
     for a in comparison.arms:
         arm = result["arms"][a.name]
-        run = client.create_run(exp_id, run_name=f"{mode}-{a.name}", tags={
-            "lightning_spec.command": "evaluate", "lightning_spec.mode": mode,
-            "lightning_spec.arm": a.name, "lightning_spec.baseline": comparison.baseline,
-        })
         metrics = {f"{mode}/mal": a.mal, f"{mode}/mal_lo": a.mal_ci[0], f"{mode}/mal_hi": a.mal_ci[1]}
         metrics.update({f"{mode}/mal/{d}": arm["mal_by_domain"][d] for d in arm["mal_by_domain"]})
         metrics.update({f"{mode}/accept_rate/t{k}": v for k, v in enumerate(arm["accept_rate"], 1)})
@@ -338,15 +300,11 @@ def log_mlflow(result: dict[str, Any], comparison: Comparison, tracking_uri: str
             params["rollouts"] = result["rollouts"]
         else:
             params.update({"sources": ",".join(result["sources"]), "max_new_tokens": result["max_new_tokens"]})
-        client.log_batch(
-            run.info.run_id,
-            metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
-            params=[Param(k, str(v)) for k, v in params.items()],
-            tags=[RunTag("lightning_spec.checkpoints", json.dumps(arm["checkpoints"]))],
-        )
-        client.set_terminated(run.info.run_id)
-        run_ids.append(run.info.run_id)
-    return run_ids
+        tags = {"lightning_spec.command": "evaluate", "lightning_spec.mode": mode, "lightning_spec.arm": a.name,
+                "lightning_spec.baseline": comparison.baseline,
+                "lightning_spec.checkpoints": json.dumps(arm["checkpoints"])}
+        runs.append({"name": f"{mode}-{a.name}", "tags": tags, "params": params, "metrics": metrics})
+    return log_runs(tracking_uri, experiment_name, runs)
 
 
 # -------------------------------------------------------------------------------------------------- command

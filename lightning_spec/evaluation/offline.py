@@ -1,4 +1,5 @@
-"""Exact expected decoding rounds from target rollouts, without a decoding loop (EDR §3.4; METHODS.md §3.2).
+"""Exact expected decoding rounds from target rollouts, without a decoding loop (EDR: Zhao & Cai 2026, arXiv
+2610.10411, §3 and the offline evaluator of §3.4).
 
 Condition on a target rollout x = prompt + response. Speculative decoding of x is a Markov chain over states
 (n, t): the round anchored at n (the last committed token) is verifying position t. The draft token of slot t
@@ -34,10 +35,9 @@ the same code EDR trains with; here the per-slot "cost" is R = 1 - A, so the val
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,121 +45,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_spec.data.rollouts import check_rollouts, load_rollout_set, rollout_sampling, spread
 from lightning_spec.objectives.edr import chain, chain_dp
+from lightning_spec.progress import advancer, progress_bar
 from lightning_spec.sampling import SamplingConfig
-
-DEFAULT_DOMAIN = "default"  # the domain of rollouts that carry none (a list of pairs)
-
-
-# ------------------------------------------------------------------------------------------------ rollouts
-@dataclass
-class RolloutSet:
-    """Rollouts as plain lists (one entry per rollout) plus the folder's metadata when there is one."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    domains: list[str]
-    prompt_keys: list[str]  # the prompt a rollout belongs to: bootstrap clusters (all samples of a prompt)
-    finished: list[bool]  # ended with EOS (True when unknown)
-    meta: dict[str, Any] | None = None
-    source: str = ""
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
-
-    def subset(self, index: Sequence[int]) -> RolloutSet:
-        pick = lambda xs: [xs[i] for i in index]  # noqa: E731
-        return RolloutSet(
-            pick(self.prompt_ids), pick(self.response_ids), pick(self.domains), pick(self.prompt_keys),
-            pick(self.finished), self.meta, self.source,
-        )
-
-
-def _prompt_key(prompt: Sequence[int]) -> str:
-    return hashlib.sha1(torch.tensor(list(prompt), dtype=torch.int64).numpy().tobytes()).hexdigest()[:12]
-
-
-def check_rollouts(meta: dict[str, Any] | None, target: Any, sampling: SamplingConfig, source: str = "") -> None:
-    """Refuse rollouts drawn from another target or under another sampling config (``check_compatible``);
-    rollouts without metadata (a list of pairs, a bare dataset) cannot be checked."""
-    if meta is not None:
-        from lightning_spec.data.rollouts import check_compatible  # lazy: lightning_spec.data imports Lightning
-
-        check_compatible(meta, target, sampling, folder=source or None)
-
-
-def rollout_sampling(meta: dict[str, Any] | None) -> SamplingConfig | None:
-    """The ``SamplingConfig`` recorded in a rollouts folder's metadata (None without one)."""
-    drawn = (meta or {}).get("sampling")
-    return SamplingConfig(**drawn) if drawn is not None else None
-
-
-def load_rollout_set(rollouts: Any) -> RolloutSet:
-    """A ``RolloutSet`` from a rollouts folder, a ``datasets.Dataset`` (the rollouts columns), a list of
-    ``(prompt_ids, response_ids)`` pairs or of dicts with those keys, or a ``RolloutSet``."""
-    if isinstance(rollouts, RolloutSet):
-        return rollouts
-    meta, source = None, ""
-    if isinstance(rollouts, (str, Path)):
-        source = str(rollouts)
-        from lightning_spec.data.rollouts import load_rollouts
-
-        rollouts, meta = load_rollouts(rollouts)
-    if hasattr(rollouts, "column_names"):  # a datasets.Dataset
-        cols = set(rollouts.column_names)
-        if not {"prompt_ids", "response_ids"} <= cols:
-            raise ValueError(
-                f"rollouts: a rollouts dataset needs the columns prompt_ids and response_ids; it has {sorted(cols)}."
-            )
-        keep = [c for c in ("prompt_ids", "response_ids", "domain", "prompt_id", "finished") if c in cols]
-        rows = rollouts.select_columns(keep).to_list()
-    else:
-        rows = []
-        for item in rollouts:
-            if isinstance(item, dict):
-                rows.append(item)
-            else:
-                prompt, response = item
-                rows.append({"prompt_ids": prompt, "response_ids": response})
-    prompts, responses, domains, keys, finished = [], [], [], [], []
-    for i, row in enumerate(rows):
-        prompt = [int(t) for t in _as_list(row["prompt_ids"])]
-        if not prompt:
-            raise ValueError(f"rollouts: rollout {i} has an empty prompt; every rollout needs a prompt token.")
-        prompts.append(prompt)
-        responses.append([int(t) for t in _as_list(row["response_ids"])])
-        domains.append(str(row.get("domain") or DEFAULT_DOMAIN))
-        keys.append(str(row["prompt_id"]) if row.get("prompt_id") is not None else _prompt_key(prompt))
-        finished.append(bool(row.get("finished", True)))
-    if not prompts:
-        raise ValueError(f"rollouts: no rollouts in {source or 'the given rollouts'}; nothing to evaluate.")
-    return RolloutSet(prompts, responses, domains, keys, finished, meta, source)
-
-
-def _as_list(x: Any) -> list:
-    return x.tolist() if isinstance(x, Tensor) else list(x)
-
-
-def spread(rollouts: RolloutSet, count: int | None) -> RolloutSet:
-    """At most ``count`` rollouts, deterministic and spread out: round-robin over domains, and within a domain
-    the first sample of every prompt before any second sample (more prompts = smaller bootstrap intervals)."""
-    if count is None or count >= len(rollouts):
-        return rollouts
-    by_domain: dict[str, list[int]] = {}
-    seen: dict[str, int] = {}
-    rank = []
-    for key in rollouts.prompt_keys:
-        rank.append(seen.get(key, 0))
-        seen[key] = rank[-1] + 1
-    for i in sorted(range(len(rollouts)), key=lambda i: (rank[i], i)):
-        by_domain.setdefault(rollouts.domains[i], []).append(i)
-    queues = [by_domain[d] for d in sorted(by_domain)]
-    picked: list[int] = []
-    while len(picked) < count:
-        for q in queues:
-            if q and len(picked) < count:
-                picked.append(q.pop(0))
-    return rollouts.subset(sorted(picked))
 
 
 # -------------------------------------------------------------------------------------------------- report
@@ -364,7 +253,7 @@ def offline_report(
 
         drafter = load_drafter(drafter, target=target)
     _bind_check(target, drafter)
-    data = load_rollout_set(rollouts)
+    data = load_rollout_set(rollouts, vocab_size=target.vocab_size)
     recorded = rollout_sampling(data.meta)
     if sampling is None:
         if recorded is None:
@@ -384,23 +273,23 @@ def offline_report(
             if data.response_ids[i]]
     was_training = drafter.training
     drafter.eval()
-    bar, advance = _progress(progress, r, f"offline rounds ({type(drafter).__name__}, K={k})")
+    own_bar, callback = advancer(progress)
     try:
-        advance(r - len(todo))  # empty responses: no rounds
-        for lo in range(0, len(todo), batch_size):
-            index = todo[lo : lo + batch_size]
-            tau, re, ac = _score_batch(
-                target, drafter, [data.prompt_ids[i] for i in index], [data.response_ids[i] for i in index],
-                sampling, anchors_per_forward, max_elems, seconds,
-            )
-            rounds[index] = tau
-            reached += re
-            accepted += ac
-            advance(len(index))
+        with progress_bar(f"offline rounds ({type(drafter).__name__}, K={k})", r, own_bar) as bar:
+            advance = callback or bar.advance
+            advance(r - len(todo))  # empty responses: no rounds
+            for lo in range(0, len(todo), batch_size):
+                index = todo[lo : lo + batch_size]
+                tau, re, ac = _score_batch(
+                    target, drafter, [data.prompt_ids[i] for i in index], [data.response_ids[i] for i in index],
+                    sampling, anchors_per_forward, max_elems, seconds,
+                )
+                rounds[index] = tau
+                reached += re
+                accepted += ac
+                advance(len(index))
     finally:
         drafter.train(was_training)
-        if bar is not None:
-            bar.stop()
     seconds["total"] = time.perf_counter() - start
     return OfflineReport(
         rounds=rounds,
@@ -416,24 +305,10 @@ def offline_report(
 
 def offline_rounds(target: Any, drafter: Any, rollouts: Any, sampling: SamplingConfig | None = None,
                    **kwargs: Any) -> Tensor:
-    """Exact expected rounds per rollout (R,) float64, in the rollouts' order (DESIGN.md "Public API").
+    """Exact expected rounds per rollout (R,) float64, in the rollouts' order (part of the stable public API).
 
     ``rollouts``: a rollouts folder, a ``datasets.Dataset`` or a list of ``(prompt_ids, response_ids)`` pairs;
     ``sampling`` must be the config they were drawn under (default: the folder's). Pooled MAL of the set is
     ``Σ len(response) / Σ rounds``; see ``offline_report`` for that, per domain, and the keyword arguments."""
     return offline_report(target, drafter, rollouts, sampling, **kwargs).rounds
-
-
-def _progress(progress: bool | Callable[[int], None], total: int, label: str):
-    """(bar or None, advance(n)): a rich progress bar when ``progress`` is True."""
-    if callable(progress):
-        return None, progress
-    if not progress:
-        return None, lambda n: None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    task = bar.add_task(label, total=total)
-    bar.start()
-    return bar, lambda n: bar.advance(task, n)
 

@@ -3,8 +3,9 @@
 Every drafter ("arm") is scored on the same rollouts (offline) or the same prompts (online), so differences
 are paired: a hard prompt is hard for every arm, and resampling prompts jointly cancels that shared noise.
 
-- MAL is the pooled ratio Σ tokens / Σ rounds (METHODS.md §1.3), never a mean of per-rollout ratios; the
-  bootstrap recomputes that ratio on every resample.
+- MAL is the pooled ratio Σ tokens / Σ rounds (a ratio of totals, as EDR's MAL = E[L + 1] / E[#rounds]: Zhao &
+  Cai 2026, arXiv 2610.10411, eq. 1), never a mean of per-rollout ratios; the bootstrap recomputes that ratio on
+  every resample.
 - The resampling unit is the prompt (a cluster: all samples of a prompt go in or out together), not the
   rollout or the token: samples of one prompt are correlated, so resampling them separately would understate
   the uncertainty. The overall interval resamples all prompts together (``bootstrap_mal`` can also stratify

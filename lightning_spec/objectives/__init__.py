@@ -1,4 +1,6 @@
-"""Training objectives as parts of one template (DESIGN.md "The one equation"); no Lightning in here.
+"""Training objectives as parts of one template, L = Σ_n a_n Σ_t b_{n,t} ℓ_{n,t} / Z (``objective.py``).
+
+No Lightning in here.
 
 Losses ℓ: CE, KL, ReverseKL, TV, JSD, LK, LKAlpha, BernoulliKL, TVMinusOne (E2E/WTV), NegProb (EAL), EDRCost.
 Block-position weights b: Uniform, ExpDecay, Geometric, AUFSupport, ValidPrefix, DPACE, E2EWeight, WTVWeight,

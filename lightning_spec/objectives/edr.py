@@ -1,4 +1,4 @@
-"""EDR, Expected Decoding Rounds (Zhao & Cai 2026, arXiv 2610.10411; METHODS.md §3.2).
+"""EDR, Expected Decoding Rounds (Zhao & Cai 2026, arXiv 2610.10411, §3).
 
 Condition on a target rollout x. Round states are (n, t): the round started after the committed prefix x_{≤n}
 (anchor n) and is verifying position t. With A_{n,t} = min(1, q_{n,t}(x_t) / p_t(x_t)) the Bayes acceptance of
@@ -33,7 +33,8 @@ and pays for that through c. Several EOS ids (``Target.eos_token_ids``) all coun
 
 Conventions for data that is not a target rollout (e.g. ShareGPT answers): where the warped target gives the
 data's token probability 0 (filtered by top-k/top-p, or not the argmax of a greedy target), A = 0. Train on
-target rollouts (METHODS.md §4.1) for the estimate to be the expected rounds of real decoding.
+target rollouts (``lightning-spec rollouts``, README "Rollouts") for the estimate to be the expected rounds of
+real decoding.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def _transitions(accept: Tensor, cost: Tensor, ch: Chain) -> tuple[Tensor, Tenso
 
 
 def chain_dp(accept: Tensor, cost: Tensor, ch: Chain) -> ChainValues:
-    """Forward occupancies and backward values (METHODS.md §3.2) in float64, vectorised (a parallel scan).
+    """Forward occupancies and backward values (EDR §3, values by Eq. 12) in float64, vectorised (a parallel scan).
 
     accept, cost: (N, S, K) A_{n,n+1+h} and c_{n,n+1+h} (any dtype; masked here by ``ch``).
     """
@@ -207,7 +208,7 @@ def chain_dp(accept: Tensor, cost: Tensor, ch: Chain) -> ChainValues:
 
 
 def chain_dp_reference(accept: Tensor, cost: Tensor, ch: Chain) -> ChainValues:
-    """The same quantities by the plain loops of the paper's pseudo-code (METHODS.md §3.2 "Training step").
+    """The same quantities by the plain loops of the paper's pseudo-code (EDR Alg. 1 and App. C.2).
     For parity tests and timing only: a Python loop over positions, far too slow for training batches."""
     a_all, c_all = accept.double().tolist(), cost.double().tolist()
     n, s, k = accept.shape
@@ -425,8 +426,8 @@ def _like(x: Tensor, draft: DraftOutput) -> Tensor:
 
 
 class EDROccupancy(AnchorWeight):
-    """EDR's anchor weight a_n = sg(ω_{n,n+1} / π_n) (Zhao & Cai 2026, arXiv 2610.10411, Table 1 "TD form";
-    METHODS.md §3.2), and the part that chooses the anchors (Alg. 1, App. C.2):
+    """EDR's anchor weight a_n = sg(ω_{n,n+1} / π_n) (Zhao & Cai 2026, arXiv 2610.10411, Table 1 "TD form"),
+    and the part that chooses the anchors (Alg. 1, App. C.2):
 
     1. no gradient: the target's p_t at every position; the drafter from *every* supervised start, in chunks
        of ``chunk_size`` anchors; A and c (Def. 1) of every slot;
@@ -444,7 +445,7 @@ class EDROccupancy(AnchorWeight):
 
     Args:
         sampling: the target distribution p the rollouts are decoded with (temperature, top-k, top-p); must
-            match evaluation (METHODS.md §1.1).
+            match evaluation: lossless acceptance compares exactly the distributions tokens are drawn from.
         draft_sampling: the draft distribution q; None = the same config, as the decoding engine's drafter
             uses. The EDR paper drafts at the target's temperature without top-k/top-p: pass
             ``{temperature: T}`` for that. Temperature 0 = greedy drafting (statistics, no gradient).
@@ -525,8 +526,8 @@ class EDROccupancy(AnchorWeight):
 
 
 class EDRReach(PositionWeight):
-    """EDR's block-position weight in the TD form, b_{n,t} = sg(Π_{s<t} A_{n,s}) (Zhao & Cai 2026, Table 1;
-    METHODS.md §3.2): with ``EDROccupancy``, a_n b_{n,t} = sg(ω_{n,t} / π_n). Reads the statistics
+    """EDR's block-position weight in the TD form, b_{n,t} = sg(Π_{s<t} A_{n,s}) (Zhao & Cai 2026, Table 1):
+    with ``EDROccupancy``, a_n b_{n,t} = sg(ω_{n,t} / π_n). Reads the statistics
     ``EDROccupancy`` computed."""
 
     def __call__(self, draft: DraftOutput) -> Tensor:
@@ -535,7 +536,7 @@ class EDRReach(PositionWeight):
 
 class EDRCost(Loss):
     """EDR's per-slot surrogate in the TD form, ℓ = c_{n,t} + A_{n,t}·sg(V_{n,t+1} - V_{t,t+1}) (Zhao & Cai
-    2026, Table 1 and Theorem 2; METHODS.md §3.2): c the EOS-aware local cost (Def. 1) and A the Bayes
+    2026, Table 1 and Theorem 2): c the EOS-aware local cost (Def. 1) and A the Bayes
     acceptance of the realised token, both with gradient, recomputed from the drafter's pass-2 logits with the
     distributions ``EDROccupancy`` was configured with. Its value is not the round count."""
 
@@ -547,7 +548,7 @@ class EDRCost(Loss):
 
 
 class EDR(Objective):
-    """EDR, Expected Decoding Rounds (Zhao & Cai 2026, arXiv 2610.10411; METHODS.md §3.2): the TD surrogate
+    """EDR, Expected Decoding Rounds (Zhao & Cai 2026, arXiv 2610.10411, §3): the TD surrogate
 
         L = (1 / #sequences) Σ_{n ∈ I} Σ_t sg(ω_{n,t} / π_n) [c_{n,t} + A_{n,t} sg(V_{n,t+1} - V_{t,t+1})],
 
@@ -581,6 +582,9 @@ class EDR(Objective):
                 "greedy occupancies instead."
             )
         super().__init__(EDRCost(), EDRReach(), occupancy, normalize)
+        # init arguments kept under their names: checkpoint.describe rebuilds the objective from them
+        self.sampling, self.draft_sampling = sampling, draft_sampling
+        self.max_anchors, self.chunk_size = max_anchors, chunk_size
 
     def slot_mask(self, draft: DraftOutput) -> Tensor:
         return _edr_batch(draft).mask  # out-of-vocabulary tokens still cost: not the drafter's ``valid``

@@ -1,4 +1,4 @@
-"""Per-position losses ℓ_{n,t} of the objective template (METHODS.md §3.1, Table 1).
+"""Per-position losses ℓ_{n,t} of the objective template (``objective.py``; EDR, arXiv 2610.10411, Table 1).
 
 Each returns a (N, A, K) tensor; the template applies weights and normalises. Target distributions p come
 from the same ``SamplingConfig`` code the decoding engine uses, so training and evaluation agree on p.
@@ -41,7 +41,7 @@ def _target_logprobs(draft: DraftOutput, sampling: SamplingConfig) -> Tensor:
 
 
 class CE(Loss):
-    """Cross-entropy on the gold token, ℓ = -log q_{n,t}(x_t) (DFlash, METHODS.md §2.2)."""
+    """Cross-entropy on the gold token, ℓ = -log q_{n,t}(x_t) (DFlash, Chen, Liang, Liu 2026, arXiv 2602.06036)."""
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         logq = _draft_logprobs(draft)
@@ -49,7 +49,7 @@ class CE(Loss):
 
 
 class KL(Loss):
-    """Forward KL(p_t ‖ q_{n,t}) = Σ_v p log(p / q), p the target under ``sampling`` (METHODS.md §3.1).
+    """Forward KL(p_t ‖ q_{n,t}) = Σ_v p log(p / q), p the target under ``sampling``.
 
     Args:
         sampling: how p is formed from the target logits (default temperature 1, no filtering). With a
@@ -70,7 +70,8 @@ class KL(Loss):
 
 
 class TV(Loss):
-    """Total variation TV(p, q) = Σ_v [p(v) - q(v)]_+ = 1 - α, α the acceptance probability (METHODS.md §1.3)."""
+    """Total variation TV(p, q) = Σ_v [p(v) - q(v)]_+ = 1 - α, α = Σ_v min(p, q) the probability that lossless
+    verification accepts a draft token drawn from q (Leviathan et al. 2023)."""
 
     needs_target = True
 
@@ -110,8 +111,8 @@ _TOKENS = ("target_argmax", "gold")
 # ------------------------------------------------------------------------------------------------ losses
 class ReverseKL(Loss):
     """Reverse KL(q_{n,t} ‖ p_t) = Σ_v q log(q / p), the mode-seeking distillation loss (AdaFlash's
-    reverse-KL drafter training, Qian et al. 2026, arXiv 2607.19223, METHODS.md §4.3; Draft-OPD's sampled k3
-    estimator of the same divergence, §4.2).
+    reverse-KL drafter training, Qian et al. 2026, arXiv 2607.19223; Draft-OPD's sampled k3
+    estimator of the same divergence, Lei et al. 2026, arXiv 2605.29343).
 
     Args:
         sampling: how p is formed from the target logits; the draft uses the same temperature.
@@ -158,7 +159,7 @@ class JSD(Loss):
 
 
 class LK(Loss):
-    """LK-λ (Samarin 2026, arXiv 2602.23881; METHODS.md §3.1 Table 1 and "LK, as implemented"):
+    """LK-λ (Samarin 2026, arXiv 2602.23881; as SpecForge implements it, ``core/lk_loss.py``):
     ℓ = λ·KL(p ‖ q) + (1 - λ)·TV(p, q) with λ = scale·exp(-κ·sg(α)), α = Σ min(p, q).
 
     KL dominates while the draft is far from the target (α small) and TV, whose complement is the acceptance
@@ -189,7 +190,7 @@ class LK(Loss):
 
 
 class LKAlpha(Loss):
-    """LK^α (Samarin 2026, arXiv 2602.23881; METHODS.md §3.1 "LK, as implemented"): ℓ = -log α,
+    """LK^α (Samarin 2026, arXiv 2602.23881; SpecForge's ``alpha`` variant): ℓ = -log α,
     α = Σ_v min(p, q). Its gradient is TV's scaled by 1/α: slots the draft gets badly wrong weigh more.
 
     Args:
@@ -210,7 +211,7 @@ class LKAlpha(Loss):
 
 class BernoulliKL(Loss):
     """Bernoulli forward KL on the realised (gold) token x_t, Draft-OPD's response-stream loss (Lei et al.
-    2026, arXiv 2605.29343; METHODS.md §4.2): with p = p_t(x_t) and q = q_{n,t}(x_t),
+    2026, arXiv 2605.29343): with p = p_t(x_t) and q = q_{n,t}(x_t),
 
         ℓ = p log(p / q) + (1 - p) log((1 - p) / (1 - q)),
 
@@ -250,8 +251,8 @@ class BernoulliKL(Loss):
 
 
 class TVMinusOne(Loss):
-    """ℓ = TV(p_t, q_{n,t}) - 1 = -α: the per-slot loss of E2E-TV (Li et al. 2026c "Bebop", arXiv 2606.12370;
-    METHODS.md §3.1 Table 1) and, with a temperature-only ``sampling``, of WTV (§3.3). Paired with the
+    """ℓ = TV(p_t, q_{n,t}) - 1 = -α: the per-slot loss of E2E-TV (Li et al. 2026c "Bebop", arXiv 2606.12370)
+    and, with a temperature-only ``sampling``, of WTV (Xia et al., arXiv 2609.24150). Paired with the
     cumulative-acceptance weight ``E2EWeight`` (no stop-gradient) the block sums to -Σ_k Π_{s≤k} α_s, the
     negative expected accepted length; ``E2E`` / ``WTV`` build that pair.
 
@@ -270,12 +271,12 @@ class TVMinusOne(Loss):
 
 
 class NegProb(Loss):
-    """ℓ = -q_{n,t}(y_t): the per-slot loss of EAL (Xia et al., arXiv 2609.24150; METHODS.md §3.3, DERIVED).
+    """ℓ = -q_{n,t}(y_t): the per-slot loss of EAL (Xia et al., arXiv 2609.24150; derived here, not from the paper).
     Paired with ``EALWeight`` (Π_{j<t} q_j(y*_j), with gradient) the block sums to -Σ_k Π_{j≤k} q_j(y*_j),
     the differentiable surrogate of the greedy expected accepted length; ``EAL`` builds that pair.
 
     Args:
-        token: ``target_argmax`` (y* = argmax p_t, what greedy verification compares against; METHODS §3.3)
+        token: ``target_argmax`` (y* = argmax p_t, what greedy verification compares against)
             or ``gold`` (the data's token; the same thing on target-generated data).
     """
 

@@ -1,4 +1,8 @@
-"""The one equation (DESIGN.md): L = Σ_n a_n Σ_t b_{n,t} ℓ_{n,t} / Z, composed from parts in YAML."""
+"""The one equation: every objective is L = Σ_n a_n Σ_t b_{n,t} ℓ_{n,t} / Z, composed from parts in YAML.
+
+The template is EDR's (Zhao & Cai 2026, arXiv 2610.10411, §4.2, Table 1); the normaliser Z is an explicit choice
+added here. A new objective is a new part, never a new training loop.
+"""
 
 from __future__ import annotations
 
@@ -134,7 +138,7 @@ class Objective:
 
 # ------------------------------------------------------------------------------- ready-made loss/weight pairs
 class E2E(Objective):
-    """E2E-TV (Li et al. 2026c "Bebop", arXiv 2606.12370; METHODS.md §3.1 Table 1) as one YAML block:
+    """E2E-TV (Li et al. 2026c "Bebop", arXiv 2606.12370) as one YAML block:
     ℓ = TV - 1 (``TVMinusOne``) with b_t = Π_{s<t}(1 - TV_s) (``E2EWeight``, no stop-gradient), so a block
     contributes -Σ_k Π_{s≤k} α_s, minus its expected accepted length.
 
@@ -149,11 +153,13 @@ class E2E(Objective):
         normalize: Literal["weight", "anchors", "slots", "sequences"] = "anchors",
     ) -> None:
         super().__init__(TVMinusOne(sampling), E2EWeight(sampling), AnchorUniform(), normalize)
+        self.sampling = sampling  # init arguments are kept under their names: checkpoint.describe rebuilds from them
 
 
 class WTV(Objective):
-    """WTV (Xia et al., arXiv 2609.24150; METHODS.md §3.3, DERIVED) as one YAML block: L = -Σ_k Π_{j≤k} α^T_j
-    with p and q both at temperature T (no top-k/top-p): ``TVMinusOne`` + ``WTVWeight`` at T.
+    """WTV (Xia et al., arXiv 2609.24150) as one YAML block: L = -Σ_k Π_{j≤k} α^T_j with p and q both at
+    temperature T (no top-k/top-p): ``TVMinusOne`` + ``WTVWeight`` at T. The formula is derived here from the
+    paper's abstract, not stated in the paper.
 
     Args:
         temperature: T > 0.
@@ -165,11 +171,13 @@ class WTV(Objective):
     ) -> None:
         weight = WTVWeight(temperature)
         super().__init__(TVMinusOne(weight.sampling), weight, AnchorUniform(), normalize)
+        self.temperature = temperature
 
 
 class EAL(Objective):
-    """EAL (Xia et al., arXiv 2609.24150; METHODS.md §3.3, DERIVED) as one YAML block: L_EAL = -Σ_k Π_{j≤k}
-    q_j(y*_j), ``NegProb`` + ``EALWeight`` (gradient through every product).
+    """EAL (Xia et al., arXiv 2609.24150) as one YAML block: L_EAL = -Σ_k Π_{j≤k} q_j(y*_j), ``NegProb`` +
+    ``EALWeight`` (gradient through every product). The formula is derived here from the paper's abstract, not
+    stated in the paper.
 
     Args:
         token: ``target_argmax`` (y* = argmax p) or ``gold``.
@@ -182,12 +190,13 @@ class EAL(Objective):
         normalize: Literal["weight", "anchors", "slots", "sequences"] = "anchors",
     ) -> None:
         super().__init__(NegProb(token), EALWeight(token), AnchorUniform(), normalize)
+        self.token = token
 
 
 # ------------------------------------------------------------------------------------------------ mixtures
 class Mixture(Objective):
     """A weighted sum of objectives, each with its own parts and normaliser, e.g. DSpark's
-    0.1·CE + 0.9·L1 with the decay on both (Cheng et al. 2026, METHODS.md §2.3; L1 = 2·TV, so 1.8·TV here).
+    0.1·CE + 0.9·L1 with the decay on both (Cheng et al. 2026, arXiv 2607.05147, §3; L1 = 2·TV, so 1.8·TV here).
 
     Reduction. Component i returns (num_i, den_i); the mixture returns
 

@@ -1,4 +1,4 @@
-"""Block-position weights b_{n,t} and anchor weights a_n of the objective template (METHODS.md §3.1)."""
+"""Block-position weights b_{n,t} and anchor weights a_n of the objective template (``objective.py``)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ class PositionWeight:
 
 
 class Uniform(PositionWeight):
-    """b_t = 1 for every slot (METHODS.md §3.1 Table 1: CE, KL, TV, LK)."""
+    """b_t = 1 for every slot (plain CE, KL, TV and LK; EDR, arXiv 2610.10411, Table 1)."""
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         return torch.ones_like(draft.valid, dtype=torch.float32)  # (N, A, K)
 
 
 class ExpDecay(PositionWeight):
-    """b_t = exp(-(t - 1) / gamma), the DFlash block-position decay (METHODS.md §3.5, DFlash Eq. 4).
+    """b_t = exp(-(t - 1) / gamma), the DFlash block-position decay (Chen, Liang, Liu 2026, arXiv 2602.06036,
+    Eq. 4).
 
     Slot convention: t = 1..K counts *predictions* (the anchor is the input, DFlash style), so the first
     prediction gets weight 1. DSpark, whose anchor slot is itself a prediction, writes the same weights as
@@ -64,8 +65,9 @@ def _chain(factor: Tensor, valid: Tensor) -> Tensor:
 
 class Geometric(PositionWeight):
     """b_t = rho^(t - 1): the geometric decay of EAGLE-3's training-time test (0.8^i over its unrolled steps,
-    METHODS.md §2.1), Medusa's heads (0.8^k, §2.8), SpecBlock's draft loss (decay^k, §2.6) and Draft-OPD's
-    rejected-draft stream (0.8^(offset-1), §4.2).
+    as SpecForge trains it), Medusa's heads (0.8^k; Cai et al. 2024, arXiv 2401.10774), SpecBlock's draft loss
+    (decay^k; Shi et al. 2026, arXiv 2605.07243) and Draft-OPD's rejected-draft stream (0.8^(offset-1); Lei et
+    al. 2026, arXiv 2605.29343).
 
     Slot convention: t = 1 is the first prediction and gets weight 1 (exponent t - 1 = 0), as EAGLE-3's first
     TTT step (i = 0) and Draft-OPD's offset 1. Medusa's 0.8^k, k = 1.., is the same up to a factor rho, which
@@ -92,7 +94,7 @@ def _prefix_support(matched: Tensor, valid: Tensor) -> Tensor:
 
 
 class AUFSupport(PositionWeight):
-    """AUF, Accept-Until-Fail (Yang & Li 2026, arXiv 2607.01893; METHODS.md §3.4): b_k = 1 for valid slots
+    """AUF, Accept-Until-Fail (Yang & Li 2026, arXiv 2607.01893): b_k = 1 for valid slots
     up to and *including* the first slot whose draft argmax differs from the gold token, 0 after; all valid
     slots when nothing fails. An invalid slot ends the prefix. Computed without gradient (a mask).
 
@@ -106,7 +108,7 @@ class AUFSupport(PositionWeight):
 
 
 class ValidPrefix(PositionWeight):
-    """SpecBlock's valid-prefix ("chain") mask (Shi et al. 2026, arXiv 2605.07243; METHODS.md §2.6): slot k
+    """SpecBlock's valid-prefix ("chain") mask (Shi et al. 2026, arXiv 2605.07243): slot k
     counts only where every slot < k predicted top-1 == the target's argmax. The first mismatching slot itself
     counts (its predecessors matched). Computed without gradient; needs the target logits.
 
@@ -124,7 +126,7 @@ class ValidPrefix(PositionWeight):
 
 
 class DPACE(PositionWeight):
-    """D-PACE (Wu 2026, arXiv 2605.18810; METHODS.md §3.1 Table 1 and "D-PACE, as implemented"):
+    """D-PACE (Wu 2026, arXiv 2605.18810; as vLLM speculators implements it, ``losses/utils.py``):
 
         b_k = sg( Σ_{m=k}^{K} Π_{s=1}^{m} q̃_s ),   q̃_s = (1 - α)·q_s(x_s) + α,
 
@@ -150,7 +152,7 @@ class DPACE(PositionWeight):
 
 
 class E2EWeight(PositionWeight):
-    """The E2E-TV cumulative acceptance (Li et al. 2026c "Bebop", arXiv 2606.12370; METHODS.md §3.1 Table 1):
+    """The E2E-TV cumulative acceptance (Li et al. 2026c "Bebop", arXiv 2606.12370):
     b_t = Π_{s<t} (1 - TV(p_s, q_s)) = Π_{s<t} α_s, **with** gradient (no stop-gradient), the probability that
     the round reaches slot t. Pair with ``TVMinusOne`` (or use ``E2E``): Σ_t b_t (TV_t - 1) = -E[accepted].
 
@@ -169,7 +171,7 @@ class E2EWeight(PositionWeight):
 
 
 class WTVWeight(E2EWeight):
-    """WTV (Xia et al., arXiv 2609.24150; METHODS.md §3.3, DERIVED): b_k = Π_{j<k} α^T_j with
+    """WTV (Xia et al., arXiv 2609.24150; derived here, not from the paper): b_k = Π_{j<k} α^T_j with
     α^T = Σ min(softmax(z_p / T), softmax(z_q / T)), with gradient: E2E's weight at temperature T with no
     top-k/top-p. Pair with ``TVMinusOne(sampling={temperature: T})`` or use ``WTV``.
 
@@ -185,12 +187,13 @@ class WTVWeight(E2EWeight):
 
 
 class EALWeight(PositionWeight):
-    """EAL (Xia et al., arXiv 2609.24150; METHODS.md §3.3, DERIVED): b_k = Π_{j<k} q_j(y*_j), with gradient,
-    the differentiable stand-in for "the greedy draft matched every earlier slot". Pair with ``NegProb`` (or
+    """EAL (Xia et al., arXiv 2609.24150; derived here, not from the paper): b_k = Π_{j<k} q_j(y*_j), with
+    gradient, the differentiable stand-in for "the greedy draft matched every earlier slot". Pair with ``NegProb`` (or
     use ``EAL``): Σ_k b_k·(-q_k(y*_k)) = -Σ_k Π_{j≤k} q_j(y*_j) = -EAL.
 
     Args:
-        token: ``target_argmax`` (y* = argmax p, METHODS §3.3) or ``gold`` (the data's token).
+        token: ``target_argmax`` (y* = argmax p, what greedy verification compares against)
+            or ``gold`` (the data's token).
     """
 
     def __init__(self, token: Literal["target_argmax", "gold"] = "target_argmax") -> None:
@@ -209,7 +212,7 @@ class EALWeight(PositionWeight):
 
 class PositionProduct(PositionWeight):
     """b = Π_i b_i: several block-position weights at once, e.g. SpecBlock's valid-prefix mask times its
-    0.8^t decay (METHODS.md §2.6), or AUF's support times the DFlash decay.
+    0.8^t decay (Shi et al. 2026, arXiv 2605.07243), or AUF's support times the DFlash decay.
 
     Args:
         weights: the factors.
@@ -241,7 +244,7 @@ class AnchorWeight:
 
 
 class AnchorUniform(AnchorWeight):
-    """a_n = 1 for every sampled anchor (METHODS.md §3.1 Table 1: every objective but EDR)."""
+    """a_n = 1 for every sampled anchor (every objective but EDR, whose a_n is ``EDROccupancy``)."""
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         return torch.ones(draft.valid.shape[:2], device=draft.logits.device)  # (N, A)

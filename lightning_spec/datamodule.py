@@ -6,7 +6,8 @@ Its ``__init__`` is the ``data:`` section of an experiment YAML. After ``setup``
     domains                       sorted union of the train and eval domains; domain_id indexes it
     fingerprint                   sha256 of what a feature cache depends on (tokenizer, train token ids, max_length)
 
-and ``eval_prompts()`` gives the prompts that validation decodes for real (MAL per domain).
+and ``eval_prompts()`` gives the prompts that validation decodes for real (MAL per domain). The order in which
+examples are trained (domain weights, DDP shards, mid-epoch resume) is ``loaders.py``'s.
 """
 
 from __future__ import annotations
@@ -14,127 +15,18 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from lightning_spec.data.chat import prompt_ids, tokenize_conversation
-from lightning_spec.data.rollouts import is_rollouts_folder, load_rollouts
-from lightning_spec.data.sources import Source, as_source, held_out_keys, load_source, normalize_text
-
-
-def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a list of examples to the batch's longest sequence."""
-    n, s = len(examples), max(len(e["input_ids"]) for e in examples)
-    input_ids = torch.full((n, s), pad_id, dtype=torch.long)  # (N, S)
-    attention_mask = torch.zeros((n, s), dtype=torch.long)  # (N, S)
-    loss_mask = torch.zeros((n, s), dtype=torch.bool)  # (N, S)
-    for row, e in enumerate(examples):
-        length = len(e["input_ids"])
-        input_ids[row, :length] = e["input_ids"]
-        attention_mask[row, :length] = 1
-        loss_mask[row, :length] = e["loss_mask"]
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "domain_id": torch.tensor([e["domain_id"] for e in examples], dtype=torch.long),  # (N,)
-        "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),  # (N,)
-    }
-
-
-class DomainSampler(DistributedSampler):
-    """Plain seeded shuffle, or sampling with replacement with probability ∝ the weight of an example's domain.
-
-    The weights are read from the data module at the start of every epoch, so a callback that calls
-    ``SpecDataModule.set_domain_weights`` changes the next epoch without rebuilding the loader. Each epoch
-    draws from its own generator seeded with ``(seed, epoch)``: every DDP rank draws the same order, and a
-    resumed run draws what the original would have.
-
-    Under DDP (``num_replicas`` > 1) every rank draws that one global order of ``len(train_dataset)`` indices
-    (padded by wrapping around to a multiple of ``num_replicas``) and takes the interleaved shard
-    ``order[rank::num_replicas]``, so the ranks' i-th batches together are exactly the i-th batch of one
-    process with ``num_replicas`` times the batch size. It is a ``DistributedSampler`` so that Lightning keeps
-    it (instead of wrapping it) and calls ``set_epoch`` on it.
-    """
-
-    def __init__(self, datamodule: SpecDataModule, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
-        super().__init__(datamodule.train_dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.datamodule = datamodule
-        self.drawn_with: dict[str, float] | None = None  # the domain weights of the last pass
-        # set by TrainLoader on resume, for the next pass only: indices of this rank's shard already consumed, and
-        # (weights,) that the interrupted pass drew with (a callback may have changed them since)
-        self.skip = 0
-        self.replay: tuple[dict[str, float] | None] | None = None
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.datamodule.train_dataset) / self.num_replicas)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        self.epoch += 1  # without set_epoch calls, the next pass still differs
-        if self.replay is not None:
-            (self.drawn_with,), self.replay = self.replay, None
-            weights = example_weights(self.datamodule.train_dataset, self.drawn_with)
-        else:
-            self.drawn_with, weights = self.datamodule.domain_weights, self.datamodule.sample_weights()
-        n = len(self.datamodule.train_dataset)
-        if weights is None:
-            order = torch.randperm(n, generator=generator).tolist()
-        else:
-            order = torch.multinomial(weights, n, replacement=True, generator=generator).tolist()
-        if self.num_replicas > 1:
-            total = len(self) * self.num_replicas
-            order = (order * math.ceil(total / n))[:total][self.rank :: self.num_replicas]
-        skip, self.skip = self.skip, 0
-        return iter(order[skip:])
-
-
-class TrainLoader(DataLoader):
-    """The training DataLoader, resumable in the middle of an epoch (Lightning's ``state_dict`` protocol).
-
-    ``state_dict`` is ``{"epoch", "batches", "domain_weights"}``: the sampler epoch of the current pass, how many
-    batches it has yielded, and the domain weights its order was drawn with. With a sized loader Lightning fetches
-    no batch ahead, so when a checkpoint is written (after a training step, a validation or the epoch) the yielded
-    batches are exactly the trained ones. After ``load_state_dict`` the next pass over the same epoch redraws
-    that order and starts after them (the sampler skips their indices, so nothing is loaded); a pass over another
-    epoch (the checkpoint was written at the end of its epoch) is whole.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._progress: dict[str, Any] | None = None  # state_dict() of the current pass
-        self._resume: dict[str, Any] | None = None  # from load_state_dict, for the next pass
-
-    def __iter__(self) -> Iterator[Any]:
-        # A generator: this body runs at the first next(), after Lightning's set_epoch and load_state_dict.
-        sampler = self.sampler
-        epoch, done = int(sampler.epoch), 0
-        resume, self._resume = self._resume, None
-        if resume is not None and resume["epoch"] == epoch and resume["batches"] > 0:
-            done = resume["batches"]
-            sampler.skip = done * self.batch_size
-            if "domain_weights" in resume:
-                sampler.replay = (resume["domain_weights"],)
-        self._progress = {"epoch": epoch, "batches": done, "domain_weights": None}
-        for batch in super().__iter__():
-            done += 1
-            self._progress = {"epoch": epoch, "batches": done, "domain_weights": sampler.drawn_with}
-            yield batch
-
-    def state_dict(self) -> dict[str, Any]:
-        if self._progress is None:
-            return {"epoch": int(self.sampler.epoch), "batches": 0, "domain_weights": None}
-        return dict(self._progress)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resume = dict(state_dict)
+from lightning_spec.data.prompts import domain_prompts, first_user, opening
+from lightning_spec.data.rollouts import is_rollouts_folder, load_rollouts, sft_examples
+from lightning_spec.data.sources import Source, as_source, held_out_keys, load_source
+from lightning_spec.loaders import DomainSampler, TrainLoader, check_val_check_interval, collate, example_weights
+from lightning_spec.target import load_tokenizer
 
 
 class SpecDataModule(L.LightningDataModule):
@@ -221,11 +113,7 @@ class SpecDataModule(L.LightningDataModule):
     def tokenizer(self) -> Any:
         """The target's tokenizer (loaded on first use)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            from lightning_spec.assets import resolve_target_folder
-
-            self._tokenizer = AutoTokenizer.from_pretrained(resolve_target_folder(self.target))
+            self._tokenizer = load_tokenizer(self.target)
         return self._tokenizer
 
     @property
@@ -243,7 +131,7 @@ class SpecDataModule(L.LightningDataModule):
         if self._eval_rows is None:
             rows: list[dict] = []
             for i, source in enumerate(self.eval_sources):
-                dataset = load_source(source, seed=self.seed)
+                dataset = load_source(source)
                 if len(dataset) == 0:
                     raise ValueError(
                         f"data.eval_sources[{i}] ('{source.name}') gave no usable prompts; check the path/filters "
@@ -284,26 +172,13 @@ class SpecDataModule(L.LightningDataModule):
         return self._rollout_meta
 
     def _rollout_rows(self, i: int, source: Source, held_out_prompts: set[tuple[int, ...]]) -> list[dict]:
-        """Target-regenerated SFT rows (METHODS.md §4.1): prompt + response, loss mask on the response."""
+        """Target-regenerated SFT rows: prompt + response, loss mask on the response (the target's own answers)."""
         dataset, _ = load_rollouts(source.name)
         limit = source.limit if source.limit is not None else self.train_limit
-        rows = []
-        for r in dataset:
-            if limit is not None and len(rows) >= limit:
-                break
-            if tuple(r["prompt_ids"]) in held_out_prompts or not r["response_ids"]:
-                continue
-            ids = list(r["prompt_ids"]) + list(r["response_ids"])
-            mask = [0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"])
-            rows.append(
-                {
-                    "id": f"{r['prompt_id']}#{r['sample']}",
-                    "domain": source.domain or r["domain"],
-                    # the samples of one prompt stay on one side of the train/val split
-                    "_enc": {"input_ids": ids[: self.max_length], "loss_mask": mask[: self.max_length]},
-                    "_key": f"rollout-prompt:{r['prompt_id']}",
-                }
-            )
+        rows = [
+            {"id": e["id"], "domain": source.domain or e["domain"], "_enc": e["enc"], "_key": e["key"]}
+            for e in sft_examples(dataset, self.max_length, held_out_prompts, limit)
+        ]
         if not rows:
             raise ValueError(
                 f"data.train_sources[{i}] ('{source.name}') gave no usable rollouts; it is empty, or its prompts "
@@ -321,10 +196,10 @@ class SpecDataModule(L.LightningDataModule):
         for i, source in enumerate(self.train_sources):
             if is_rollouts_folder(source.name):
                 if held_out_prompts is None:  # a rollout is held out when its prompt is an eval prompt, token for token
-                    held_out_prompts = {tuple(prompt_ids(self.tokenizer, _opening(r))) for r in self._load_eval()}
+                    held_out_prompts = {tuple(prompt_ids(self.tokenizer, opening(r))) for r in self._load_eval()}
                 rows.extend(self._rollout_rows(i, source, held_out_prompts))
                 continue
-            dataset = load_source(source, limit=self.train_limit, seed=self.seed)
+            dataset = load_source(source, limit=self.train_limit)
             kept = [r for r in dataset.to_list() if not (held_out_keys(r["messages"]) & held_out)]
             if not kept:
                 raise ValueError(
@@ -345,7 +220,7 @@ class SpecDataModule(L.LightningDataModule):
             if "_enc" in row:  # a rollout: already tokenized
                 enc, key = row["_enc"], row["_key"]
             else:
-                enc, key = tokenize_conversation(tok, row["messages"], self.max_length), _first_user(row)
+                enc, key = tokenize_conversation(tok, row["messages"], self.max_length), first_user(row)
             if any(enc["loss_mask"]):  # the assistant must speak within max_length, or there is nothing to learn
                 examples.append({**enc, "id": row["id"], "domain": row["domain"], "_key": key})
         if not examples:
@@ -444,22 +319,9 @@ class SpecDataModule(L.LightningDataModule):
         categories. The prompt is the conversation up to its first assistant turn, with the generation header.
         """
         if self._eval_prompts is None:
-            by_domain: dict[str, list[dict]] = {}
-            for row in self._load_eval():
-                by_domain.setdefault(row["domain"], []).append(row)
-            prompts = []
-            for domain in sorted(by_domain):
-                for row in _round_robin(by_domain[domain], self.eval_prompts_per_domain, self.seed):
-                    messages = _opening(row)
-                    prompts.append(
-                        {
-                            "id": row["id"],
-                            "domain": domain,
-                            "subdomain": row["subdomain"],
-                            "prompt_ids": prompt_ids(self.tokenizer, messages),
-                        }
-                    )
-            self._eval_prompts = prompts
+            self._eval_prompts = domain_prompts(
+                self.tokenizer, self._load_eval(), self.eval_prompts_per_domain, self.seed
+            )
         return [dict(p, prompt_ids=list(p["prompt_ids"])) for p in self._eval_prompts]
 
     # ---------------------------------------------------------------------------------- domain weighting
@@ -514,7 +376,7 @@ class SpecDataModule(L.LightningDataModule):
         self._require_setup("train_dataloader")
         # this rank's shard of every epoch's order (DDP: num_replicas = world size; one process: the whole order)
         shard = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}
-        return TrainLoader(
+        loader = TrainLoader(
             self.train_dataset,
             batch_size=self.batch_size,
             sampler=DomainSampler(self, self.seed, shard.get("num_replicas", 1), shard.get("rank", 0)),
@@ -522,6 +384,8 @@ class SpecDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+        check_val_check_interval(self.trainer, loader)  # where the trainer and the data meet
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         self._require_setup("val_dataloader")
@@ -533,27 +397,6 @@ class SpecDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
-
-
-def example_weights(examples: list[dict], domain_weights: dict[str, float] | None) -> torch.Tensor | None:
-    """(len(examples),) float64: the weight of each example's domain (0 if unnamed); None for None (shuffle)."""
-    if domain_weights is None:
-        return None
-    return torch.tensor([domain_weights.get(e["domain"], 0.0) for e in examples], dtype=torch.double)
-
-
-def _opening(row: dict) -> list[dict]:
-    """The messages before the first assistant turn: the prompt of a conversation."""
-    messages = []
-    for m in row["messages"]:
-        if m["role"] == "assistant":
-            break
-        messages.append(m)
-    return messages
-
-
-def _first_user(row: dict) -> str:
-    return normalize_text(next((m["content"] for m in row["messages"] if m["role"] == "user"), ""))
 
 
 def _finalize(examples: list[dict], domain_id: dict[str, int]) -> list[dict]:
@@ -570,20 +413,3 @@ def _finalize(examples: list[dict], domain_id: dict[str, int]) -> list[dict]:
         for index, e in enumerate(examples)
     ]
 
-
-def _round_robin(rows: Sequence[dict], count: int, seed: int) -> list[dict]:
-    """The first ``count`` rows after a seeded shuffle, taken in turn from each subdomain."""
-    rows = list(rows)
-    random.Random(seed).shuffle(rows)
-    queues: dict[str, list[dict]] = {}
-    for row in rows:
-        queues.setdefault(row["subdomain"], []).append(row)
-    order = sorted(queues)
-    picked: list[dict] = []
-    depth = 0
-    while len(picked) < count and any(depth < len(q) for q in queues.values()):
-        for sub in order:
-            if depth < len(queues[sub]) and len(picked) < count:
-                picked.append(queues[sub][depth])
-        depth += 1
-    return picked

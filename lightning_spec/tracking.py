@@ -1,0 +1,265 @@
+"""MLflow in one place: the tracking store, the run a ``fit`` logs to, and what is shown or saved about it.
+
+Every run lives in an MLflow tracking store (``sqlite:///mlflow.db`` of the working folder by default, a database
+or a tracking server for teams). This module is the only one that talks to MLflow for ``fit`` and ``evaluate``;
+the sweep's study tracker (``sweeps/tracker.py``) opens its store here too.
+
+- ``store_lock`` / ``open_store``: a client whose store is created once. MLflow creates the tables of a fresh
+  SQLite file on first use, so two processes started together on a fresh ``mlflow.db`` both create them and the
+  second crashes (``table latest_metrics already exists``); a file lock beside the database serialises that
+  first use (and the creation of an experiment).
+- ``mask_uri``: ``user:password@`` becomes ``user:***@`` wherever a URI is printed, logged or saved (the resolved
+  config is an artifact of every run, and a PostgreSQL tracking URI carries its password).
+- ``prepare_loggers``: before the CLI builds the trainer's MLFlowLogger, through its constructor arguments: the
+  store, the run a checkpoint was written by (``fit --ckpt_path`` continues it), and the run's name.
+- ``SaveConfigToTracker``: the resolved YAML as the run's ``config.yaml``, and the ``error`` tag of a failed fit.
+- ``checkpoint_record`` (into every checkpoint), ``run_summary`` (printed when ``fit`` ends), ``log_runs``
+  (``evaluate --mlflow``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import Logger, MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+MLFLOW_RUN_KEY = "mlflow_run_id"  # checkpoint key: the MLflow run that wrote it (continued by `fit --ckpt_path`)
+DEFAULT_LOGGER = {  # trainer.logger of every fit unless the YAML says otherwise
+    "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+    "init_args": {"experiment_name": "lightning_spec", "tracking_uri": "sqlite:///mlflow.db", "log_model": False},
+}
+
+# scheme://user:password@host: the password is whatever runs up to the last "@" before the host's "/".
+_CREDENTIALS = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)[^\s/]+(?=@)")
+
+
+def mask_uri(text: str) -> str:
+    """Every ``scheme://user:password@host`` in ``text`` as ``scheme://user:***@host`` (SQLAlchemy's mask)."""
+    return _CREDENTIALS.sub(r"\g<head>***", text)
+
+
+def absolute_sqlite_uri(uri: str) -> str:
+    """``sqlite:///mlflow.db`` -> ``sqlite:////abs/cwd/mlflow.db``. MLflow caches one store per URI string for the
+    life of the process, so a relative URI would keep writing to the folder of its first use."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for other stores and in-memory SQLite)."""
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    return Path(database) if database and database != ":memory:" else None
+
+
+@contextlib.contextmanager
+def store_lock(uri: str, field: str = "tracking_uri") -> Iterator[None]:
+    """Held while a process first opens the store ``uri`` and creates an experiment in it. MlflowClient creates
+    the store, and the store the tables of a fresh SQLite file; the first run of an experiment creates the
+    experiment: one process at a time, so the next finds both made. A file lock beside a SQLite file (every
+    process of ours that opens one comes through here); nothing for a server, which creates its tables once.
+    ``field`` names the option in the one-sentence error for a SQLite file in a folder that cannot be written."""
+    database = sqlite_file(uri)
+    if database is None:
+        yield
+        return
+    from filelock import FileLock
+
+    from lightning_spec.files import writable_dir
+
+    writable_dir(database.resolve().parent, field)
+    with FileLock(str(database.resolve()) + ".lock"):
+        yield
+
+
+def open_store(uri: str, field: str = "tracking_uri") -> Any:
+    """An ``MlflowClient`` on ``uri`` whose store exists."""
+    from mlflow.tracking import MlflowClient
+
+    with store_lock(uri, field):
+        return MlflowClient(tracking_uri=uri)
+
+
+def ensure_experiment(client: Any, name: str, artifact_location: str | None = None) -> str:
+    """The id of experiment ``name``, created if missing (by whichever process gets there first)."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id  # another process created it meanwhile
+
+
+# ------------------------------------------------------------------------------------------------ fit runs
+def _is_mlflow_logger(entry: Any) -> bool:
+    """Is a parsed ``trainer.logger`` entry (``{class_path, init_args}``) an MLFlowLogger or a subclass?"""
+    class_path = entry.get("class_path") if hasattr(entry, "get") else None
+    if not isinstance(class_path, str) or "." not in class_path:
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, MLFlowLogger)
+
+
+def _tracking_uri(init_args: Any) -> str:
+    """The URI an MLFlowLogger with these arguments logs to (its own default: $MLFLOW_TRACKING_URI, else files)."""
+    return init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or (
+        "file:" + str(init_args.get("save_dir") or "./mlruns"))
+
+
+def checkpoint_run_id(path: str) -> str | None:
+    """The MLflow run that wrote the checkpoint ``path`` (``--ckpt_path``), read without loading its tensors."""
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a zip checkpoint, or an empty, broken or code-carrying file: one sentence for those
+        from lightning_spec.checkpoint import read_checkpoint
+
+        ckpt = read_checkpoint(path, "--ckpt_path")
+    return ckpt.get(MLFLOW_RUN_KEY) if isinstance(ckpt, dict) else None
+
+
+def prepare_loggers(logger_config: Any, resume_run: str | None, run_name: str | None) -> None:
+    """Fill the MLFlowLogger entries of a parsed ``trainer.logger`` before the CLI builds them.
+
+    The store, and the experiment of a new run, are created now (under ``store_lock``). ``resume_run`` (the run
+    a ``--ckpt_path`` checkpoint was written by) becomes the logger's ``run_id`` when the store holds it, so a
+    resumed training is one run with its metrics before and after; ``run_name`` (the experiment file's name)
+    names a new run: MLflow's own random names repeat here, because they come from Python's RNG, which
+    ``seed_everything`` has just reset. What the user set is kept. Runs on every rank, so all ranks build the
+    same loggers."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    entries = logger_config if isinstance(logger_config, list) else [logger_config]
+    for entry in entries:
+        if not _is_mlflow_logger(entry):
+            continue
+        init = entry.get("init_args")
+        if init is None:
+            continue
+        uri = _tracking_uri(init)
+        with store_lock(uri, "trainer.logger.init_args.tracking_uri"):
+            client = MlflowClient(tracking_uri=uri)
+            if resume_run is not None and init.get("run_id") is None:
+                try:
+                    client.get_run(resume_run)
+                    init["run_id"] = resume_run
+                except MlflowException:
+                    rank_zero_warn(f"--ckpt_path was written by MLflow run {resume_run}, which is not in the "
+                                   f"tracking store {mask_uri(uri)}; logging the resumed training to a new run.")
+            if init.get("run_id") is None:  # the logger will create a run, in this experiment
+                name = init.get("experiment_name") or "lightning_logs"
+                ensure_experiment(client, name, init.get("artifact_location"))
+                if run_name and init.get("run_name") is None:
+                    init["run_name"] = run_name
+
+
+def mlflow_loggers(loggers: Iterable[Logger]) -> list[MLFlowLogger]:
+    return [lg for lg in loggers if isinstance(lg, MLFlowLogger)]
+
+
+def started_run(logger: MLFlowLogger) -> str | None:
+    """The run the logger has started or was given, without starting one (``logger.run_id`` would create a run,
+    and Lightning offers no public "has it started?"; this is the only private access to the logger)."""
+    return logger._run_id
+
+
+def checkpoint_record(loggers: Iterable[Logger]) -> dict[str, str]:
+    """What a checkpoint carries about its run: ``{MLFLOW_RUN_KEY: run id}`` (empty without an MLflow logger)."""
+    runs = [logger.run_id for logger in mlflow_loggers(loggers)]
+    return {MLFLOW_RUN_KEY: runs[0]} if runs else {}
+
+
+def error_text(err: BaseException) -> str:
+    """The ``error`` tag of a failed run: a user error's one sentence, else ``Type: message``; one line."""
+    text = " ".join(str(err).split())
+    if not isinstance(err, (ValueError, FloatingPointError)):
+        text = f"{type(err).__name__}: {text}".strip()
+    return mask_uri(text)[:5000]  # MLflow's limit on a tag value
+
+
+class SaveConfigToTracker(SaveConfigCallback):
+    """Store the resolved YAML with the run, as the MLflow artifact ``config.yaml`` (MLflow has no log folder),
+    credentials in URIs masked; and when the fit fails after its run started, tag the run with the ``error``."""
+
+    def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        text = mask_uri(self.parser.dump(self.config, skip_none=False))
+        for logger in mlflow_loggers(trainer.loggers):
+            logger.experiment.log_text(logger.run_id, text, "config.yaml")
+
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        # Lightning calls this before it marks the run FAILED; a KeyboardInterrupt is not an error of the run
+        if not trainer.is_global_zero or not isinstance(exception, Exception):
+            return
+        for logger in mlflow_loggers(trainer.loggers):
+            run_id = started_run(logger)
+            if run_id is not None:
+                # the store itself may be what failed: then the run stays FAILED, untagged
+                with contextlib.suppress(Exception):
+                    logger.experiment.set_tag(run_id, "error", error_text(exception))
+
+
+def ui_hint(uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """How to look at runs of the store ``uri``: the ``mlflow ui`` command, or the server's page."""
+    if uri.startswith(("http://", "https://")):
+        page = f"/#/experiments/{experiment_id}/runs/{run_id}" if experiment_id and run_id else ""
+        return mask_uri(uri.rstrip("/") + page)
+    return "mlflow ui --backend-store-uri " + mask_uri(uri)
+
+
+def run_summary(loggers: Iterable[Logger]) -> list[str]:
+    """Lines printed when ``fit`` ends (rank 0): each MLflow run's id and experiment, and how to see it."""
+    lines = []
+    for logger in mlflow_loggers(loggers):
+        client, run_id, experiment_id = logger.experiment, logger.run_id, logger.experiment_id
+        name = client.get_experiment(experiment_id).name
+        lines.append(f"MLflow run: {run_id} (experiment {name!r}, id {experiment_id})")
+        lines.append(f"see it: {ui_hint(client.tracking_uri, experiment_id, run_id)}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- evaluate runs
+def log_runs(tracking_uri: str, experiment_name: str, runs: list[dict[str, Any]]) -> list[str]:
+    """One finished run per entry ``{name, tags, params, metrics}`` in ``experiment_name``; returns the run ids."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    client = open_store(absolute_sqlite_uri(tracking_uri))
+    exp_id = ensure_experiment(client, experiment_name)
+    now = int(time.time() * 1000)
+    run_ids = []
+    for run in runs:
+        run_id = client.create_run(exp_id, run_name=run["name"]).info.run_id
+        client.log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), now, 0) for k, v in run["metrics"].items()],
+            params=[Param(k, mask_uri(str(v))) for k, v in run["params"].items()],
+            tags=[RunTag(k, str(v)) for k, v in run["tags"].items()],
+        )
+        client.set_terminated(run_id)
+        run_ids.append(run_id)
+    return run_ids

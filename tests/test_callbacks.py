@@ -1,0 +1,129 @@
+"""What the metric callbacks share: sums added across ranks before any ratio, the per-domain MAL they declare,
+state that older checkpoints load, and the final table printed after the progress bar has stopped."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fit_probe import TINY
+
+from lightning_spec import SamplingConfig, generate
+from lightning_spec.callbacks import DomainReweighting, MetricsCallback, OfflineEvaluation, SpecDecodeValidation
+from lightning_spec.evaluation.benchmark import decode_prompts
+from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums, slot_counts
+
+# ------------------------------------------------------------------------------------------- ratios of sums
+
+
+class RankZeroOfTwo:
+    """A trainer stand-in for rank 0 of 2 ranks: its all-reduce adds the other rank's packed sums."""
+
+    world_size = 2
+
+    def __init__(self, other: dict[str, torch.Tensor]) -> None:
+        self.other = torch.cat([v.double().reshape(-1) for v in other.values()])
+        self.strategy = SimpleNamespace(root_device=torch.device("cpu"), reduce=self.reduce)
+
+    def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        assert reduce_op == "sum" and tensor.shape == self.other.shape
+        return tensor + self.other
+
+
+def test_slot_counts_by_hand():
+    # rounds that accepted 0, 2 and 1 drafts of K = 3: all reach slot 1, two reach slot 2, one reaches slot 3
+    accepted, reached = slot_counts([0, 2, 1], block_size=3)
+    assert accepted.tolist() == [2.0, 1.0, 0.0] and reached.tolist() == [3.0, 2.0, 1.0]
+
+
+def test_ranks_add_their_sums_before_any_ratio():
+    domains = ["chat", "code"]
+    k = torch.tensor  # rank 0 decoded chat only; rank 1 chat and code
+    rank0 = acceptance_sums({"chat": (10.0, 5.0)}, k([4.0, 1.0]), k([5.0, 4.0]), domains)
+    rank1 = acceptance_sums({"chat": (2.0, 2.0), "code": (6.0, 4.0)}, k([2.0, 0.0]), k([5.0, 2.0]), domains)
+    got = acceptance_metrics(reduce_sums(RankZeroOfTwo(rank1), rank0), domains, "val/mal", "val/accept_rate")
+    want = {"val/mal": 18 / 11, "val/mal/chat": 12 / 7, "val/mal/code": 6 / 4,
+            "val/accept_rate/t1": 6 / 10, "val/accept_rate/t2": 1 / 6}
+    assert got == pytest.approx(want, rel=1e-12) and list(got) == list(want)
+    # not the mean of the ranks' own MALs (2 and 4/3)
+    assert got["val/mal"] != pytest.approx((10 / 5 + 8 / 6) / 2)
+    # one process: the sums themselves
+    one = acceptance_metrics(reduce_sums(SimpleNamespace(world_size=1), rank0), domains, "m", "r")
+    assert one == pytest.approx({"m": 2.0, "m/chat": 2.0, "m/code": 0.0, "r/t1": 0.8, "r/t2": 0.25})
+
+
+def test_decode_report_holds_the_sums_of_its_generations(tiny_target, make_block_drafter):
+    drafter = make_block_drafter(tiny_target, block_size=3)
+    prompts = [{"prompt_ids": [5 + i, 9, 11 + i], "domain": d} for i, d in enumerate(["chat", "code", "chat"])]
+    report = decode_prompts(tiny_target, drafter, prompts, SamplingConfig(temperature=1.0), 8, seed=4)
+    gens = [generate(tiny_target, p["prompt_ids"], 8, SamplingConfig(temperature=1.0), drafter=drafter, seed=4 + i)
+            for i, p in enumerate(prompts)]
+    chat, code = [gens[0], gens[2]], [gens[1]]
+    assert report.domain_sums() == {
+        "chat": (float(sum(len(g.tokens) for g in chat)), float(sum(g.rounds for g in chat))),
+        "code": (float(len(code[0].tokens)), float(code[0].rounds)),
+    }
+    assert report.tokens == sum(len(g.tokens) for g in gens) and report.rounds == sum(g.rounds for g in gens)
+    accepted, reached = slot_counts([a for g in gens for a in g.accept_lengths], 3)
+    assert torch.equal(report.slot_accepted, accepted) and torch.equal(report.slot_reached, reached)
+    assert report.mal == pytest.approx(report.tokens / report.rounds)
+
+
+# ------------------------------------------------------------------------------------------ declared and saved
+
+
+def test_every_producer_declares_the_per_domain_mal_it_logs():
+    two = SpecDecodeValidation(sampling=[SamplingConfig(), SamplingConfig(temperature=1.0)])
+    assert two.mal_prefixes() == {"val/mal", "val/temp1/mal"}
+    assert OfflineEvaluation("rollouts").mal_prefixes() == {"val/offline_mal"}
+    assert DomainReweighting().mal_prefixes() == set()  # it logs weights, not a MAL
+    assert all(isinstance(cb, MetricsCallback) for cb in (two, OfflineEvaluation("r"), DomainReweighting()))
+
+
+def test_state_saved_before_the_common_base_still_loads():
+    """The keys each callback wrote into checkpoints before the callbacks shared a base."""
+    history = [(0, {"val/mal": 1.25, "val/mal/chat": 1.5}), (3, {"val/mal": 1.5, "val/mal/chat": 1.75})]
+    for callback in (SpecDecodeValidation(), OfflineEvaluation("rollouts")):
+        callback.load_state_dict({"history": history})
+        assert callback.history == history and callback.last_step == 3
+        assert callback.state_dict() == {"history": history}
+    weights = {"chat": 0.25, "code": 0.75}
+    reweight = DomainReweighting()
+    reweight.load_state_dict({"weights": weights, "history": [(3, weights)]})
+    assert reweight.weights == weights and reweight.last_step == 3
+    assert reweight.state_dict() == {"weights": weights, "history": [(3, weights)]}
+    assert SpecDecodeValidation().last_step is None
+
+
+# ----------------------------------------------------------------------------------------- the final table
+
+
+def run_tiny(cwd: Path, command: str, terminal: bool) -> subprocess.CompletedProcess:
+    """``lightning-spec <command> -c experiments/tiny.yaml`` with the rich progress bar and the table on, its
+    output piped (rich draws the bar once, when it stops) or drawn as on a terminal (live, redrawn in place)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "FORCE_COLOR")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", COLUMNS="120")
+    if terminal:
+        env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1")
+    cmd = [sys.executable, "-m", "lightning_spec", command, "-c", str(TINY), "--trainer.logger=false",
+           "--trainer.enable_progress_bar=true"]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("command", "terminal", "bar"), [("fit", False, "Epoch"), ("fit", True, "Epoch"),
+                                                           ("validate", False, "Validation")],
+                         ids=["fit-piped", "fit-terminal", "validate-piped"])
+def test_the_table_is_printed_after_the_progress_bar_stopped(tmp_path, command, terminal, bar):
+    """Before: the table was printed while the bar was live, and the bar's final frame (``Epoch 4/-2 ━━ 13/96``)
+    followed it; ``validate`` printed no table at all."""
+    run = run_tiny(tmp_path, command, terminal)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    title = out.index("Mean accepted length")
+    assert bar in out[:title]  # the bar was drawn before the table
+    end = out.index("\n", out.rindex("-> speedup"))  # the table's last line
+    assert "│ all " in out[title:end]
+    assert bar not in out[end:] and "━" not in out[end:], out[end:]
