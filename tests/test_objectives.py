@@ -7,6 +7,7 @@ import torch
 
 from lightning_spec.drafters import DraftOutput
 from lightning_spec.objectives import CE, KL, TV, AnchorUniform, AnchorWeight, ExpDecay, Objective, Uniform
+from lightning_spec.objectives.objective import NORMALIZE
 from lightning_spec.sampling import SamplingConfig
 
 N, A, K, VD = 2, 2, 3, 4
@@ -155,10 +156,11 @@ def brute_force_objective(d, ell, a_w, b_w, normalize):
             den_weight += w
             valid_slots += 1
     anchors = sum(any(VALID[n][a]) for n in range(N) for a in range(A))
-    return num, {"weight": den_weight, "anchors": anchors, "slots": valid_slots}[normalize]
+    sequences = sum(any(any(row) for row in VALID[n]) for n in range(N))
+    return num, {"weight": den_weight, "anchors": anchors, "slots": valid_slots, "sequences": sequences}[normalize]
 
 
-@pytest.mark.parametrize("normalize", ["weight", "anchors", "slots"])
+@pytest.mark.parametrize("normalize", NORMALIZE)
 @pytest.mark.parametrize("loss_name", ["CE", "KL", "TV"])
 def test_objective_matches_brute_force(normalize, loss_name):
     d = make_draft()
