@@ -83,7 +83,7 @@ def untrained_drafter(target, block_size: int, prompts: list[list[int]]):
     drafter = BlockDrafter(block_size=block_size, num_layers=1, draft_vocab_size=4096)
     drafter.bind(target)
     counts = torch.bincount(torch.tensor([t for p in prompts for t in p]), minlength=target.vocab_size)
-    drafter.set_vocab(counts.float() + torch.linspace(1, 0, target.vocab_size))  # ties broken by token id
+    drafter.vocab.set_from_counts(counts.float() + torch.linspace(1, 0, target.vocab_size))  # ties broken by token id
     return drafter.eval()
 
 

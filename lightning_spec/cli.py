@@ -41,9 +41,9 @@ class SpecCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
         # Checked here, before Lightning sets up the data (which would fail first with a less useful message).
-        block = getattr(self.model.drafter, "block_size", None)
+        block = self.model.drafter.block_size
         max_length = getattr(self.datamodule, "max_length", None)
-        if block is not None and max_length is not None and block + 2 > max_length:
+        if max_length is not None and block + 2 > max_length:
             raise ValueError(
                 f"model.drafter.block_size={block} needs data.max_length >= block_size + 2 (got {max_length}); "
                 "raise data.max_length or lower model.drafter.block_size."

@@ -18,12 +18,19 @@ from torch import Tensor
 from torchmetrics import Metric
 
 
-def slot_counts(accept_lengths: Sequence[int], block_size: int) -> tuple[Tensor, Tensor]:
-    """(accepted, reached), each (K,) float64, from the accepted-draft count of every round: a round that accepted
-    ``a`` drafts reached slots 1..a+1 and accepted slots 1..a."""
+def slot_counts(
+    accept_lengths: Sequence[int], block_size: int, draft_lengths: Sequence[int] | None = None
+) -> tuple[Tensor, Tensor]:
+    """(accepted, reached), each (K,) float64, from every round's accepted drafts ``a`` and submitted drafts ``d``
+    (default K): the round verified slots 1..min(a + 1, d) and accepted slots 1..a. A slot a round did not draft
+    (a variable-length proposal cut the block) is not counted as reached."""
     acc = torch.as_tensor(list(accept_lengths), dtype=torch.float64)  # (R,)
+    drafted = acc.new_full(acc.shape, float(block_size))
+    if draft_lengths is not None and len(draft_lengths):
+        drafted = torch.as_tensor(list(draft_lengths), dtype=torch.float64)
     k = torch.arange(1, block_size + 1, dtype=torch.float64)  # (K,)
-    return (acc[:, None] >= k).sum(0).double(), (acc[:, None] >= k - 1).sum(0).double()
+    reached = (acc[:, None] >= k - 1) & (drafted[:, None] >= k)
+    return (acc[:, None] >= k).sum(0).double(), reached.sum(0).double()
 
 
 def acceptance_sums(

@@ -64,6 +64,17 @@ def check_optimizer_settings(lr: float, weight_decay: float, betas, warmup_ratio
             raise ValueError(f"{field} is {value}; it must be {wanted}.")
 
 
+def slot_hits(draft: DraftOutput, chunk: int | None) -> Tensor:
+    """(N, A, K) bool: the draft's argmax is the label; in chunks of anchors when the logits are (lazy and) large."""
+    if chunk is None or draft.num_anchors <= chunk:
+        return draft.logits.argmax(-1) == draft.labels
+    parts = []
+    for lo in range(0, draft.num_anchors, chunk):
+        part = draft.chunk(torch.arange(lo, min(lo + chunk, draft.num_anchors), device=draft.valid.device))
+        parts.append(part.logits.argmax(-1) == part.labels)
+    return torch.cat(parts, dim=1)
+
+
 class DraftModule(L.LightningModule):
     """Trains ``drafter`` against the frozen ``target`` with ``objective``.
 
@@ -80,6 +91,9 @@ class DraftModule(L.LightningModule):
         feature_cache: ``memory`` keeps target features of training examples after their first use (fp16);
             ``disk`` also writes them under ``$LIGHTNING_SPEC_CACHE/features`` for the next run; ``off``
             recomputes the target forward every step.
+        loss_chunk: compute the objective this many anchors at a time, each chunk's draft and target logits
+            recomputed in the backward pass: memory grows with loss_chunk x K x Vd instead of anchors x K x Vd,
+            for one more head forward per step (``benchmarks/objective_memory.py``). None: all anchors at once.
     """
 
     def __init__(
@@ -94,6 +108,7 @@ class DraftModule(L.LightningModule):
         warmup_ratio: float = 0.04,
         min_lr_ratio: float = 0.1,
         feature_cache: Literal["memory", "disk", "off"] = "memory",
+        loss_chunk: int | None = None,
     ) -> None:
         super().__init__()
         ignore = ["drafter", "objective"] + ([] if isinstance(target, str) else ["target"])
@@ -101,6 +116,8 @@ class DraftModule(L.LightningModule):
         if feature_cache not in ("memory", "disk", "off"):
             raise ValueError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
         check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio)
+        if loss_chunk is not None and loss_chunk < 1:
+            raise ValueError(f"model.loss_chunk is {loss_chunk}; it must be >= 1 anchors, or null for no chunks.")
         self.target = load_target(target, dtype=target_dtype) if isinstance(target, str) else load_target(target)
         self.target_spec = target if isinstance(target, str) else self.target.name
         drafter, objective = build(drafter), build(objective)  # dicts when reloaded from hparams
@@ -140,9 +157,8 @@ class DraftModule(L.LightningModule):
                 f"model.drafter.block_size={self.drafter.block_size} needs data.max_length >= block_size + 2 "
                 f"(got {max_length}); raise data.max_length or lower model.drafter.block_size."
             )
-        ready = getattr(self.drafter, "vocab_ready", None)
-        if stage == "fit" and ready is not None and not bool(ready):
-            self.drafter.set_vocab(dm.token_counts(self.target.vocab_size))
+        if stage == "fit" and not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens
+            self.drafter.vocab.set_from_counts(dm.token_counts(self.target.vocab_size))
         if stage == "fit" and self.hparams.feature_cache != "off" and hasattr(dm, "fingerprint"):
             key = cache_key(self.target.fingerprint, self.drafter.target_layers, dm.fingerprint)
             directory = cache_dir() / "features" if self.hparams.feature_cache == "disk" else None
@@ -191,42 +207,45 @@ class DraftModule(L.LightningModule):
             last[i, : h.shape[0]] = h.to(last.device, last.dtype)
         return feats, last
 
-    def target_logits(self, draft: DraftOutput, last_hidden: Tensor) -> Tensor:
-        """Target logits over the draft vocabulary for every slot: position n + t - 1 predicts x_{n+t}."""
+    def attach_target(self, draft: DraftOutput, last_hidden: Tensor) -> None:
+        """The target's side of every slot, lazily (the objective may evaluate it in chunks of anchors): its final
+        hidden state at position n + t - 1, which predicts x_{n+t} (the shift), through the draft vocabulary's head."""
         n, a, k = draft.valid.shape
         pos = (draft.anchors[..., None] + torch.arange(k, device=draft.anchors.device)).clamp(
             max=last_hidden.shape[1] - 1
         )  # (N, A, K): n + t - 1 for t = 1..K
         h = last_hidden.gather(1, pos.reshape(n, -1, 1).expand(-1, -1, last_hidden.shape[-1]))  # (N, A*K, H)
-        return self.drafter.draft_logits(h.to(next(self.drafter.parameters()).dtype)).view(n, a, k, -1)  # (N, A, K, Vd)
+        draft.target_hidden = h.view(n, a, k, -1).detach()  # (N, A, K, H)
+        draft.target_head = self._target_head
+
+    @torch.no_grad()
+    def _target_head(self, hidden: Tensor) -> Tensor:
+        return self.drafter.head(hidden)  # (..., Vd) target logits over the draft vocabulary, no gradient
 
     def target_info(self, last_hidden: Tensor) -> TargetInfo:
-        """What an objective that picks its own anchors may read from the target (EDR: p_t at every position)."""
+        """What an objective that picks its own anchors may read (EDR: p_t at every position)."""
         head = self.target.lm_head
         return TargetInfo(
             last_hidden=last_hidden,
             logits=lambda h: head(h.to(head.weight.dtype)).float(),
-            vocab_ids=getattr(self.drafter, "vocab_ids", None),
+            vocab=self.drafter.vocab,
+            block_size=self.drafter.block_size,
             eos_ids=self.target.eos_token_ids,
         )
 
     def draft_step(self, batch: dict[str, Tensor], use_cache: bool) -> tuple[DraftOutput, Any]:
         features, last = self.target_features(batch, use_cache)
-        select = getattr(self.objective, "select_anchors", None)
-        chosen = None
-        if select is not None:  # an objective that chooses its own anchors (EDR); None: the drafter samples
-            draft_fn = lambda anchors, keep: self.drafter(batch, features, anchors=anchors, keep=keep)
-            chosen = select(batch, draft_fn, self.target_info(last))
+        draft_fn = lambda anchors: self.drafter(batch, features, anchors)  # noqa: E731
+        chosen = self.objective.select_anchors(batch, draft_fn, self.target_info(last))  # EDR chooses; else None
         if chosen is None:
             draft = self.drafter(batch, features)
         else:
-            anchors, keep, extra = chosen
-            draft = self.drafter(batch, features, anchors=anchors, keep=keep)
+            anchors, extra = chosen
+            draft = self.drafter(batch, features, anchors)
             draft.extra = extra
         if self.objective.needs_target:
-            with torch.no_grad():
-                draft.target_logits = self.target_logits(draft, last)
-        return draft, self.objective(draft)
+            self.attach_target(draft, last)
+        return draft, self.objective(draft, chunk=self.hparams.loss_chunk)
 
     # ------------------------------------------------------------------------------------------- training
     def seeded(self, batch: dict[str, Tensor], salt: int) -> dict[str, Tensor]:
@@ -242,7 +261,7 @@ class DraftModule(L.LightningModule):
         n = batch["input_ids"].shape[0]
         with torch.no_grad():
             valid = draft.valid
-            hits = (draft.logits.argmax(-1) == draft.labels) & valid  # (N, A, K)
+            hits = slot_hits(draft, self.hparams.loss_chunk) & valid  # (N, A, K)
             k = valid.shape[-1]
             # [num, den, hits (K), labels (K)], summed over the DDP ranks in one all-reduce: logged values are
             # those of the global batch (ratios of sums), the same as one process with the whole batch

@@ -127,14 +127,20 @@ class Target(nn.Module):
         attention_mask: Tensor | None = None,  # (N, T) 1 = real token; only for right-padded batches
         cache: Any = None,
         logits: bool = True,
+        positions: Tensor | None = None,  # (T,) offsets of the tokens from the first one's position
+        tree_mask: Tensor | None = None,  # (T, T) bool: the tokens each token sees (None: causal)
     ) -> TargetOutput:
-        """One frozen forward. With ``cache`` the tokens continue the cached sequence (positions follow it)."""
+        """One frozen forward. With ``cache`` the tokens continue the cached sequence: positions follow it, offset
+        by ``positions`` when given (a proposal's nodes, ``decoding/proposals.py``)."""
         kwargs: dict[str, Any] = {"input_ids": input_ids, "output_hidden_states": bool(layers)}
+        if tree_mask is not None:
+            raise NotImplementedError("tree verification (a tree_mask) is not supported by this Target yet.")
         if cache is not None:
             past = cache.get_seq_length()
             kwargs[self._cache_kw] = cache
             kwargs["use_cache"] = True
-            kwargs["position_ids"] = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
+            offsets = positions if positions is not None else torch.arange(input_ids.shape[1])
+            kwargs["position_ids"] = (past + offsets.to(input_ids.device))[None]
         else:
             kwargs["use_cache"] = False
         if attention_mask is not None:
@@ -155,6 +161,20 @@ class Target(nn.Module):
         extra = cache.get_seq_length() - length
         if extra > 0:
             cache.crop(-extra)
+
+    @classmethod
+    def keep(cls, cache: Any, past: int, path: list[int]) -> None:
+        """After a verify forward of T nodes over ``past`` cached positions, keep the prefix and the committed
+        ``path`` (node indices, the anchor first). A chain's path is a prefix of its nodes: a crop. Otherwise the
+        kept nodes' keys and values are gathered into place (compaction): the cache then reads as if the path had
+        been run as a chain."""
+        if path == list(range(len(path))):
+            cls.crop(cache, past + len(path))
+            return
+        for layer in cache.layers:
+            index = torch.tensor([*range(past), *(past + i for i in path)], device=layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
 
     @torch.no_grad()
     def forward_left_padded(

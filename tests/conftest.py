@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_spec import load_target  # noqa: E402
-from lightning_spec.drafters import BlockDrafter, Drafter, Proposal  # noqa: E402
+from lightning_spec.decoding.proposals import ChainProposal  # noqa: E402
+from lightning_spec.drafters import BlockDrafter, Drafter, DraftVocab  # noqa: E402
 from lightning_spec.target import Target  # noqa: E402
 
 # Tensors here are a few KB: intra-op threads only add synchronisation (measured ~100x slower decoding with
@@ -84,7 +85,7 @@ class ReferenceDrafter(BlockDrafter):
         self.reference: list[int] = []
         self.snapshots: list[tuple[int, list[torch.Tensor]]] = []
 
-    def propose(self, state, anchor, sampling, generator=None) -> Proposal:
+    def propose(self, state, anchor, sampling, generator=None) -> ChainProposal:
         super().propose(state, anchor, sampling, generator)  # exercises the KV state; its tokens are ignored
         self.snapshots.append((state.length, [k.clone() for k in state.keys]))
         n, k, vocab = state.length, self.block_size, self.target.vocab_size
@@ -93,7 +94,7 @@ class ReferenceDrafter(BlockDrafter):
         for j in range(k):
             ref = self.reference[n + 1 + j] if n + 1 + j < len(self.reference) else 0
             tokens.append((ref + 1) % vocab if j == bad else ref)
-        return Proposal(tokens=torch.tensor(tokens, device=anchor.device), probs=None)
+        return ChainProposal(tokens=torch.tensor(tokens, device=anchor.device))
 
 
 def reference_drafter(target: Target, block_size: int, reference: list[int]) -> ReferenceDrafter:
@@ -117,19 +118,21 @@ class FixedDrafter(Drafter):
         self.target_layers = [0]
         g = torch.Generator().manual_seed(seed)
         self.logits = torch.randn(block_size, target.vocab_size, generator=g) * scale  # (K, V)
+        self.vocab = DraftVocab()
+        self.vocab.build(target.vocab_size)
         self.bind(target)
 
     def begin(self, features):
         return SimpleNamespace(length=features.shape[1])
 
-    def extend(self, state, features) -> None:
-        state.length += features.shape[1]
+    def extend(self, state, features, path) -> None:
+        state.length += len(path)
 
-    def propose(self, state, anchor, sampling, generator=None) -> Proposal:
+    def propose(self, state, anchor, sampling, generator=None) -> ChainProposal:
         q = self.logits.softmax(-1)  # (K, V)
         if sampling.greedy:
-            return Proposal(tokens=q.argmax(-1), probs=None)
-        return Proposal(tokens=torch.multinomial(q, 1, generator=generator)[:, 0], probs=q)
+            return ChainProposal(tokens=q.argmax(-1))
+        return ChainProposal(tokens=torch.multinomial(q, 1, generator=generator)[:, 0], probs=q)
 
     def config_dict(self) -> dict:
         return {"block_size": self.block_size}

@@ -14,17 +14,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import lightning_spec
-from lightning_spec.drafters import DraftOutput
+from lightning_spec.drafters import Anchors, DraftOutput, DraftVocab
 from lightning_spec.objectives import CE, EDR, EDROccupancy, EDRReach, Objective, TargetInfo
-from lightning_spec.objectives.edr import (
-    chain,
-    chain_dp,
-    chain_dp_reference,
-    inclusion_probabilities,
-    slot_statistics,
-    systematic_sample,
-    target_table,
-)
+from lightning_spec.objectives.edr import inclusion_probabilities, systematic_sample
+from lightning_spec.rounds import chain, chain_dp, chain_dp_reference, slot_statistics, target_table
 from lightning_spec.sampling import SamplingConfig
 
 # ------------------------------------------------------------------ an independent reading of the chain
@@ -254,17 +247,26 @@ def test_dp_is_vectorised_over_positions_and_sequences():
 EOS = 2
 
 
-def toy_target(s: int, log_p: torch.Tensor) -> TargetInfo:
-    """p_t = softmax(log_p[t - 1]) whatever the context: hidden states are one-hot positions."""
+def toy_target(s: int, log_p: torch.Tensor, k: int) -> TargetInfo:
+    """p_t = softmax(log_p[t - 1]) whatever the context: hidden states are one-hot positions; a drafter of K = k
+    slots over the full vocabulary."""
     n = 1
     hidden = torch.eye(s, dtype=torch.float64)[None].expand(n, s, s)
-    return TargetInfo(last_hidden=hidden, logits=lambda h: h.to(log_p.dtype) @ log_p, eos_ids=[EOS])
+    vocab = DraftVocab()
+    vocab.build(log_p.shape[-1])
+    return TargetInfo(last_hidden=hidden, logits=lambda h: h.to(log_p.dtype) @ log_p, vocab=vocab, block_size=k,
+                      eos_ids=[EOS])
+
+
+def table_of(target: TargetInfo, ids, mask, sampling):
+    return target_table(target.last_hidden, target.logits, ids, mask, sampling, target.vocab, target.eos_ids)
 
 
 def toy_draft_fn(q_logits: torch.Tensor, ids: torch.Tensor):
     """A drafter whose slot-h logits from anchor n are the free parameters q_logits[n, h] (S, K, V)."""
 
-    def draft_fn(anchors, keep):
+    def draft_fn(chosen: Anchors):
+        anchors, keep = chosen.positions, chosen.keep
         n, a = anchors.shape
         k = q_logits.shape[1]
         logits = q_logits[anchors]  # (N, A, K, V)
@@ -301,9 +303,9 @@ def test_theorem1_eos_aware_cost_is_unbiased_over_all_rollouts():
     for i, r in enumerate(rollouts):
         mask[i, prompt : prompt + r[prompt:].index(EOS) + 1] = True
     n = ids.shape[0]
-    target = toy_target(s, log_p)
+    target = toy_target(s, log_p, k)
     target.last_hidden = target.last_hidden.expand(n, s, s)
-    table = target_table(target, ids, mask, sampling)
+    table = table_of(target, ids, mask, sampling)
     anchors = torch.arange(s).expand(n, s)
     accept, cost = slot_statistics(q_logits[anchors], table, anchors, sampling)
     ch = chain(mask, k)
@@ -364,17 +366,17 @@ def rollout_case(seed, s=14, k=3, vocab=6):
 def test_td_surrogate_gradient_is_the_gradient_of_expected_rounds(sampling, draft_sampling):
     ids, mask, log_p, q_logits = rollout_case(0)
     s, k = ids.shape[1], q_logits.shape[1]
-    target = toy_target(s, log_p)
+    target = toy_target(s, log_p, k)
     draft_fn = toy_draft_fn(q_logits, ids)
     objective = EDR(sampling=sampling, draft_sampling=draft_sampling, max_anchors=64, chunk_size=5)
-    anchors, keep, extra = objective.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
-    draft = draft_fn(anchors, keep)
+    chosen, extra = objective.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
+    draft = draft_fn(chosen)
     draft.extra = extra
     terms = objective(draft)
     (grad_td,) = torch.autograd.grad(terms.num, q_logits)
 
     # exact expected rounds through a differentiable recursion, A and c from the same distributions
-    table = target_table(target, ids, mask, sampling)
+    table = table_of(target, ids, mask, sampling)
     every = torch.arange(s)[None]
     accept, cost = slot_statistics(q_logits[every], table, every, draft_sampling or sampling)
     rounds = exact_rounds(accept[0], cost[0], mask[0].tolist(), k)
@@ -391,8 +393,8 @@ def test_greedy_drafting_statistics_and_no_gradient():
     train on it, while EDROccupancy still weights CE by the greedy occupancies."""
     ids, mask, log_p, q_logits = rollout_case(1)
     s, k = ids.shape[1], q_logits.shape[1]
-    target = toy_target(s, log_p)
-    table = target_table(target, ids, mask, SamplingConfig(temperature=1.0))
+    target = toy_target(s, log_p, k)
+    table = table_of(target, ids, mask, SamplingConfig(temperature=1.0))
     every = torch.arange(s)[None]
     accept, cost = slot_statistics(q_logits[every], table, every, SamplingConfig(temperature=0.0))
     p = log_p.softmax(-1)
@@ -410,8 +412,8 @@ def test_greedy_drafting_statistics_and_no_gradient():
         EDR(sampling=SamplingConfig(temperature=0.0))
     weighted = Objective(CE(), EDRReach(), EDROccupancy(SamplingConfig(temperature=0.0)))
     draft_fn = toy_draft_fn(q_logits, ids)
-    anchors, keep, extra = weighted.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
-    draft = draft_fn(anchors, keep)
+    chosen, extra = weighted.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
+    draft = draft_fn(chosen)
     draft.extra = extra
     terms = weighted(draft)
     assert torch.isfinite(terms.num) and terms.num.requires_grad
@@ -452,8 +454,9 @@ def test_systematic_sampling_hits_each_unit_with_probability_pi():
 
 def edr_terms(objective, ids, mask, target, q_logits):
     draft_fn = toy_draft_fn(q_logits, ids)
-    anchors, keep, extra = objective.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
-    draft = draft_fn(anchors, keep)
+    chosen, extra = objective.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
+    anchors, keep = chosen.positions, chosen.keep
+    draft = draft_fn(chosen)
     draft.extra = extra
     terms = objective(draft)
     (grad,) = torch.autograd.grad(terms.num, q_logits)
@@ -461,15 +464,15 @@ def edr_terms(objective, ids, mask, target, q_logits):
 
 
 def extra_weight(objective, ids, mask, target, q_logits):
-    anchors, keep, extra = objective.select_anchors(
+    chosen, extra = objective.select_anchors(
         {"input_ids": ids, "loss_mask": mask}, toy_draft_fn(q_logits, ids), target
     )
-    return extra["edr"].anchor_weight[keep]
+    return extra["edr"].anchor_weight[chosen.keep]
 
 
 def test_budget_at_least_the_starts_is_exact_and_below_it_unbiased():
     ids, mask, log_p, q_logits = rollout_case(2, s=16)
-    target = toy_target(ids.shape[1], log_p)
+    target = toy_target(ids.shape[1], log_p, q_logits.shape[1])
     starts = int(mask[0, 1:].sum())
     exact_anchors, keep, exact, exact_grad = edr_terms(EDR(max_anchors=starts), ids, mask, target, q_logits)
     draft_fn = toy_draft_fn(q_logits, ids)

@@ -209,7 +209,9 @@ class HistoryTarget:
             self._logits[history] = torch.randn(self.vocab_size, generator=g) * self.scale
         return self._logits[history]
 
-    def __call__(self, input_ids: torch.Tensor, layers=(), cache=None, logits: bool = True):
+    def __call__(self, input_ids: torch.Tensor, layers=(), cache=None, logits: bool = True, positions=None,
+                 tree_mask=None):
+        assert tree_mask is None and (positions is None or positions.tolist() == list(range(input_ids.shape[1])))
         rows = []
         for row in input_ids.tolist():  # without a cache every row starts a fresh history
             history = cache.ids if cache is not None else []
@@ -226,6 +228,10 @@ class HistoryTarget:
     @staticmethod
     def crop(cache: TokenCache, length: int) -> None:
         del cache.ids[length:]
+
+    @staticmethod
+    def keep(cache: TokenCache, past: int, path: list[int]) -> None:
+        cache.ids[past:] = [cache.ids[past + i] for i in path]
 
 
 def exact_joint(target, prompt: list[int], sampling: SamplingConfig, new: int = NEW) -> torch.Tensor:

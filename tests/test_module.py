@@ -258,7 +258,7 @@ def test_checkpoint_holds_the_drafter_only_and_reloads_exactly(trained, tiny_tar
     meta = ckpt[CKPT_KEY]
     assert meta["target"] == "tiny-random" and meta["target_vocab_size"] == 320
     assert meta["drafter_config"]["draft_vocab_size"] == 100
-    assert bool(module.drafter.vocab_ready) and not torch.equal(module.drafter.vocab_ids, torch.arange(100))
+    assert bool(module.drafter.vocab.ready) and not torch.equal(module.drafter.vocab.ids, torch.arange(100))
 
     loaded = load_drafter(path)
     assert type(loaded) is BlockDrafter and not loaded.training
@@ -322,23 +322,24 @@ def test_seeded_anchors_depend_on_the_example_only(tiny_target):
     assert not torch.equal(seeds, anchor_seeds(0, 6, torch.arange(6)))  # a new step, new anchors
     assert not torch.equal(seeds, anchor_seeds(1, 5, torch.arange(6)))  # another run seed, new anchors
     whole = collate(examples, pad_id=0)  # padded to the longest of all six
-    a_all, k_all = drafter.sample_anchors(whole["loss_mask"], seeds)
+    every = drafter.sample_anchors({**whole, "anchor_seed": seeds})
+    a_all, k_all = every.positions, every.keep
     for rows in ([4, 1], [2], [5, 0, 3]):  # other neighbours, other padded lengths
         part = collate([examples[i] for i in rows], pad_id=0)
-        a, k = drafter.sample_anchors(part["loss_mask"], seeds[rows])
-        assert torch.equal(a, a_all[rows]) and torch.equal(k, k_all[rows])
+        some = drafter.sample_anchors({**part, "anchor_seed": seeds[rows]})
+        assert torch.equal(some.positions, a_all[rows]) and torch.equal(some.keep, k_all[rows])
     assert (k_all.sum(1) == 4).all()  # every sequence has >= 4 candidates: num_anchors of them are kept
     torch.manual_seed(0)
-    a1, _ = drafter.sample_anchors(whole["loss_mask"])  # no seeds: the global RNG, as before
-    a2, _ = drafter.sample_anchors(whole["loss_mask"])
+    a1 = drafter.sample_anchors(whole).positions  # no seeds: the global RNG, as before
+    a2 = drafter.sample_anchors(whole).positions
     assert not torch.equal(a1, a2)
 
 
 class NaNObjective(Objective):
     """KL whose numerator is NaN: a diverged run."""
 
-    def __call__(self, draft):
-        terms = super().__call__(draft)
+    def __call__(self, draft, chunk=None):
+        terms = super().__call__(draft, chunk)
         return type(terms)(terms.num * float("nan"), terms.den, terms.metrics)
 
 

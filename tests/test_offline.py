@@ -10,13 +10,13 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
+from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds, rounds
 from lightning_spec.checkpoint import save_drafter
 from lightning_spec.data import prompt_ids
 from lightning_spec.data.rollout_writer import generate_rollouts
 from lightning_spec.data.rollouts import load_rollout_set, spread
-from lightning_spec.drafters import BlockDrafter, DraftOutput, Proposal
-from lightning_spec.evaluation import offline
+from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.drafters import BlockDrafter, DraftOutput
 from lightning_spec.evaluation.offline import offline_report
 
 GREEDY = SamplingConfig()
@@ -97,7 +97,7 @@ def test_offline_rounds_equal_brute_force_enumeration(make_random_llama, make_bl
     torch.manual_seed(1)
     drafter = make_block_drafter(target, block_size=block_size, seed=2, draft_vocab_size=draft_vocab)
     if draft_vocab:  # a draft vocabulary without some tokens: their slots can never be accepted
-        drafter.set_vocab(torch.arange(target.vocab_size, 0, -1).float())
+        drafter.vocab.set_from_counts(torch.arange(target.vocab_size, 0, -1).float())
     pairs = [([1, 5, 3, 0], None), ([6], None), ([2, 2, 7], None)]
     pairs = [(p, generate(target, p, 7 + i, sampling, seed=i).tokens) for i, (p, _) in enumerate(pairs)]
     report = offline_report(target, drafter, pairs, sampling, batch_size=2)
@@ -166,7 +166,7 @@ def test_mean_offline_rounds_match_real_sampled_decoding(sampled_case, monkeypat
     assert abs(m_d) < Z * se_d, (m_d, se_d)
 
     # the same checks fail when the acceptance of the realised token is min(1, p/q) instead of min(1, q/p)
-    monkeypatch.setattr(offline, "bayes_acceptance", swapped_rule)
+    monkeypatch.setattr(rounds, "bayes_acceptance", swapped_rule)
     diff_bad, se_bad = gap(offline_rounds(target, drafter, rollouts, T1, batch_size=64))
     assert diff_bad > Z * se_bad, (diff_bad, se_bad)
     tau_bad = offline_rounds(target, drafter, [(PROMPT, g.tokens) for g in spec], T1, batch_size=64)
@@ -192,11 +192,12 @@ class ScriptedDrafter(BlockDrafter):
             out.append((tok + 1) % v if j == bad else tok)
         return out
 
-    def propose(self, state, anchor, sampling, generator=None) -> Proposal:
-        return Proposal(tokens=torch.tensor(self.script(self.reference, state.length)), probs=None)
+    def propose(self, state, anchor, sampling, generator=None) -> ChainProposal:
+        return ChainProposal(tokens=torch.tensor(self.script(self.reference, state.length)))
 
-    def forward(self, batch, features, anchors=None, keep=None) -> DraftOutput:
+    def forward(self, batch, features, chosen=None) -> DraftOutput:
         ids = batch["input_ids"]
+        anchors, keep = chosen.positions, chosen.keep
         lengths = (batch["loss_mask"].cumsum(1) * batch["loss_mask"]).argmax(1) + 1  # end of each rollout
         n, a = anchors.shape
         tokens = torch.tensor(
@@ -434,7 +435,9 @@ def test_evaluate_errors_are_one_sentence(in_tmp, tiny_target, capsys):
         assert words in capsys.readouterr().err
 
 
-def test_a_drafter_without_an_anchored_forward_is_a_clear_error(diverse_target, make_fixed_drafter):
+def test_a_drafter_without_a_training_forward_is_named(diverse_target, make_fixed_drafter):
+    """The offline evaluator uses the drafter contract's forward only (no signature probing): a drafter that
+    decodes but lacks it fails naming the method."""
     drafter = make_fixed_drafter(diverse_target, block_size=2)  # decodes, but has no training forward
-    with pytest.raises(ValueError, match="anchors"):
+    with pytest.raises(NotImplementedError, match="FixedDrafter must implement forward"):
         offline_rounds(diverse_target, drafter, [([1, 2], [3, 4])], T1)

@@ -1,8 +1,9 @@
 """The decoding loop: one engine for plain and speculative decoding, every drafter.
 
-A round: the drafter proposes a block, one target forward verifies anchor + block, the rules of ``verify.py``
-accept a prefix (greedy match or lossless rejection sampling), the accepted tokens and the bonus are committed,
-the target cache is cropped and the drafter's context extended with the committed features.
+A round: the drafter proposes (``decoding/proposals.py``), one target forward verifies the proposal's nodes after
+the anchor, the proposal's own rule accepts a path (greedy match or lossless rejection sampling), the accepted
+tokens and the target's next token are committed, the target cache keeps the committed path and the drafter's
+state is extended with it. Nothing here depends on the drafter family or the proposal kind.
 
 Convention: the prefill covers the prompt *except its last token*; that token is the anchor of the first
 round. So every new token is committed by some round, rounds = target verification forwards, and
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import numbers
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_spec.decoding import verify
+from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -34,7 +35,8 @@ class Generation:
     seconds: float  # wall time of the whole call (prefill included)
     draft_seconds: float = 0.0  # time inside drafter.propose
     verify_seconds: float = 0.0  # time inside the target verify forwards
-    block_size: int = 0  # K used (0 for plain decoding)
+    block_size: int = 0  # K, the most a round drafts (0 for plain decoding)
+    draft_lengths: list[int] = field(default_factory=list)  # draft tokens submitted per round (<= K)
 
     @property
     def mal(self) -> float:
@@ -67,20 +69,6 @@ def _as_ids(input_ids: Any, vocab_size: int, device: torch.device) -> Tensor:
     return ids[None]  # (1, S)
 
 
-def _check_drafter(target: Any, drafter: Any) -> None:
-    """The drafter must be bound to ``target`` or to another copy of the same weights (``load_drafter`` without a
-    target may have loaded one); then it is re-bound to ``target``, whose embedding and LM head it borrows."""
-    if drafter.target is target or drafter.target.model is target.model:
-        return
-    if drafter.target.fingerprint != target.fingerprint:
-        raise ValueError(
-            f"The drafter is bound to a different target ({drafter.target.name!r}, weights fingerprint "
-            f"{drafter.target.fingerprint}) than the one passed to generate ({target.name!r}, {target.fingerprint}); "
-            "load it with load_drafter(path, target=target) for the target it was trained for."
-        )
-    drafter.bind(target)
-
-
 @torch.no_grad()
 def generate(
     target: Any,
@@ -109,7 +97,7 @@ def generate(
     layers = list(drafter.target_layers) if drafter is not None else []
     k = drafter.block_size if drafter is not None else 0
     if drafter is not None:
-        _check_drafter(target, drafter)
+        drafter.use_target(target)
 
     start = time.perf_counter()
     cache = target.new_cache()
@@ -123,25 +111,21 @@ def generate(
     anchor = ids[0, -1:]  # (1,)
     tokens: list[int] = []
     accept_lengths: list[int] = []
+    draft_lengths: list[int] = []
     t_draft = t_verify = 0.0
     while len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
         proposal = drafter.propose(state, anchor, sampling, generator) if drafter is not None else None
+        proposal = proposal if proposal is not None else ChainProposal.empty(device)
         t1 = time.perf_counter()
-        block = anchor if proposal is None else torch.cat([anchor, proposal.tokens])  # (K + 1,)
+        nodes, offsets, tree_mask = proposal.verify_inputs(anchor)  # (T,), (T,), (T, T) | None
         past = cache.get_seq_length()
-        out = target(block[None], layers=layers, cache=cache)
+        out = target(nodes[None], layers=layers, cache=cache, positions=offsets, tree_mask=tree_mask)
+        path, nxt = proposal.accept(out.logits[0], sampling, generator)  # committed nodes, the anchor first
         t_verify += time.perf_counter() - t1
         t_draft += t1 - t0
-        logits = out.logits[0]  # (K + 1, V)
-        draft = block[1:]
-        if sampling.greedy:
-            accepted, nxt = verify.greedy_accept(draft, logits.argmax(-1))
-        else:
-            p = sampling.probs(logits)  # (K + 1, V)
-            q = proposal.probs if proposal is not None else p.new_zeros(0, p.shape[-1])
-            accepted, nxt = verify.rejection_accept(draft, q, p, generator)
-        new = draft[:accepted].tolist() + [nxt]
+        accepted = len(path) - 1
+        new = nodes[path[1:]].tolist() + [nxt]
         # commit up to EOS and the token budget
         for i, tok in enumerate(new):
             if tok in eos:
@@ -150,12 +134,13 @@ def generate(
         new = new[: max_new_tokens - len(tokens)]
         tokens.extend(new)
         accept_lengths.append(min(accepted, len(new)))
+        draft_lengths.append(proposal.num_drafted)
         if new[-1] in eos or len(tokens) >= max_new_tokens:
             break
         # keep the anchor and the accepted drafts in the caches; the committed next token is the new anchor
-        target.crop(cache, past + 1 + accepted)
+        target.keep(cache, past, path)
         if drafter is not None:
-            drafter.extend(state, out.features[:, : 1 + accepted])
+            drafter.extend(state, out.features, path)
         anchor = torch.tensor([nxt], device=device)
     return Generation(
         tokens=tokens,
@@ -165,4 +150,5 @@ def generate(
         draft_seconds=t_draft,
         verify_seconds=t_verify,
         block_size=k,
+        draft_lengths=draft_lengths,
     )

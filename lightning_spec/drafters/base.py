@@ -1,13 +1,21 @@
-"""What every drafter gives the rest of the framework: ``DraftOutput`` for training, ``Proposal`` for decoding.
+"""The drafter contract: what every drafter family gives the rest of the framework, and nothing more.
 
-A drafter owns no loss, optimizer or logging: ``objectives/`` and ``module.py`` import drafters, never the
-reverse, so every objective trains every drafter. It borrows the target's frozen embedding and LM head through
-``bind(target)``; they are never registered as drafter parameters, so a drafter checkpoint holds the drafter
-only.
+Callers (the module, the engine, the offline evaluator, the objectives) use only what is declared here; no
+caller inspects a drafter's class or signature. A family is one file under ``drafters/`` that subclasses
+``Drafter`` and owns its math. A drafter owns no loss, optimizer or logging: ``objectives/`` and ``module.py``
+import drafters, never the reverse, so every objective trains every drafter.
+
+A drafter borrows the target's frozen embedding and LM head through ``bind(target)``; they are never registered
+as drafter parameters, so a drafter checkpoint holds the drafter only.
+
+Training: ``sample_anchors`` picks anchors n (the last committed token of a round), ``forward`` runs every slot
+t = 1..K of every anchor teacher-forced and returns a ``DraftOutput``. Decoding: ``begin`` builds a state from
+the prompt's features, ``propose`` drafts a ``Proposal`` after an anchor, ``extend`` commits the verified path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,46 +25,227 @@ from torch import Tensor, nn
 from lightning_spec.sampling import SamplingConfig
 
 
-@dataclass
-class DraftOutput:
-    """One training forward of a drafter over a batch, ``K`` prediction slots per anchor.
+# ------------------------------------------------------------------------------------------ draft vocabulary
+class DraftVocab(nn.Module):
+    """The draft vocabulary Vd ⊆ V: the most frequent target tokens (EAGLE-3's reduced vocabulary, Li et al. 2025,
+    arXiv 2503.01840), or the whole target vocabulary when ``size`` is None.
 
-    Slot ``t`` (1..K) of anchor ``n`` predicts the token at position ``n + t``.
+    ``ids`` (Vd,) holds the sorted target ids (EAGLE-3's ``d2t[i] = ids[i] - i``, ``t2d`` = membership); the
+    head is the target's frozen LM head restricted to those rows. ``ready`` is False until ``set_from_counts``
+    chose the ids (``fit`` does it from the training data the first time it sets up).
     """
 
-    logits: Tensor  # (N, A, K, Vd) draft logits over the draft vocabulary
-    labels: Tensor  # (N, A, K) gold tokens as draft-vocabulary ids (0 where invalid)
-    valid: Tensor  # (N, A, K) bool: a supervised label that the draft vocabulary contains
-    anchors: Tensor  # (N, A) anchor positions n (0 where the anchor slot is unused)
-    target_logits: Tensor | None = None  # (N, A, K, Vd) target logits at position n + t - 1 (the shift!)
-    extra: dict[str, Any] | None = None  # what an objective's select_anchors computed for its parts (EDR)
+    def __init__(self, size: int | None = None) -> None:
+        super().__init__()
+        self.size_wanted = size
+        self.register_buffer("ids", torch.zeros(0, dtype=torch.long), persistent=True)
+        self.register_buffer("ready", torch.tensor(size is None), persistent=True)
+
+    def build(self, vocab_size: int) -> None:
+        """Size the buffers for a target of ``vocab_size`` tokens (the ids of a reduced vocabulary come later)."""
+        if self.size_wanted is not None and not 0 < self.size_wanted <= vocab_size:
+            raise ValueError(
+                f"drafter.draft_vocab_size={self.size_wanted} must be in 1..{vocab_size} (the target vocabulary)."
+            )
+        self.ids = torch.arange(self.size_wanted or vocab_size, device=self.ids.device)
+        self.vocab_size = vocab_size
+
+    @property
+    def full(self) -> bool:
+        return self.ids.numel() == self.vocab_size
+
+    @torch.no_grad()
+    def set_from_counts(self, token_counts: Tensor) -> None:
+        """Keep the ``Vd`` most frequent target tokens of ``token_counts`` (V,)."""
+        top = token_counts.float().topk(self.ids.numel()).indices.sort().values
+        self.ids.copy_(top.to(self.ids.device))
+        self.ready.fill_(True)
+
+    def to_draft(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Target ids -> (draft ids, contained); ids the draft vocabulary lacks map to 0 with contained False."""
+        if self.full:
+            return ids, torch.ones_like(ids, dtype=torch.bool)
+        vocab = self.ids.to(ids.device)
+        pos = torch.searchsorted(vocab, ids.clamp(min=0)).clamp(max=vocab.numel() - 1)
+        contained = vocab[pos] == ids
+        return torch.where(contained, pos, torch.zeros_like(pos)), contained
+
+    def to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids if self.full else self.ids.to(draft_ids.device)[draft_ids]
+
+    def head_weight(self, lm_head: nn.Module) -> Tensor:
+        """The frozen LM head rows of the draft vocabulary: (Vd, H)."""
+        w = lm_head.weight
+        return w if self.full else w.index_select(0, self.ids.to(w.device))
+
+    def logits(self, hidden: Tensor, lm_head: nn.Module) -> Tensor:
+        """(..., H) -> (..., Vd) through the frozen head; used for draft and target logits alike."""
+        w = self.head_weight(lm_head)
+        return hidden.to(w.dtype) @ w.t()
+
+    def scatter(self, q: Tensor) -> Tensor:
+        """A distribution over Vd (..., Vd) as one over the target vocabulary (..., V), zeros outside Vd."""
+        if self.full:
+            return q
+        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
+        return out.index_copy_(-1, self.ids.to(q.device), q)
+
+    @property
+    def t2d(self) -> Tensor:
+        """bool (V,): which target tokens the draft vocabulary contains (EAGLE-3's ``t2d``)."""
+        return torch.zeros(self.vocab_size, dtype=torch.bool, device=self.ids.device).index_fill_(0, self.ids, True)
+
+    @property
+    def d2t(self) -> Tensor:
+        """(Vd,): target_id = draft_id + d2t[draft_id] (EAGLE-3's ``d2t``)."""
+        return self.ids - torch.arange(self.ids.numel(), device=self.ids.device)
+
+
+# ---------------------------------------------------------------------------------------------- training I/O
+@dataclass
+class Anchors:
+    """Where the blocks of a training forward start: ``positions`` (N, A), ``keep`` (N, A) bool (False: padding)."""
+
+    positions: Tensor
+    keep: Tensor
+
+    @classmethod
+    def all(cls, positions: Tensor) -> Anchors:
+        return cls(positions, torch.ones_like(positions, dtype=torch.bool))
+
+
+Head = Callable[[Tensor, Tensor], Tensor]  # (hidden (N, a, K, H), anchor index (a,)) -> logits (N, a, K, Vd)
+
+
+class DraftOutput:
+    """One teacher-forced forward of a drafter over a batch: ``K`` slots per anchor; slot t (1..K) of anchor n
+    predicts the token at position n + t.
+
+    Logits can be given as a tensor or lazily as ``hidden`` + ``head``: the objective then evaluates them in
+    chunks of anchors (``chunk``), so memory does not grow with N x A x K x Vd. The same holds for the target's
+    logits (``target_hidden`` + ``target_head``, set by the module).
+
+    Args:
+        logits: (N, A, K, Vd) draft logits over the draft vocabulary (or None with ``hidden`` and ``head``).
+        labels: (N, A, K) gold tokens as draft-vocabulary ids (0 where invalid).
+        valid: (N, A, K) bool: a supervised label that the draft vocabulary contains.
+        anchors: (N, A) anchor positions n (0 where the anchor slot is unused).
+        hidden: (N, A, K, H) the drafter's last states per slot, turned into logits by ``head``.
+        head: ``head(hidden[:, index], index)`` -> logits of those anchors; a family whose logits are more than
+            its head of ``hidden`` (a Markov or correction head) closes over its own per-anchor inputs.
+        target_logits: (N, A, K, Vd) target logits at position n + t - 1 (the shift: they predict x_{n+t}).
+        target_hidden, target_head: the same lazily.
+        aux: the drafter's own extra heads, per anchor (tensors (N, A, ...): DSpark confidence, a length head).
+        drafted: (N, A) slots the drafter submits from that anchor at decode time (a prefix scheduler or length
+            head cuts blocks); None: all K.
+        extra: the objective's scratch space (what its ``select_anchors`` computed for its parts). Entries with a
+            ``chunk(index)`` method are per-anchor and sliced with the chunk.
+    """
+
+    def __init__(
+        self,
+        logits: Tensor | None = None,
+        labels: Tensor | None = None,
+        valid: Tensor | None = None,
+        anchors: Tensor | None = None,
+        *,
+        hidden: Tensor | None = None,
+        head: Head | None = None,
+        target_logits: Tensor | None = None,
+        target_hidden: Tensor | None = None,
+        target_head: Callable[[Tensor], Tensor] | None = None,
+        aux: dict[str, Tensor] | None = None,
+        drafted: Tensor | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        if logits is None and (hidden is None or head is None):
+            raise ValueError("DraftOutput needs logits, or hidden and head.")
+        self._logits, self.hidden, self.head = logits, hidden, head
+        self._target_logits, self.target_hidden, self.target_head = target_logits, target_hidden, target_head
+        self.labels, self.valid, self.anchors = labels, valid, anchors
+        self.aux = aux if aux is not None else {}
+        self.drafted = drafted
+        self.extra = extra
+
+    @property
+    def logits(self) -> Tensor:
+        """(N, A, K, Vd), materialised (once) from ``hidden`` when given lazily."""
+        if self._logits is None:
+            index = torch.arange(self.hidden.shape[1], device=self.hidden.device)
+            self._logits = self.head(self.hidden, index)
+        return self._logits
+
+    @logits.setter
+    def logits(self, value: Tensor) -> None:
+        self._logits = value
+
+    @property
+    def target_logits(self) -> Tensor | None:
+        if self._target_logits is None and self.target_hidden is not None:
+            self._target_logits = self.target_head(self.target_hidden)
+        return self._target_logits
+
+    @target_logits.setter
+    def target_logits(self, value: Tensor | None) -> None:
+        self._target_logits = value
 
     @property
     def block_size(self) -> int:
-        return self.logits.shape[-2]
+        return self.valid.shape[-1]
+
+    @property
+    def num_anchors(self) -> int:
+        return self.valid.shape[1]
+
+    def chunk(self, index: Tensor) -> DraftOutput:
+        """The anchors ``index`` (a,) only, logits materialised for them alone."""
+
+        def take(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.index_select(1, index.to(x.device))
+
+        if self._logits is not None:
+            logits = take(self._logits)
+        else:
+            logits = self.head(take(self.hidden), index)
+        target = take(self._target_logits)
+        if target is None and self.target_hidden is not None:
+            target = self.target_head(take(self.target_hidden))
+        extra = None
+        if self.extra is not None:
+            extra = {k: v.chunk(index) if hasattr(v, "chunk") and not isinstance(v, Tensor) else v
+                     for k, v in self.extra.items()}
+        return DraftOutput(
+            logits, take(self.labels), take(self.valid), take(self.anchors), target_logits=target,
+            aux={k: take(v) for k, v in self.aux.items()}, drafted=take(self.drafted), extra=extra,
+        )
 
 
-@dataclass
-class Proposal:
-    """One round's draft: ``K`` tokens (target ids) and the distribution each was drawn from."""
-
-    tokens: Tensor  # (K,) target-vocabulary ids
-    probs: Tensor | None  # (K, V) q over the TARGET vocabulary (zeros outside the draft vocabulary); None if greedy
-
-
+# ---------------------------------------------------------------------------------------------------- drafter
 class Drafter(nn.Module):
-    """Base class. Subclasses set ``block_size`` and ``target_layers`` and implement the four methods below."""
+    """Base class of every family. Subclasses set ``block_size``, ``target_layers`` and ``vocab`` (a
+    ``DraftVocab``) and implement ``forward``, ``begin``, ``propose``, ``extend`` and ``config_dict``.
+
+    Attributes:
+        block_size: K, the most proposals per round (a chain's length, later a tree's depth).
+        target_layers: 0-indexed target layers whose outputs the drafter reads (``Target.features``).
+        num_anchors: anchors per training sequence for the default ``sample_anchors``.
+        vocab: the draft vocabulary and its head.
+    """
 
     block_size: int
     target_layers: list[int]
+    num_anchors: int = 64
+    vocab: DraftVocab
 
     def __init__(self) -> None:
         super().__init__()
         self._target: list[Any] = []  # a list so the frozen target is not registered as a submodule
+        self._register_load_state_dict_pre_hook(_rename_old_vocab_keys)
 
     # -------------------------------------------------------------------------------------------- binding
     def bind(self, target: Any) -> None:
-        """Attach the frozen target whose embedding and LM head the drafter uses; builds target-shaped layers."""
+        """Attach the frozen target whose embedding and LM head the drafter uses; families build their
+        target-shaped layers here (the first time only)."""
         self._target[:] = [target]
 
     @property
@@ -65,27 +254,101 @@ class Drafter(nn.Module):
             raise RuntimeError("This drafter is not bound to a target yet; call drafter.bind(target) first.")
         return self._target[0]
 
-    # --------------------------------------------------------------------------------------------- hooks
-    def forward(self, batch: dict[str, Tensor], features: Tensor) -> DraftOutput:  # training
-        raise NotImplementedError
+    def use_target(self, target: Any) -> None:
+        """Decode or score with ``target``: it must be the bound target or another copy of the same weights (equal
+        fingerprints; ``load_drafter`` without a target may have bound one), which is then bound instead."""
+        bound = self.target
+        if bound is target or bound.model is target.model:
+            return
+        if bound.fingerprint != target.fingerprint:
+            raise ValueError(
+                f"The drafter is bound to a different target ({bound.name!r}, weights fingerprint {bound.fingerprint})"
+                f" than the one it is used with ({target.name!r}, {target.fingerprint}); load it with "
+                "load_drafter(path, target=target) for the target it was trained for."
+            )
+        self.bind(target)
 
+    def head(self, hidden: Tensor) -> Tensor:
+        """Draft logits over the draft vocabulary through the frozen target head: (..., H) -> (..., Vd)."""
+        return self.vocab.logits(hidden, self.target.lm_head)
+
+    # ------------------------------------------------------------------------------------------- training
+    def sample_anchors(self, batch: dict[str, Tensor], generator: torch.Generator | None = None) -> Anchors:
+        """Up to ``num_anchors`` anchors per sequence, uniformly without replacement among positions n whose next
+        token is supervised (loss_mask[n + 1]); sorted, unused slots last (DFlash's anchor sampling).
+
+        Row i draws from its own generator seeded with ``batch["anchor_seed"][i]`` when the batch has it (the
+        module puts it there), so its anchors do not depend on the batch it sits in, its padding or its DDP
+        rank; otherwise from ``generator`` (or the global RNG)."""
+        loss_mask = batch["loss_mask"]
+        n, s = loss_mask.shape
+        candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
+        candidate[:, :-1] = loss_mask[:, 1:].bool()  # (N, S)
+        a = min(self.num_anchors, s)
+        seeds = batch.get("anchor_seed")
+        if seeds is not None:
+            scores = seeded_rand(seeds, s).to(loss_mask.device)  # (N, S)
+        else:
+            scores = torch.rand(n, s, generator=generator, device="cpu" if generator else loss_mask.device)
+            scores = scores.to(loss_mask.device)
+        scores = scores.masked_fill(~candidate, -1.0)
+        top = scores.topk(a, dim=-1)
+        keep = top.values >= 0  # (N, A)
+        anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
+        anchors, order = anchors.masked_fill(~keep, s).sort(dim=-1)  # sorted; unused slots last
+        keep = keep.gather(1, order)
+        return Anchors(anchors.masked_fill(~keep, 0), keep)
+
+    def forward(self, batch: dict[str, Tensor], features: Tensor, anchors: Anchors | None = None) -> DraftOutput:
+        """Teacher-forced forward of every slot of every anchor. batch: ``input_ids`` (N, S), ``loss_mask``
+        (N, S); features (N, S, F) of ``target_layers``; ``anchors`` None = ``sample_anchors(batch)``.
+
+        The slot distributions must be those ``propose`` draws from when every earlier slot was accepted (the
+        offline evaluator and EDR score a drafter through this forward)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+
+    def labels(self, batch: dict[str, Tensor], anchors: Anchors) -> tuple[Tensor, Tensor]:
+        """Gold labels x_{n+t}, t = 1..K, as draft ids (N, A, K), and ``valid``: inside the sequence, supervised,
+        a kept anchor, and in the draft vocabulary."""
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        n, s = ids.shape
+        a = anchors.positions.shape[1]
+        pos = anchors.positions[..., None] + torch.arange(1, self.block_size + 1, device=ids.device)  # (N, A, K)
+        inside = pos < s
+        pos = pos.clamp(max=s - 1).reshape(n, -1)
+        gold = ids.gather(1, pos).view(n, a, -1)
+        supervised = loss_mask.gather(1, pos).view(n, a, -1)
+        labels, contained = self.vocab.to_draft(gold)
+        return labels, inside & supervised & anchors.keep[..., None] & contained
+
+    # ------------------------------------------------------------------------------------------- decoding
     def begin(self, features: Tensor) -> Any:
         """Decoding state from the prefill features (1, S, F) of positions 0..S-1."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement begin")
 
-    def extend(self, state: Any, features: Tensor) -> None:
-        """Append the features (1, T, F) of newly committed positions to the state."""
-        raise NotImplementedError
+    def propose(self, state: Any, anchor: Tensor, sampling: SamplingConfig, generator=None) -> Any:
+        """A ``decoding.proposals.Proposal`` after ``anchor`` (1,), the committed token at position
+        ``state.length``: at most ``block_size`` tokens, drawn from the distributions it records."""
+        raise NotImplementedError(f"{type(self).__name__} must implement propose")
 
-    def propose(self, state: Any, anchor: Tensor, sampling: SamplingConfig, generator=None) -> Proposal:
-        """Draft ``block_size`` tokens after ``anchor`` (1,), the committed token at position ``state.length``."""
-        raise NotImplementedError
+    def extend(self, state: Any, features: Tensor, path: list[int]) -> None:
+        """Commit a verified round: ``features`` (1, T, F) of the T verified nodes (the anchor first), ``path``
+        the indices of the committed ones (the anchor and the accepted drafts, in order)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement extend")
 
     def config_dict(self) -> dict[str, Any]:
-        """The init arguments that rebuild this drafter (stored in checkpoints)."""
-        raise NotImplementedError
+        """The init arguments that rebuild this drafter (stored in checkpoints and logged to MLflow)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement config_dict")
 
 
+def _rename_old_vocab_keys(state_dict, prefix, *args) -> None:
+    """Checkpoints written before ``DraftVocab`` hold ``vocab_ids``/``vocab_ready`` on the drafter itself."""
+    for old, new in (("vocab_ids", "vocab.ids"), ("vocab_ready", "vocab.ready")):
+        if prefix + old in state_dict and prefix + new not in state_dict:
+            state_dict[prefix + new] = state_dict.pop(prefix + old)
+
+
+# ------------------------------------------------------------------------------------------------- helpers
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     var = x.float().pow(2).mean(-1, keepdim=True)
     return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_spec.drafters.base import Drafter, DraftOutput, Proposal, rms_norm, seeded_rand
+from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab, rms_norm
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -186,6 +187,7 @@ class BlockDrafter(Drafter):
         self.intermediate_size = intermediate_size
         self.context_shortcut = context_shortcut
         self.init_from_target = init_from_target
+        self.vocab = DraftVocab(draft_vocab_size)
         self.built = False
 
     def config_dict(self) -> dict[str, Any]:
@@ -227,15 +229,7 @@ class BlockDrafter(Drafter):
         # as DFlash and lets the residual stream know which offset it predicts)
         self.mask_embedding = nn.Parameter(torch.zeros(self.block_size, hidden))
         self.shortcut = nn.Linear(2 * hidden, hidden, bias=False) if self.context_shortcut else None
-        vocab = target.vocab_size
-        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= vocab:
-            raise ValueError(
-                f"drafter.draft_vocab_size={self.draft_vocab_size} must be in 1..{vocab} (the target vocabulary)."
-            )
-        vd = self.draft_vocab_size or vocab
-        # vocab_ids[i] = target id of draft id i (sorted); EAGLE-3's d2t[i] = vocab_ids[i] - i.
-        self.register_buffer("vocab_ids", torch.arange(vd), persistent=True)
-        self.register_buffer("vocab_ready", torch.tensor(self.draft_vocab_size is None), persistent=True)
+        self.vocab.build(target.vocab_size)
         self._init_weights(target)
         self.to(target.device)
         self.built = True
@@ -275,42 +269,6 @@ class BlockDrafter(Drafter):
                     )
                 p.copy_(src_params[key].detach().to(p.dtype))
 
-    @torch.no_grad()
-    def set_vocab(self, token_counts: Tensor) -> None:
-        """Pick the ``draft_vocab_size`` most frequent target tokens (EAGLE-3's reduced draft vocabulary)."""
-        vd = self.vocab_ids.numel()
-        top = token_counts.float().topk(vd).indices.sort().values
-        self.vocab_ids.copy_(top.to(self.vocab_ids.device))
-        self.vocab_ready.fill_(True)
-
-    @property
-    def t2d(self) -> Tensor:
-        """bool (V,): which target tokens the draft vocabulary contains."""
-        mask = torch.zeros(self.target.vocab_size, dtype=torch.bool, device=self.vocab_ids.device)
-        return mask.index_fill_(0, self.vocab_ids, True)
-
-    @property
-    def d2t(self) -> Tensor:
-        """(Vd,): target_id = draft_id + d2t[draft_id] (EAGLE-3 convention)."""
-        return self.vocab_ids - torch.arange(self.vocab_ids.numel(), device=self.vocab_ids.device)
-
-    def head_weight(self) -> Tensor:
-        """The frozen LM head rows of the draft vocabulary: (Vd, H)."""
-        w = self.target.lm_head.weight
-        return w if self.vocab_ids.numel() == w.shape[0] else w.index_select(0, self.vocab_ids)
-
-    def draft_logits(self, hidden: Tensor) -> Tensor:
-        """Frozen-head logits over the draft vocabulary: (..., H) -> (..., Vd). Also used for target logits."""
-        return hidden @ self.head_weight().t()
-
-    def to_draft_ids(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Target ids -> (draft ids, contained mask); ids the draft vocab lacks map to 0 with contained False."""
-        if self.vocab_ids.numel() == self.target.vocab_size:
-            return ids, torch.ones_like(ids, dtype=torch.bool)
-        pos = torch.searchsorted(self.vocab_ids, ids.clamp(min=0)).clamp(max=self.vocab_ids.numel() - 1)
-        contained = self.vocab_ids[pos] == ids
-        return torch.where(contained, pos, torch.zeros_like(pos)), contained
-
     def context(self, features: Tensor) -> Tensor:
         """(N, S, len(target_layers) * H) -> fused context H_ctx (N, S, H)."""
         return self.ctx_norm(self.fc(features.to(self.fc.weight.dtype)))
@@ -322,88 +280,52 @@ class BlockDrafter(Drafter):
         return torch.cat([emb[..., None, :], masks], dim=-2)
 
     # ------------------------------------------------------------------------------------------- training
-    def sample_anchors(self, loss_mask: Tensor, seeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Up to ``num_anchors`` anchors per sequence, uniformly without replacement among positions n whose
-        next token is supervised (loss_mask[n + 1]). Returns anchors (N, A) and keep (N, A) bool.
-
-        ``seeds`` (N,) int: row i draws from its own generator seeded with ``seeds[i]``, so its anchors do not
-        depend on the batch it sits in (its neighbours, the padded length, the DDP rank); None draws from the
-        global torch RNG."""
-        n, s = loss_mask.shape
-        candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
-        candidate[:, :-1] = loss_mask[:, 1:].bool()  # (N, S)
-        a = min(self.num_anchors, s)
-        if seeds is None:
-            scores = torch.rand(n, s, device=loss_mask.device)
-        else:
-            scores = seeded_rand(seeds, s).to(loss_mask.device)  # (N, S)
-        scores = scores.masked_fill(~candidate, -1.0)
-        top = scores.topk(a, dim=-1)
-        keep = top.values >= 0  # (N, A)
-        anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
-        anchors, order = anchors.masked_fill(~keep, s).sort(dim=-1)  # sorted; unused slots last
-        keep = keep.gather(1, order)
-        return anchors.masked_fill(~keep, 0), keep
-
-    def forward(
-        self,
-        batch: dict[str, Tensor],
-        features: Tensor,
-        anchors: Tensor | None = None,
-        keep: Tensor | None = None,
-    ) -> DraftOutput:
+    def forward(self, batch: dict[str, Tensor], features: Tensor, anchors: Anchors | None = None) -> DraftOutput:
         """Training forward. batch: input_ids (N, S), loss_mask (N, S); features (N, S, F) of the target layers.
-
-        ``anchors`` (N, A) and ``keep`` (N, A) bool choose the blocks; by default ``sample_anchors`` draws them,
-        per row from ``batch["anchor_seed"]`` (N,) when the batch has it (``DraftModule`` puts it there).
-        Objectives that pick anchors themselves (EDR's inclusion-probability sampling) pass them in.
-        """
-        ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        ``anchors`` default to ``sample_anchors(batch)``; the offline evaluator and EDR pass their own."""
+        ids = batch["input_ids"]
         n, s = ids.shape
         k = self.block_size
-        if anchors is None:
-            anchors, keep = self.sample_anchors(loss_mask, batch.get("anchor_seed"))  # (N, A)
-        elif keep is None:
-            keep = torch.ones_like(anchors, dtype=torch.bool)
-        a = anchors.shape[1]
+        anchors = anchors if anchors is not None else self.sample_anchors(batch)
+        starts = anchors.positions  # (N, A)
+        a = starts.shape[1]
         ctx = self.context(features)  # (N, S, H)
         ctx_pos = torch.arange(s, device=ids.device).expand(n, s)  # (N, S)
         offs = torch.arange(k + 1, device=ids.device)  # (K+1,)
-        blk_pos = (anchors[..., None] + offs).reshape(n, a * (k + 1))  # (N, A(K+1))
-        h = self.embed_block(ids.gather(1, anchors))  # (N, A, K+1, H)
+        blk_pos = (starts[..., None] + offs).reshape(n, a * (k + 1))  # (N, A(K+1))
+        h = self.embed_block(ids.gather(1, starts))  # (N, A, K+1, H)
         if self.shortcut is not None:  # [H_ctx[n - 1] ; e(x_n)] into every slot (H_ctx[-1] = 0 at anchor 0)
-            prev = ctx.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, ctx.shape[-1]))  # (N, A, H)
-            prev = prev * (anchors > 0)[..., None]
+            prev = ctx.gather(1, (starts - 1).clamp(min=0)[..., None].expand(-1, -1, ctx.shape[-1]))  # (N, A, H)
+            prev = prev * (starts > 0)[..., None]
             h = h + self.shortcut(torch.cat([prev, h[:, :, 0]], dim=-1))[:, :, None]
         h = h.reshape(n, a * (k + 1), -1)  # (N, A(K+1), H)
         # each block sees the context strictly before its anchor, and the whole of itself
-        q_anchor = anchors.repeat_interleave(k + 1, dim=1)  # (N, Q), Q = A(K+1)
+        q_anchor = starts.repeat_interleave(k + 1, dim=1)  # (N, Q), Q = A(K+1)
         ctx_ok = ctx_pos[:, None, :] < q_anchor[..., None]  # (N, Q, S)
         for layer in self.layers:
             ck, cv = layer.kv(ctx, ctx_pos, self.rope_theta)
             h = layer(h, blk_pos, ck, cv, ctx_ok, k + 1, self.rope_theta)
-        h = self.norm(h).view(n, a, k + 1, -1)[:, :, 1:]  # (N, A, K, H) prediction slots
-        logits = self.draft_logits(h)  # (N, A, K, Vd)
-        # labels x_{n+t}, t = 1..K; valid where inside the sequence, supervised, kept, and in the draft vocab
-        lab_pos = anchors[..., None] + offs[1:]  # (N, A, K)
-        inside = lab_pos < s
-        lab_pos = lab_pos.clamp(max=s - 1)
-        labels = ids.gather(1, lab_pos.reshape(n, -1)).view(n, a, k)
-        supervised = loss_mask.gather(1, lab_pos.reshape(n, -1)).view(n, a, k)
-        draft_labels, contained = self.to_draft_ids(labels)
-        valid = inside & supervised & keep[..., None] & contained
-        return DraftOutput(logits=logits, labels=draft_labels, valid=valid, anchors=anchors)
+        hidden = self.norm(h).view(n, a, k + 1, -1)[:, :, 1:]  # (N, A, K, H) prediction slots
+        labels, valid = self.labels(batch, anchors)  # (N, A, K)
+        return DraftOutput(labels=labels, valid=valid, anchors=starts, hidden=hidden, head=self._slot_logits)
+
+    def _slot_logits(self, hidden: Tensor, index: Tensor) -> Tensor:
+        return self.head(hidden)  # (N, a, K, Vd): the frozen target head over the draft vocabulary
 
     # ------------------------------------------------------------------------------------------- decoding
     @torch.no_grad()
     def begin(self, features: Tensor) -> BlockDraftState:
         state = BlockDraftState(keys=[torch.empty(0)] * len(self.layers), values=[torch.empty(0)] * len(self.layers),
                                 length=0)
-        self.extend(state, features)
+        self._append(state, features)
         return state
 
     @torch.no_grad()
-    def extend(self, state: BlockDraftState, features: Tensor) -> None:
+    def extend(self, state: BlockDraftState, features: Tensor, path: list[int]) -> None:
+        """The committed nodes' features become context (the anchor and the accepted drafts)."""
+        self._append(state, features[:, path])
+
+    def _append(self, state: BlockDraftState, features: Tensor) -> None:
         t = features.shape[1]
         ctx = self.context(features)  # (1, T, H)
         pos = torch.arange(state.length, state.length + t, device=ctx.device)[None]
@@ -417,7 +339,9 @@ class BlockDrafter(Drafter):
             state.last = ctx[:, -1]
 
     @torch.no_grad()
-    def propose(self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None) -> Proposal:
+    def propose(
+        self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None
+    ) -> ChainProposal:
         k = self.block_size
         h = self.embed_block(anchor.reshape(1))  # (1, K+1, H)
         if self.shortcut is not None:
@@ -430,14 +354,11 @@ class BlockDrafter(Drafter):
             else:  # empty context (a one-token prompt): the block attends to itself only
                 ck = cv = h.new_zeros(1, layer.kv_heads, 0, layer.head_dim)
             h = layer(h, pos, ck, cv, None, k + 1, self.rope_theta)
-        logits = self.draft_logits(self.norm(h[0, 1:]))  # (K, Vd)
+        logits = self.head(self.norm(h[0, 1:]))  # (K, Vd)
         if sampling.greedy:
-            return Proposal(tokens=self.vocab_ids[logits.argmax(-1)], probs=None)
+            return ChainProposal(tokens=self.vocab.to_target(logits.argmax(-1)))
         q = sampling.probs(logits)  # (K, Vd)
-        tokens = self.vocab_ids[sampling.sample(q, generator)]
-        if q.shape[-1] != self.target.vocab_size:
-            q = q.new_zeros(k, self.target.vocab_size).index_copy_(1, self.vocab_ids, q)
-        return Proposal(tokens=tokens, probs=q)
+        return ChainProposal(tokens=self.vocab.to_target(sampling.sample(q, generator)), probs=self.vocab.scatter(q))
 
 
 def default_target_layers(num_target_layers: int, count: int) -> list[int]:

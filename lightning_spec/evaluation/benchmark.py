@@ -90,7 +90,7 @@ def decode_prompts(
         sums = report.by_domain.setdefault(prompt["domain"], [0, 0])
         sums[0] += len(gen.tokens)
         sums[1] += gen.rounds
-        accepted, reached = slot_counts(gen.accept_lengths, block_size)
+        accepted, reached = slot_counts(gen.accept_lengths, block_size, gen.draft_lengths)
         report.slot_accepted += accepted
         report.slot_reached += reached
         report.tokens += len(gen.tokens)

@@ -1,18 +1,12 @@
 """Exact expected decoding rounds from target rollouts, without a decoding loop (EDR: Zhao & Cai 2026, arXiv
 2610.10411, §3 and the offline evaluator of §3.4).
 
-Condition on a target rollout x = prompt + response. Speculative decoding of x is a Markov chain over states
-(n, t): the round anchored at n (the last committed token) is verifying position t. The draft token of slot t
-is accepted with the Bayes acceptance of the realised token
-
-    A_{n,t} = P(accepted | the output at t is x_t) = q(x_t) min(1, p(x_t) / q(x_t)) / p(x_t) = min(1, q / p),
-
-(``bayes_acceptance``; the engine's rule is min(1, p/q) for a draft drawn from q), the round goes on w.p. A and
-a new round starts at t w.p. 1 - A; the bonus after K accepted slots starts the next round. The expected
-number of rounds given x is τ(x) = Σ_t ω_{t,t+1}, the occupancies of the round starts (EDR Prop. 1). Because
-lossless decoding outputs x with the target's probability, the mean of τ over target rollouts is the expected
-round count of real speculative decoding, with less noise: the acceptance coin flips are integrated out, and
-every drafter is scored on the *same* rollouts (paired comparisons, ``paired.py``).
+Condition on a target rollout x = prompt + response. Speculative decoding of x is a Markov chain over round
+states (``lightning_spec/rounds.py``, the same code EDR trains with); the expected number of rounds given x is
+τ(x) = Σ_t ω_{t,t+1}, the occupancies of the round starts (EDR Prop. 1). Because lossless decoding outputs x
+with the target's probability, the mean of τ over target rollouts is the expected round count of real
+speculative decoding, with less noise: the acceptance coin flips are integrated out, and every drafter is scored
+on the *same* rollouts (paired comparisons, ``paired.py``).
 
 Conventions, the engine's exactly (``decoding/engine.py``):
 - The first round is anchored at the LAST PROMPT TOKEN, so every response token is committed by some round and
@@ -20,22 +14,18 @@ Conventions, the engine's exactly (``decoding/engine.py``):
   writes the same count as L + 1 (x_{1:L} plus EOS), so this MAL is EDR's MAL = E[L + 1] / E[𝒯] (eq. 1).
 - The response's last token ends generation (EOS, or the ``max_new_tokens`` budget for a rollout that was cut):
   the slot that verifies it ends the round whatever its verdict, as the engine stops there.
-- p is the target's distribution under ``sampling`` (``SamplingConfig``, the engine's verification) from one
-  teacher-forced forward; q is ``sampling.probs`` of the drafter's logits over its draft vocabulary (what the
-  engine's ``propose`` draws from), 0 outside it. Greedy: both are one-hot, so A = 1[draft argmax == x_t]
-  (and x_t = target argmax on a greedy rollout), and τ(x) is the engine's round count exactly.
-- The drafter is run from every anchor through its training forward with explicit anchors,
-  ``drafter(batch, features, anchors=, keep=)`` (``BlockDrafter``: the block at anchor n sees the context
-  features of positions < n, as in decoding). A drafter is evaluated offline only if that forward gives the
-  distributions ``propose`` draws from.
-
-The chain structure and both recursions are ``objectives.edr.chain`` / ``chain_dp`` (float64, vectorised),
-the same code EDR trains with; here the per-slot "cost" is R = 1 - A, so the value recursion also counts rounds.
+- p is the target's distribution under ``sampling`` (the engine's verification) from one teacher-forced forward;
+  q is ``sampling.probs`` of the drafter's logits over its draft vocabulary (what ``propose`` draws from), 0
+  outside it. Greedy: both are one-hot, so A = 1[draft argmax == x_t] (and x_t = target argmax on a greedy
+  rollout), and τ(x) is the engine's round count exactly.
+- The drafter is run from every anchor through its training forward (``Drafter.forward`` with explicit
+  anchors), whose slot distributions are, by the drafter contract, those ``propose`` draws from when the earlier
+  slots were accepted; slots a variable-length drafter does not submit (``DraftOutput.drafted``) are never
+  accepted, and the next slot is the round's bonus.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,8 +36,8 @@ import torch
 from torch import Tensor
 
 from lightning_spec.data.rollouts import check_rollouts, load_rollout_set, rollout_sampling, spread
-from lightning_spec.objectives.edr import chain, chain_dp
 from lightning_spec.progress import advancer, progress_bar
+from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -108,38 +98,6 @@ class OfflineReport:
 
 
 # ------------------------------------------------------------------------------------------ the evaluator
-def bayes_acceptance(q_x: Tensor, p_x: Tensor) -> Tensor:
-    """A = P(draft slot accepted | the output token is x) = min(1, q(x) / p(x)) (EDR §3.2), 0 where p(x) = 0.
-
-    The engine accepts a draft x ~ q with min(1, p(x)/q(x)) (``verify.acceptance_probability``); given that the
-    output is x (probability p(x)), it came from an accepted draft with probability min(q(x), p(x)) / p(x)."""
-    return torch.where(p_x > 0, (q_x / p_x.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(q_x))
-
-
-def _token_probs(target: Any, last_hidden: Tensor, ids: Tensor, mask: Tensor, sampling: SamplingConfig,
-                 max_elems: int) -> Tensor:
-    """p_t(x_t) under ``sampling`` at every masked position t ≥ 1 (from the hidden state at t - 1): (N, S)."""
-    p_tok = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-    rows, cols = mask.nonzero(as_tuple=True)
-    chunk = max(1, max_elems // target.vocab_size)
-    for lo in range(0, rows.numel(), chunk):
-        r, t = rows[lo : lo + chunk], cols[lo : lo + chunk]
-        logp = sampling.logprobs(target.lm_head(last_hidden[r, t - 1]))  # (M, V), as the engine's verify
-        p_tok[r, t] = logp.gather(-1, ids[r, t, None])[:, 0].exp()
-    return p_tok
-
-
-def _draft_vocab(drafter: Any, ids: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
-    """Target ids -> (draft ids, contained) for the drafter's draft vocabulary (``vocab_ids``; else the full one)."""
-    vocab_ids = getattr(drafter, "vocab_ids", None)
-    if vocab_ids is None or vocab_ids.numel() == vocab_size:
-        return ids, torch.ones_like(ids, dtype=torch.bool)
-    vocab_ids = vocab_ids.to(ids.device)
-    pos = torch.searchsorted(vocab_ids, ids.clamp(min=0)).clamp(max=vocab_ids.numel() - 1)
-    inside = vocab_ids[pos] == ids
-    return torch.where(inside, pos, torch.zeros_like(pos)), inside
-
-
 @torch.no_grad()
 def _score_batch(
     target: Any,
@@ -163,58 +121,25 @@ def _score_batch(
 
     t0 = time.perf_counter()
     out = target(ids, layers=list(drafter.target_layers), logits=False)  # right padding: causal, no mask needed
-    p_tok = _token_probs(target, out.last_hidden, ids, mask, sampling, max_elems)  # (N, S)
+    table = target_table(out.last_hidden, target.lm_head, ids, mask, sampling, drafter.vocab,
+                         target.eos_token_ids, costs=False, max_elems=max_elems)
     t1 = time.perf_counter()
-
-    ch = chain(mask, k)
-    tok_draft, inside = _draft_vocab(drafter, ids, target.vocab_size)
-    # every row's round starts, in order, then padding: row i's j-th start is starts[i, j]
-    pos = torch.arange(s, device=dev).expand(n, s)
-    starts = torch.where(ch.start_ok, pos, pos + s).sort(-1).values  # (N, S)
-    width = int(ch.start_ok.sum(-1).max())
-    accept = torch.zeros(n, s, k, dtype=torch.float64, device=dev)
     batch = {"input_ids": ids, "loss_mask": mask}
-    vd = getattr(drafter, "vocab_ids", torch.empty(target.vocab_size)).numel()
-    chunk = max(1, min(max(1, anchors_per_forward // n), max_elems // max(1, n * k * vd)))
-    slot = torch.arange(1, k + 1, device=dev)
-    for lo in range(0, width, chunk):
-        anchors = starts[:, lo : lo + chunk]  # (N, C)
-        keep = anchors < s
-        anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
-        draft = drafter(batch, out.features, anchors=anchors, keep=keep)
-        q = sampling.probs(draft.logits)  # (N, C, K, Vd): what propose draws from
-        t = (anchors[..., None] + slot).clamp(max=s - 1).reshape(n, -1)  # (N, C*K) positions verified
-        shape = q.shape[:-1]  # (N, C, K)
-        q_x = q.gather(-1, tok_draft.gather(1, t).view(*shape, 1))[..., 0] * inside.gather(1, t).view(shape)
-        a = bayes_acceptance(q_x, p_tok.gather(1, t).view(shape))  # (N, C, K)
-        rows = torch.arange(n, device=dev)[:, None].expand_as(anchors)
-        accept[rows[keep], anchors[keep]] = a[keep].double()
+    chunk = max(1, min(max(1, anchors_per_forward // n), max_elems // max(1, n * k * drafter.vocab.ids.numel())))
+    stats = every_anchor(lambda anchors: drafter(batch, out.features, anchors), mask, table, k, sampling, chunk,
+                         costs=False)
     t2 = time.perf_counter()
 
-    values = chain_dp(accept, 1 - accept, ch)  # cost R = 1 - A: the value recursion counts rounds too
+    ch = chain(mask, k)
+    values = chain_dp(stats.accept, 1 - stats.accept, ch)  # cost R = 1 - A: the value recursion counts rounds too
     rounds = values.start.sum(-1)  # τ(x) = Σ_n ω_{n,n+1} (EDR Prop. 1)
     occ = values.occupancy  # (N, S, K) P(round n starts and verifies slot k), verified slots only
-    reached = occ.sum((0, 1))
-    accepted = (occ * accept).sum((0, 1))
+    reached = (occ * stats.drafted).sum((0, 1))  # rounds that submitted slot k (AR_k's denominator)
+    accepted = (occ * stats.accept).sum((0, 1))
     seconds["target"] = seconds.get("target", 0.0) + t1 - t0
     seconds["drafter"] = seconds.get("drafter", 0.0) + t2 - t1
     seconds["dp"] = seconds.get("dp", 0.0) + time.perf_counter() - t2
     return rounds.cpu(), reached.cpu(), accepted.cpu()
-
-
-def _bind_check(target: Any, drafter: Any) -> None:
-    params = inspect.signature(drafter.forward).parameters
-    if not {"anchors", "keep"} <= set(params):
-        raise ValueError(
-            f"offline evaluation runs the drafter's forward from chosen anchors, drafter(batch, features, "
-            f"anchors=, keep=); {type(drafter).__name__}.forward does not take them."
-        )
-    bound = drafter.target
-    if bound is not target and bound.model is not target.model:
-        raise ValueError(
-            "The drafter is bound to a different target than the one passed to offline evaluation; load it with "
-            "load_drafter(path, target=target)."
-        )
 
 
 def offline_report(
@@ -252,7 +177,7 @@ def offline_report(
         from lightning_spec.checkpoint import load_drafter
 
         drafter = load_drafter(drafter, target=target)
-    _bind_check(target, drafter)
+    drafter.use_target(target)
     data = load_rollout_set(rollouts, vocab_size=target.vocab_size)
     recorded = rollout_sampling(data.meta)
     if sampling is None:

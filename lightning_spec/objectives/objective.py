@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
-from lightning_spec.drafters.base import DraftOutput
+from lightning_spec.drafters.base import Anchors, DraftOutput, DraftVocab
 from lightning_spec.objectives.losses import CE, Loss, NegProb, TVMinusOne
 from lightning_spec.objectives.weights import (
     AnchorUniform,
@@ -49,19 +50,20 @@ class LossTerms:
 
 @dataclass
 class TargetInfo:
-    """What an objective that picks its own anchors may read from the frozen target (no gradient).
+    """What an objective that picks its own anchors may read: the frozen target's states (no gradient), and the
+    drafter's vocabulary and block size.
 
     ``last_hidden[:, s]`` gives the target's distribution of the token at position s + 1 (the shift).
     """
 
     last_hidden: Tensor  # (N, S, H) final normed hidden states
     logits: Callable[[Tensor], Tensor]  # (..., H) -> (..., V) full-vocabulary target logits
-    vocab_ids: Tensor | None = None  # (Vd,) sorted target ids of the draft vocabulary; None = the full vocabulary
+    vocab: DraftVocab  # the drafter's draft vocabulary
+    block_size: int  # the drafter's K
     eos_ids: list[int] = field(default_factory=list)  # target ids that end a generation
 
 
-# draft_fn(anchors (N, A), keep (N, A) bool) -> DraftOutput: the drafter run from the given anchors
-DraftFn = Callable[[Tensor, Tensor], DraftOutput]
+DraftFn = Callable[[Anchors], DraftOutput]  # the drafter's training forward from chosen anchors
 
 
 class Objective:
@@ -107,7 +109,7 @@ class Objective:
 
     def select_anchors(
         self, batch: dict[str, Tensor], draft_fn: DraftFn, target: TargetInfo
-    ) -> tuple[Tensor, Tensor, dict[str, Any]] | None:
+    ) -> tuple[Anchors, dict[str, Any]] | None:
         """Anchors chosen by a part (the anchor weight first), or None: the drafter samples them."""
         choosers = [p for p in (self.anchor_weight, self.position_weight, self.loss) if hasattr(p, "select_anchors")]
         if len(choosers) > 1:
@@ -118,7 +120,10 @@ class Objective:
         """(N, A, K) bool: the slots that count. Default: the drafter's ``valid`` (supervised, in the draft vocab)."""
         return draft.valid
 
-    def __call__(self, draft: DraftOutput) -> LossTerms:
+    # ------------------------------------------------------------------------------------------ reduction
+    def sums(self, draft: DraftOutput) -> list[tuple[Tensor, Tensor]]:
+        """[(num, den)] of this objective on ``draft`` (one pair; a mixture has one per component). Both are
+        sums over anchors, except the ``sequences`` normaliser, which ``__call__`` takes from the whole batch."""
         mask = self.slot_mask(draft)  # (N, A, K)
         valid = mask.float()
         ell = self.loss(draft)  # (N, A, K)
@@ -132,8 +137,45 @@ class Objective:
             den = mask.flatten(1).any(-1).sum().float()
         else:
             den = valid.sum()
-        metrics = dict((draft.extra or {}).get("metrics", {}))
-        return LossTerms(num=num, den=den.to(num.dtype), metrics=metrics)
+        return [(num, den.to(num.dtype))]
+
+    def sequence_dens(self, draft: DraftOutput) -> list[Tensor | None]:
+        """The ``sequences`` normalisers of the whole batch, per pair (None for the other normalisers)."""
+        if self.normalize != "sequences":
+            return [None]
+        return [self.slot_mask(draft).flatten(1).any(-1).sum().float()]
+
+    @property
+    def num_pairs(self) -> int:
+        """How many (num, den) pairs ``sums`` returns."""
+        return 1
+
+    def combine(self, pairs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """The (num, den) the module reduces, from ``sums``' pairs (summed over chunks), and metrics to log."""
+        return pairs[0][0], pairs[0][1], {}
+
+    def __call__(self, draft: DraftOutput, chunk: int | None = None) -> LossTerms:
+        """The loss terms of a batch; ``chunk`` anchors at a time when given.
+
+        In chunks, each chunk's logits (draft and target) exist only while its terms are computed, and are
+        recomputed in the backward pass (activation checkpointing): memory grows with ``chunk`` x K x Vd
+        instead of A x K x Vd, for one more head forward per step. The result equals the unchunked one."""
+        if chunk is None or draft.num_anchors <= chunk:
+            pairs = self.sums(draft)
+        else:
+            pairs = None
+            for lo in range(0, draft.num_anchors, chunk):
+                index = torch.arange(lo, min(lo + chunk, draft.num_anchors), device=draft.valid.device)
+                flat = checkpoint(self._chunk_sums, draft, index, use_reentrant=False)
+                part = list(zip(flat[::2], flat[1::2]))
+                pairs = part if pairs is None else [(a + c, b + d) for (a, b), (c, d) in zip(pairs, part)]
+            whole = self.sequence_dens(draft)
+            pairs = [(num, den if full is None else full.to(den.dtype)) for (num, den), full in zip(pairs, whole)]
+        num, den, metrics = self.combine(pairs)
+        return LossTerms(num=num, den=den, metrics={**(draft.extra or {}).get("metrics", {}), **metrics})
+
+    def _chunk_sums(self, draft: DraftOutput, index: Tensor) -> tuple[Tensor, ...]:
+        return tuple(x for pair in self.sums(draft.chunk(index)) for x in pair)
 
 
 # ------------------------------------------------------------------------------- ready-made loss/weight pairs
@@ -240,12 +282,24 @@ class Mixture(Objective):
         masks = [o.slot_mask(draft) for o in self.objectives]
         return torch.stack(masks).any(0)
 
-    def __call__(self, draft: DraftOutput) -> LossTerms:
-        terms = [o(draft) for o in self.objectives]
-        d = terms[0].den
-        num = sum(w * t.num * (d / t.den.clamp_min(1e-12)) for w, t in zip(self.weights, terms))
-        metrics: dict[str, Tensor] = {}
-        for i, t in enumerate(terms):
-            metrics.update(t.metrics)
-            metrics[f"mixture/{i}"] = t.value
-        return LossTerms(num=num, den=d, metrics=metrics)
+    def sums(self, draft: DraftOutput) -> list[tuple[Tensor, Tensor]]:
+        return [pair for o in self.objectives for pair in o.sums(draft)]
+
+    def sequence_dens(self, draft: DraftOutput) -> list[Tensor | None]:
+        return [d for o in self.objectives for d in o.sequence_dens(draft)]
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(o.num_pairs for o in self.objectives)
+
+    def combine(self, pairs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        parts, metrics, i = [], {}, 0
+        for o in self.objectives:  # each component's own (num, den), nested mixtures included
+            num, den, inner = o.combine(pairs[i : i + o.num_pairs])
+            parts.append((num, den))
+            metrics.update(inner)
+            i += o.num_pairs
+        for j, (num, den) in enumerate(parts):
+            metrics[f"mixture/{j}"] = num.detach() / den.clamp_min(1e-12)
+        d = parts[0][1]
+        return sum(w * num * (d / den.clamp_min(1e-12)) for w, (num, den) in zip(self.weights, parts)), d, metrics

@@ -45,8 +45,8 @@ class TrialReporter(Callback):
                 "a sweep runs each trial in its own process on one device (trainer.devices: 1); for several "
                 "GPUs start one sweep worker per GPU (CUDA_VISIBLE_DEVICES) on the same study."
             )
-        block = getattr(getattr(pl_module, "drafter", None), "block_size", None)
-        self.block_size = int(block) if block is not None else None
+        drafter = getattr(pl_module, "drafter", None)  # a DraftModule's (the reporter also serves other modules)
+        self.block_size = int(drafter.block_size) if drafter is not None else None
         objective = getattr(pl_module, "objective", None)
         self.objective = objective_label(objective) if objective is not None else None
 

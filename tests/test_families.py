@@ -1,0 +1,129 @@
+"""The guarantees, held for every drafter family through the drafter contract alone.
+
+For each family in ``FAMILIES`` (a constructor taking K):
+- greedy speculative output equals an independent no-cache argmax loop, with a drafter trained until it is
+  accepted (so acceptance, rejection and the bonus all run);
+- under sampling at T = 1 the output distribution is the target's (χ² against the enumerated joint of a
+  vocabulary-8 target), and a deliberately broken acceptance rule fails the same check;
+- offline greedy rounds equal the engine's greedy rounds exactly (the training forward drafts what ``propose``
+  drafts);
+- a saved drafter loads back to the same weights and the same greedy output.
+
+A new family adds one line to ``FAMILIES``; the DDP equivalence is parametrised over the families in
+tests/test_ddp.py.
+"""
+
+import pytest
+import torch
+from test_decoding import MAX_NEW, argmax_reference, random_prompts
+from test_lossless_sampling import NEW, PROMPT, assert_matches, chi_square, empirical, exact_joint
+
+from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
+from lightning_spec.checkpoint import save_drafter
+from lightning_spec.decoding import verify
+from lightning_spec.drafters import BlockDrafter
+from lightning_spec.objectives import CE, Objective
+
+FAMILIES = {
+    "dflash": lambda k: BlockDrafter(block_size=k, num_layers=1, num_anchors=64),
+}
+GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
+
+
+def build(family: str, target, k: int, seed: int = 0):
+    torch.manual_seed(seed)
+    drafter = FAMILIES[family](k)
+    drafter.bind(target)
+    return drafter.eval()
+
+
+def trained(family: str, target, prompts, k: int, steps: int = 40):
+    """The family's drafter trained with CE on the target's own greedy continuations of ``prompts`` until it is
+    accepted in a good share of rounds (every supervised position is an anchor: deterministic)."""
+    drafter = build(family, target, k).train()
+    rows = [prompt + argmax_reference(target, prompt, MAX_NEW) for prompt in prompts]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (N, S)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, len(prompt) : len(row)] = True
+    batch = {"input_ids": ids, "loss_mask": mask}
+    features = target(ids, layers=drafter.target_layers, logits=False).features  # (N, S, F)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        terms = Objective(CE())(drafter(batch, features))
+        opt.zero_grad()
+        (terms.num / terms.den).backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(diverse_target):
+    return random_prompts(diverse_target.vocab_size)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def accepted_drafter(family, diverse_target, prompts):
+    return trained(family, diverse_target, prompts, k=3)
+
+
+def test_greedy_speculative_equals_the_reference(accepted_drafter, diverse_target, prompts):
+    rounds = accepting = 0
+    for prompt in prompts:
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=accepted_drafter)
+        assert out.tokens == argmax_reference(diverse_target, prompt, MAX_NEW)
+        rounds += out.rounds
+        accepting += sum(a > 0 for a in out.accept_lengths)
+        assert all(d <= accepted_drafter.block_size for d in out.draft_lengths)
+    assert accepting >= rounds // 4, (accepting, rounds)  # the drafter is accepted: the test has teeth
+
+
+def test_offline_greedy_rounds_equal_the_engine(accepted_drafter, diverse_target, prompts):
+    pairs, real = [], []
+    for prompt in prompts:
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=accepted_drafter)
+        pairs.append((prompt, out.tokens))
+        real.append(float(out.rounds))
+    offline = offline_rounds(diverse_target, accepted_drafter, pairs, GREEDY)
+    assert offline.tolist() == real
+
+
+@pytest.fixture(scope="module")
+def small_target(make_random_llama):
+    return make_random_llama(vocab_size=8, hidden_size=16, init=0.5, seed=0)
+
+
+def test_sampling_is_lossless(family, small_target):
+    drafter = build(family, small_target, k=2)
+    counts, first = empirical(small_target, T1, drafter, runs=1000)
+    assert_matches(counts, exact_joint(small_target, PROMPT, T1), small_target.vocab_size, NEW, family)
+    assert any(a < 2 for a in first) and any(a > 0 for a in first), first[:50]  # both paths of the rule ran
+
+
+def test_a_broken_rule_fails_the_sampling_check(family, small_target, monkeypatch):
+    monkeypatch.setattr(verify, "acceptance_probability", lambda p_x, q_x: (q_x / p_x.clamp_min(1e-30)).clamp(max=1))
+    drafter = build(family, small_target, k=2)
+    counts, _ = empirical(small_target, T1, drafter, runs=600)
+    stat, bound = chi_square(counts, exact_joint(small_target, PROMPT, T1))
+    assert stat > bound, (stat, bound)
+
+
+def test_save_and_load_round_trip(accepted_drafter, diverse_target, prompts, tmp_path):
+    folder = save_drafter(accepted_drafter, tmp_path / "drafter", "random")
+    loaded = load_drafter(folder, target=diverse_target)
+    assert type(loaded) is type(accepted_drafter)
+    assert loaded.config_dict() == accepted_drafter.config_dict()
+    for (key, a), (_, b) in zip(loaded.state_dict().items(), accepted_drafter.state_dict().items()):
+        assert torch.equal(a, b), key
+    for prompt in prompts[:2]:
+        assert generate(diverse_target, prompt, MAX_NEW, drafter=loaded).tokens == generate(
+            diverse_target, prompt, MAX_NEW, drafter=accepted_drafter
+        ).tokens
+    sampled = generate(diverse_target, prompts[0], 6, T1, drafter=loaded, seed=0)
+    assert sampled.tokens == generate(diverse_target, prompts[0], 6, T1, drafter=accepted_drafter, seed=0).tokens
