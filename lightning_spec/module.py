@@ -245,7 +245,15 @@ class DraftModule(L.LightningModule):
             draft.extra = extra
         if self.objective.needs_target:
             self.attach_target(draft, last)
+        draft.progress = self.training_progress()
         return draft, self.objective(draft, chunk=self.hparams.loss_chunk)
+
+    def training_progress(self) -> float:
+        """The share 0..1 of training done: by the LR schedule's clock (steps, or time when ``max_time`` binds)."""
+        clock = getattr(self, "_clock", None)
+        if clock is None or self._trainer is None:
+            return 0.0
+        return clock.run_progress(self.global_step)
 
     # ------------------------------------------------------------------------------------------- training
     def seeded(self, batch: dict[str, Tensor], salt: int) -> dict[str, Tensor]:

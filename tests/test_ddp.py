@@ -84,3 +84,27 @@ def test_spec_validation_splits_prompts_and_agrees_across_ranks(runs):
         assert quality and set(m1) == set(ma)
         for key in quality:
             assert ma[key] == pytest.approx(m1[key], abs=1e-6), key
+
+
+# ------------------------------------------------------------------------------------- every drafter family
+# family -> its `model.drafter` block on the tiny target (tests/test_families.py holds the decoding guarantees)
+FAMILY_DRAFTERS = {
+    "dflash": {"class_path": "lightning_spec.drafters.BlockDrafter", "init_args": {"block_size": 3}},
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_DRAFTERS))
+def test_two_ranks_train_every_family_like_one_process(tmp_path, family):
+    """3 steps, no validation: 2 gloo ranks with batch 2 end with the drafter of 1 process with batch 4."""
+    common = ["--trainer.max_steps=3", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
+              "--trainer.callbacks=[]", f"--model.drafter={json.dumps(FAMILY_DRAFTERS[family])}"]
+    one = fit(tmp_path / "one", *common, "--data.batch_size=4", probe(tmp_path / "one" / "probe"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = fit(tmp_path / "two", *common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
+              probe(tmp_path / "two" / "probe"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    (_, d1), (_, d2) = load(tmp_path / "one", 0), load(tmp_path / "two", 1)
+    for key in d1["final"]:
+        torch.testing.assert_close(d2["final"][key], d1["final"][key], rtol=1e-5, atol=2e-6, msg=key)
+    moved = max(float((d1["final"][k].float() - w0.float()).abs().max()) for k, w0 in d1["initial"].items())
+    assert moved > 1e-3

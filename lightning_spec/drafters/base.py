@@ -135,11 +135,13 @@ class DraftOutput:
             its head of ``hidden`` (a Markov or correction head) closes over its own per-anchor inputs.
         target_logits: (N, A, K, Vd) target logits at position n + t - 1 (the shift: they predict x_{n+t}).
         target_hidden, target_head: the same lazily.
-        aux: the drafter's own extra heads, per anchor (tensors (N, A, ...): DSpark confidence, a length head).
+        aux: the drafter's own extra heads, per anchor: tensors (N, A, ...) (DSpark's confidence, a length head),
+            or, for large ones, a ``Head`` evaluated per chunk like the logits (a second branch's logits).
         drafted: (N, A) slots the drafter submits from that anchor at decode time (a prefix scheduler or length
             head cuts blocks); None: all K.
         extra: the objective's scratch space (what its ``select_anchors`` computed for its parts). Entries with a
             ``chunk(index)`` method are per-anchor and sliced with the chunk.
+        progress: the share 0..1 of training done (the module sets it; parts with a schedule read it).
     """
 
     def __init__(
@@ -157,6 +159,7 @@ class DraftOutput:
         aux: dict[str, Tensor] | None = None,
         drafted: Tensor | None = None,
         extra: dict[str, Any] | None = None,
+        progress: float | None = None,
     ) -> None:
         if logits is None and (hidden is None or head is None):
             raise ValueError("DraftOutput needs logits, or hidden and head.")
@@ -166,6 +169,7 @@ class DraftOutput:
         self.aux = aux if aux is not None else {}
         self.drafted = drafted
         self.extra = extra
+        self.progress = progress
 
     @property
     def logits(self) -> Tensor:
@@ -197,16 +201,24 @@ class DraftOutput:
     def num_anchors(self) -> int:
         return self.valid.shape[1]
 
+    def materialize(self) -> DraftOutput:
+        """Every lazy part computed over all anchors (and kept): the logits, the target's, the aux heads."""
+        index = torch.arange(self.num_anchors, device=self.valid.device)
+        _ = self.logits, self.target_logits
+        self.aux = {k: v(self.hidden, index) if callable(v) else v for k, v in self.aux.items()}
+        return self
+
     def chunk(self, index: Tensor) -> DraftOutput:
-        """The anchors ``index`` (a,) only, logits materialised for them alone."""
+        """The anchors ``index`` (a,) only, logits and aux heads materialised for them alone."""
 
         def take(x: Tensor | None) -> Tensor | None:
             return None if x is None else x.index_select(1, index.to(x.device))
 
+        hidden = take(self.hidden)
         if self._logits is not None:
             logits = take(self._logits)
         else:
-            logits = self.head(take(self.hidden), index)
+            logits = self.head(hidden, index)
         target = take(self._target_logits)
         if target is None and self.target_hidden is not None:
             target = self.target_head(take(self.target_hidden))
@@ -214,9 +226,10 @@ class DraftOutput:
         if self.extra is not None:
             extra = {k: v.chunk(index) if hasattr(v, "chunk") and not isinstance(v, Tensor) else v
                      for k, v in self.extra.items()}
+        aux = {k: v(hidden, index) if callable(v) else take(v) for k, v in self.aux.items()}
         return DraftOutput(
-            logits, take(self.labels), take(self.valid), take(self.anchors), target_logits=target,
-            aux={k: take(v) for k, v in self.aux.items()}, drafted=take(self.drafted), extra=extra,
+            logits, take(self.labels), take(self.valid), take(self.anchors), hidden=hidden, target_logits=target,
+            aux=aux, drafted=take(self.drafted), extra=extra, progress=self.progress,
         )
 
 

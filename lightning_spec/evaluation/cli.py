@@ -162,12 +162,14 @@ def run_online(
     tok = np.zeros((len(loaded) + 1, n))
     rnd = np.zeros((len(loaded) + 1, n))
     sec = np.zeros((len(loaded) + 1, n))
+    draft_sec = np.zeros((len(loaded) + 1, n))  # time inside drafter.propose
     slots = [np.zeros((2, d.block_size)) for d in loaded]
     with progress_bar(f"online decoding ({len(loaded)} drafters + plain)", n, progress) as bar:
         for i, prompt in enumerate(prompts):
             for j, d in enumerate([None, *loaded]):
                 rep = decode_prompts(model, d, [prompt], sampling, max_new_tokens, seed=seed + i)
                 tok[j, i], rnd[j, i], sec[j, i] = rep.tokens, rep.rounds, rep.seconds
+                draft_sec[j, i] = rep.draft_seconds
                 if d is not None:
                     slots[j - 1] += np.stack([rep.slot_accepted.numpy(), rep.slot_reached.numpy()])
             bar.advance(1)
@@ -199,6 +201,8 @@ def run_online(
             "seconds": float(sec[j].sum()),
             "tokens_per_s": float(tps),
             "speedup": float(tps / plain_tps),
+            "draft_ms_per_round": float(1000 * draft_sec[j].sum() / max(rnd[j].sum(), 1)),
+            "parameters": int(sum(p.numel() for p in loaded[j[0] - 1].parameters())),
         }
     return {
         "mode": "online",

@@ -161,7 +161,7 @@ class Objective:
         recomputed in the backward pass (activation checkpointing): memory grows with ``chunk`` x K x Vd
         instead of A x K x Vd, for one more head forward per step. The result equals the unchunked one."""
         if chunk is None or draft.num_anchors <= chunk:
-            pairs = self.sums(draft)
+            pairs = self.sums(draft.materialize())
         else:
             pairs = None
             for lo in range(0, draft.num_anchors, chunk):
