@@ -35,7 +35,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 long: setup
-	$(VENV)/bin/lightning-spec fit -c experiments/smollm2_long.yaml
+	$(VENV)/bin/lightning-spec fit -c experiments/quickstart.yaml -c experiments/smollm2_long.yaml
 
 clean-cache:
 	rm -rf $${LIGHTNING_SPEC_CACHE:-$$HOME/.cache/lightning_spec}/features

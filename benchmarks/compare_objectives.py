@@ -3,11 +3,12 @@
     .venv/bin/python benchmarks/compare_objectives.py --steps 150
     .venv/bin/python benchmarks/compare_objectives.py --objectives ce_uniform kl_decay edr --steps 300
 
-Each run is ``lightning-spec fit -c experiments/objectives/<name>.yaml`` (the quickstart setting with only the
-objective changed) in its own process, with a fixed number of optimizer steps instead of the quickstart's time
-budget, the target features cached on disk (computed by the first run, reused by the others), and one
-decode-validation at the end (greedy, held-out prompts). Results go to the MLflow experiment
-``objectives-compare`` in ./mlflow.db and to a printed table.
+Each run is ``lightning-spec fit -c experiments/quickstart.yaml -c experiments/objectives/<name>.yaml`` (the
+quickstart setting with only the objective changed) in its own process, plus a third ``-c`` file with this
+benchmark's changes: a fixed number of optimizer steps instead of the quickstart's time budget, the target
+features cached on disk (computed by the first run, reused by the others), and one decode-validation at the end
+(greedy, held-out prompts). Results go to the MLflow experiment ``objectives-compare`` in ./mlflow.db and to a
+printed table.
 """
 
 from __future__ import annotations
@@ -25,26 +26,34 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ["ce_uniform", "ce_decay", "kl_decay", "lk_lambda", "auf", "e2e", "edr"]
 EXPERIMENT = "objectives-compare"
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 
 
-def config_for(name: str, steps: int, prompts: int, max_new_tokens: int) -> dict:
-    cfg = yaml.safe_load((ROOT / "experiments" / "objectives" / f"{name}.yaml").read_text())
-    trainer = cfg["trainer"]
-    trainer["max_steps"] = steps
-    trainer.pop("max_time", None)
-    trainer["max_epochs"] = -1
-    trainer["logger"] = {
+def overrides(name: str, steps: int, prompts: int, max_new_tokens: int) -> dict:
+    """The last ``-c`` file of a run: what this benchmark changes in the quickstart setting. Its callbacks list
+    states the quickstart's one callback in full (a list entry merges with the base's only when both lists have
+    the same length)."""
+    validation = {
+        "class_path": "lightning_spec.callbacks.SpecDecodeValidation",
+        "init_args": {"prompts_per_domain": prompts, "max_new_tokens": max_new_tokens,
+                      "sampling": [{"temperature": 0.0}], "measure_speedup": False, "before_training": False,
+                      "print_summary": False},
+    }
+    logger = {
         "class_path": "lightning.pytorch.loggers.MLFlowLogger",
         "init_args": {"experiment_name": EXPERIMENT, "tracking_uri": "sqlite:///mlflow.db", "run_name": name},
     }
-    for cb in trainer.get("callbacks", []):
-        if cb["class_path"].endswith("SpecDecodeValidation"):
-            cb["init_args"].update(
-                prompts_per_domain=prompts, max_new_tokens=max_new_tokens, sampling=[{"temperature": 0.0}],
-                measure_speedup=False, before_training=False, print_summary=False,
-            )
-    cfg["model"]["feature_cache"] = "disk"
-    return cfg
+    return {
+        "trainer": {"max_steps": steps, "max_time": None, "max_epochs": -1, "logger": logger,
+                    "callbacks": [validation]},
+        "model": {"feature_cache": "disk"},
+    }
+
+
+def fit_args(name: str, overrides_file: str) -> list[str]:
+    """``fit`` with the quickstart, the objective's overlay and this benchmark's overrides, in that order."""
+    return ["fit", "-c", str(QUICKSTART), "-c", str(ROOT / "experiments" / "objectives" / f"{name}.yaml"),
+            "-c", overrides_file]
 
 
 def final_metrics(run_name: str) -> dict[str, float]:
@@ -67,11 +76,10 @@ def main() -> None:
     exe = Path(sys.executable).with_name("lightning-spec")
     rows = []
     for name in args.objectives:
-        cfg = config_for(name, args.steps, args.prompts, args.max_new_tokens)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            yaml.safe_dump(cfg, f)
+            yaml.safe_dump(overrides(name, args.steps, args.prompts, args.max_new_tokens), f)
         start = time.perf_counter()
-        proc = subprocess.run([str(exe), "fit", "-c", f.name], capture_output=True, text=True,
+        proc = subprocess.run([str(exe), *fit_args(name, f.name)], capture_output=True, text=True,
                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         seconds = time.perf_counter() - start
         os.unlink(f.name)

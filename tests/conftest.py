@@ -122,7 +122,7 @@ class FixedDrafter(Drafter):
         self.vocab.build(target.vocab_size)
         self.bind(target)
 
-    def begin(self, features):
+    def begin(self, features, input_ids=None):
         return SimpleNamespace(length=features.shape[1])
 
     def extend(self, state, features, path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from overlays import config_files, meant_config, printed_config, printed_of, restated
 
 from lightning_spec import load_drafter
 from lightning_spec.cli import main
@@ -53,12 +54,31 @@ def test_every_experiment_yaml_parses(path, in_tmp, capsys, monkeypatch):
     # --print_config only parses and type-checks: the GPU example must never load Qwen3-8B
     monkeypatch.setattr(lightning_spec.module, "load_target", refuse)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    assert exit_code(["fit", "-c", str(path), "--print_config"]) == 0
+    files = config_files(path)  # an overlay goes on the base its header names
+    assert exit_code(["fit", *[arg for f in files for arg in ("-c", str(f))], "--print_config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    source = yaml.safe_load(path.read_text())
-    assert printed["model"]["drafter"]["class_path"] == source["model"]["drafter"]["class_path"]
-    assert printed["model"]["target"] == source["model"]["target"]
+    sources = [yaml.safe_load(f.read_text()).get("model", {}) for f in files]
+    drafter = [s["drafter"]["class_path"] for s in sources if "class_path" in s.get("drafter", {})][-1]
+    assert printed["model"]["drafter"]["class_path"] == drafter
+    assert printed["model"]["target"] == [s["target"] for s in sources if "target" in s][-1]
     assert not list(in_tmp.iterdir())  # nothing written: no run, no checkpoint
+
+
+OVERLAYS = [path for path in EXPERIMENTS if len(config_files(path)) > 1]
+
+
+def test_the_long_and_reweighting_runs_are_overlays():
+    assert {p.stem for p in OVERLAYS} >= {"smollm2_long", "reweighting"}
+
+
+@pytest.mark.parametrize("path", OVERLAYS, ids=[p.stem for p in OVERLAYS])
+def test_experiment_overlays_say_only_what_differs(path):
+    """An overlay restates nothing of its base, and ``fit -c base -c overlay`` builds the config its author means:
+    its values in, a list or a class block of another class replacing the base's whole (tests/overlays.py says
+    where LightningCLI's merge differs, and so what an overlay has to state)."""
+    base, *_ = files = config_files(path)
+    assert restated(yaml.safe_load(path.read_text()), yaml.safe_load(base.read_text())) == []
+    assert printed_config(*files) == printed_of(meant_config(files))
 
 
 # ------------------------------------------------------------------------------------------- a tiny fit

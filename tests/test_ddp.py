@@ -90,6 +90,27 @@ def test_spec_validation_splits_prompts_and_agrees_across_ranks(runs):
 # family -> its `model.drafter` block on the tiny target (tests/test_families.py holds the decoding guarantees)
 FAMILY_DRAFTERS = {
     "dflash": {"class_path": "lightning_spec.drafters.BlockDrafter", "init_args": {"block_size": 3}},
+    "dfly": {"class_path": "lightning_spec.drafters.DFlyDrafter", "init_args": {"block_size": 3}},
+    "domino": {"class_path": "lightning_spec.drafters.DominoDrafter", "init_args": {"block_size": 3}},
+    "dspark": {"class_path": "lightning_spec.drafters.DSparkDrafter", "init_args": {"block_size": 3}},
+    "eagle3": {"class_path": "lightning_spec.drafters.Eagle3Drafter", "init_args": {"block_size": 3}},
+    "medusa": {"class_path": "lightning_spec.drafters.MedusaDrafter", "init_args": {"block_size": 3}},
+    "mtp": {"class_path": "lightning_spec.drafters.MTPDrafter", "init_args": {"block_size": 3}},
+}
+
+
+def _part(name: str, **init_args) -> dict:
+    return {"class_path": f"lightning_spec.objectives.{name}", "init_args": init_args}
+
+
+# a family whose own heads only its own loss trains (DDP requires every parameter to get a gradient)
+FAMILY_OBJECTIVES = {
+    "dspark": _part("Mixture", objectives=[
+        _part("Objective", loss=_part("CE"), position_weight=_part("ExpDecay", gamma=4.0)),
+        _part("Objective", loss=_part("TV"), position_weight=_part("ExpDecay", gamma=4.0)),
+        _part("Objective", loss=_part("ConfidenceBCE"), position_weight=_part("ExpDecay", gamma=4.0)),
+    ], weights=[0.1, 1.8, 1.0]),
+    "domino": _part("Objective", loss=_part("TwoBranchCE"), position_weight=_part("ExpDecay", gamma=4.0)),
 }
 
 
@@ -98,6 +119,8 @@ def test_two_ranks_train_every_family_like_one_process(tmp_path, family):
     """3 steps, no validation: 2 gloo ranks with batch 2 end with the drafter of 1 process with batch 4."""
     common = ["--trainer.max_steps=3", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
               "--trainer.callbacks=[]", f"--model.drafter={json.dumps(FAMILY_DRAFTERS[family])}"]
+    if family in FAMILY_OBJECTIVES:
+        common.append(f"--model.objective={json.dumps(FAMILY_OBJECTIVES[family])}")
     one = fit(tmp_path / "one", *common, "--data.batch_size=4", probe(tmp_path / "one" / "probe"))
     assert one.returncode == 0, one.stderr[-3000:]
     two = fit(tmp_path / "two", *common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",

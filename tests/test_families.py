@@ -21,11 +21,26 @@ from test_lossless_sampling import NEW, PROMPT, assert_matches, chi_square, empi
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import save_drafter
 from lightning_spec.decoding import verify
-from lightning_spec.drafters import BlockDrafter
+from lightning_spec.drafters import (
+    BlockDrafter,
+    DFlyDrafter,
+    DominoDrafter,
+    DSparkDrafter,
+    Eagle3Drafter,
+    MedusaDrafter,
+    MTPDrafter,
+)
 from lightning_spec.objectives import CE, Objective
 
 FAMILIES = {
     "dflash": lambda k: BlockDrafter(block_size=k, num_layers=1, num_anchors=64),
+    "dfly": lambda k: DFlyDrafter(block_size=k, num_layers=1, num_anchors=64, hidden_correction=True),
+    "dspark": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16),
+    "dspark_rnn": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov="rnn", markov_rank=16),
+    "domino": lambda k: DominoDrafter(block_size=k, num_layers=1, num_anchors=64, gru_size=16, correction_rank=32),
+    "eagle3": lambda k: Eagle3Drafter(block_size=k, num_anchors=64),
+    "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
+    "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
 }
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 

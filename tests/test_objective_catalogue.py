@@ -1,15 +1,15 @@
 """The catalogue of objectives beyond CE/KL/TV (reverse KL, JSD, LK, Bernoulli KL, E2E-TV, WTV, EAL, AUF,
 valid prefix, D-PACE, mixtures): every ℓ, b and a against hand numbers or a float64 brute force written here,
-the normalisers, mixtures, and every experiments/objectives/*.yaml: it parses, instantiates, and trains a few
-steps on the tiny target. Their gradients are checked in test_objective_gradients.py."""
+the normalisers, mixtures, and every experiments/objectives/*.yaml: an overlay on the quickstart that merges as
+meant, instantiates, and trains a few steps on the tiny target. Their gradients: test_objective_gradients.py."""
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from overlays import QUICKSTART, config_files, printed_config, printed_of
 
 from lightning_spec.drafters import BlockDrafter, DraftOutput
 from lightning_spec.loaders import collate
@@ -417,38 +417,29 @@ def test_every_required_objective_has_a_yaml():
     assert REQUIRED <= {p.stem for p in OBJECTIVE_YAMLS}
 
 
-def test_objective_yamls_change_only_the_objective():
-    quick = yaml.safe_load((ROOT / "experiments" / "quickstart.yaml").read_text())
-    del quick["model"]["objective"]
+def test_objective_overlays_hold_only_the_objective():
+    """Each is an overlay on the quickstart holding model.objective and nothing else, an objective other than the
+    quickstart's, and a header naming the command that runs it."""
+    quick = yaml.safe_load(QUICKSTART.read_text())
     for path in OBJECTIVE_YAMLS:
         cfg = yaml.safe_load(path.read_text())
-        assert cfg["model"].pop("objective")
-        assert cfg == quick, path.name
+        assert list(cfg) == ["model"] and list(cfg["model"]) == ["objective"], path.name
+        assert cfg["model"]["objective"] != quick["model"]["objective"], path.name
+        assert config_files(path) == [QUICKSTART, path]
 
 
 @pytest.mark.parametrize("path", OBJECTIVE_YAMLS, ids=[p.stem for p in OBJECTIVE_YAMLS])
-def test_objective_yaml_prints_config(path, tmp_path, monkeypatch, capsys):
-    import transformers
-
-    import lightning_spec.module
-    from lightning_spec.cli import main
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("--print_config must not load a model")
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
-    monkeypatch.setattr(lightning_spec.module, "load_target", refuse)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    try:
-        main(["fit", "-c", str(path), "--print_config"])
-        code = 0
-    except SystemExit as exit_:
-        code = int(exit_.code or 0)
-    assert code == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    source = yaml.safe_load(path.read_text())
-    assert printed["model"]["objective"]["class_path"] == source["model"]["objective"]["class_path"]
+def test_objective_overlay_merges_onto_the_quickstart(path):
+    """``fit -c quickstart.yaml -c objectives/<name>.yaml`` is the quickstart with model.objective replaced whole
+    by the overlay's: nothing else moves, and no init_args of the quickstart's objective survive into it (a class
+    change keeps the init_args the new class shares, e.g. ``normalize``: an overlay states those)."""
+    merged = printed_config(QUICKSTART, path)
+    replaced = yaml.safe_load(QUICKSTART.read_text())
+    replaced["model"]["objective"] = yaml.safe_load(path.read_text())["model"]["objective"]
+    assert merged == printed_of(replaced)
+    quick = printed_config(QUICKSTART)
+    del merged["model"]["objective"], quick["model"]["objective"]
+    assert merged == quick
 
 
 def instantiate_objective(path: Path) -> Objective:

@@ -105,9 +105,9 @@ def generate(
     if ids.shape[1] > 1:
         out = target(ids[:, :-1], layers=layers, cache=cache, logits=False)  # prefill, no logits needed
         if drafter is not None:
-            state = drafter.begin(out.features)
+            state = drafter.begin(out.features, ids[:, :-1])
     elif drafter is not None:
-        state = drafter.begin(torch.zeros(1, 0, len(layers) * target.hidden_size, device=device))
+        state = drafter.begin(torch.zeros(1, 0, len(layers) * target.hidden_size, device=device), ids[:, :0])
     anchor = ids[0, -1:]  # (1,)
     tokens: list[int] = []
     accept_lengths: list[int] = []

@@ -2,5 +2,12 @@
 
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
 from lightning_spec.drafters.block import BlockDrafter
+from lightning_spec.drafters.domino import DFlyDrafter, DominoDrafter
+from lightning_spec.drafters.dspark import DSparkDrafter
+from lightning_spec.drafters.eagle3 import Eagle3Drafter
+from lightning_spec.drafters.heads import MedusaDrafter, MTPDrafter
 
-__all__ = ["Anchors", "BlockDrafter", "DraftOutput", "DraftVocab", "Drafter"]
+__all__ = [
+    "Anchors", "BlockDrafter", "DFlyDrafter", "DominoDrafter", "DSparkDrafter", "DraftOutput", "DraftVocab", "Drafter",
+    "Eagle3Drafter", "MTPDrafter", "MedusaDrafter",
+]

@@ -335,8 +335,8 @@ class Drafter(nn.Module):
         return labels, inside & supervised & anchors.keep[..., None] & contained
 
     # ------------------------------------------------------------------------------------------- decoding
-    def begin(self, features: Tensor) -> Any:
-        """Decoding state from the prefill features (1, S, F) of positions 0..S-1."""
+    def begin(self, features: Tensor, input_ids: Tensor) -> Any:
+        """Decoding state from the prefill: the features (1, S, F) of positions 0..S-1 and their tokens (1, S)."""
         raise NotImplementedError(f"{type(self).__name__} must implement begin")
 
     def propose(self, state: Any, anchor: Tensor, sampling: SamplingConfig, generator=None) -> Any:

@@ -314,7 +314,7 @@ class BlockDrafter(Drafter):
 
     # ------------------------------------------------------------------------------------------- decoding
     @torch.no_grad()
-    def begin(self, features: Tensor) -> BlockDraftState:
+    def begin(self, features: Tensor, input_ids: Tensor | None = None) -> BlockDraftState:
         state = BlockDraftState(keys=[torch.empty(0)] * len(self.layers), values=[torch.empty(0)] * len(self.layers),
                                 length=0)
         self._append(state, features)

@@ -8,6 +8,7 @@ EALWeight, EDRReach, PositionProduct (a product of weights). Anchor weights a: A
 Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, and Mixture (weighted sums).
 """
 
+from lightning_spec.objectives.confidence import ConfidenceBCE
 from lightning_spec.objectives.edr import EDR, EDRCost, EDROccupancy, EDRReach
 from lightning_spec.objectives.losses import (
     CE,
@@ -23,6 +24,7 @@ from lightning_spec.objectives.losses import (
     TVMinusOne,
 )
 from lightning_spec.objectives.objective import E2E, EAL, WTV, LossTerms, Mixture, Objective, TargetInfo
+from lightning_spec.objectives.two_branch import TwoBranchCE
 from lightning_spec.objectives.weights import (
     DPACE,
     AnchorUniform,
@@ -40,8 +42,8 @@ from lightning_spec.objectives.weights import (
 )
 
 __all__ = [
-    "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "DPACE", "E2E", "E2EWeight", "EAL",
-    "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "Geometric", "JSD", "KL", "LK",
+    "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "ConfidenceBCE", "DPACE", "E2E", "E2EWeight",
+    "EAL", "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "Geometric", "JSD", "KL", "LK",
     "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct", "PositionWeight",
-    "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "Uniform", "ValidPrefix", "WTV", "WTVWeight",
+    "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform", "ValidPrefix", "WTV", "WTVWeight",
 ]

@@ -1,0 +1,345 @@
+"""Eagle3Drafter: the EAGLE-3 autoregressive drafter (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration
+of Large Language Models via Training-Time Test", arXiv 2503.01840).
+
+Reads top to bottom:
+1. Fusion: the target's hidden states of a low, a middle and a high layer (default [1, L/2 - 1, L - 4],
+   0-indexed, as SpecForge's EAGLE-3 trainer) are concatenated and mapped by ``fc`` (3H -> H) to one fused
+   feature g_p per position p (the target's state after reading x_p, the one that predicts x_{p+1}).
+2. One decoder layer whose attention input is 2H wide: [input_norm(e(x_p)) ; hidden_norm(u_p)], the frozen target
+   embedding of the token at position p next to a hidden state u_p; the residual stream starts from u_p. For a
+   committed position u_p = g_{p-1} (the feature that predicted x_p; g_{-1} = 0). Its output, through the final
+   norm and the target's frozen LM head restricted to the draft vocabulary, predicts x_{p+1}.
+3. Autoregressive chain with its own KV cache. A round anchored at n (the last committed token, whose own target
+   features do not exist yet) drafts slot 1 from [e(x_n) ; g_{n-1}], slot t > 1 from [e(x_{n+t-1}) ; h_{t-1}],
+   h_{t-1} the layer's own output at slot t - 1 (its pre-norm hidden state). Slot t sits at position n + t - 1
+   and attends to the committed positions < n (built from true features) and to the round's own slots 1..t.
+   After verification the accepted drafts' entries are dropped and the committed positions are re-run with the
+   target's real features (slot 1's entry, [e(x_n) ; g_{n-1}], already is such an entry). A committed entry embeds
+   its token, so ``begin`` takes the prefill's token ids next to its features.
+4. Training-time test (TTT): training runs the same chain teacher-forced (the drafted tokens are the data's), every
+   slot fed the drafter's own hidden state of the slot before, so slot t is trained on the inputs it meets when
+   decoding. All anchors of a step run in parallel: step t is one batched layer call over the anchors, whose
+   attention reads the committed entries' keys and values (projected once for every position of the sequence,
+   shared by all anchors, each anchor masked to positions <= n) and each anchor's own slots 2..t.
+5. Reduced vocabulary: the head covers the draft vocabulary (``DraftVocab``, EAGLE-3's d2t / t2d).
+
+``block_size`` (K) is both the proposals per round and the TTT unroll. EAGLE-3 trains with an unroll of 7
+(SpecForge's default) and may draft more or fewer steps at serving time; here ``forward`` must return every slot
+``propose`` draws from, with the same distribution (the offline evaluator and EDR score a drafter through
+``forward``), so the unroll is K: a shorter unroll would leave slots untrained and unscored, a longer one would
+train slots that are never drafted. An unroll of 7 is ``block_size: 7`` (the default).
+
+Differences from SpecForge's trainer, on purpose: the LM head and the embedding are the target's, frozen (the
+drafter contract; EAGLE-3 trains its own reduced head, initialised from the target's); the loss and its position
+weights are objective parts (EAGLE-3's is KL to the target renormalised on the draft vocabulary with weights 0.8^(t-1):
+``KL`` + ``Geometric(0.8)``); chains start at sampled anchors rather than at every position (``num_anchors``); and
+the TTT mask of the authors' trainer (and SpecForge's) hides from unroll step j the j most recent entries before
+the query, the anchor's own included, which decoding shows it (SafeAILab/EAGLE issue 247), whereas here training
+and decoding attend to exactly the same entries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
+from lightning_spec.drafters.block import RMSNorm, rope
+from lightning_spec.sampling import SamplingConfig
+
+
+def default_target_layers(num_target_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers, [1, L/2 - 1, L - 4] (0-indexed; SpecForge's choice), clipped to the
+    target's layers and deduplicated for very shallow targets: [1, 14, 26] for SmolLM2-135M (30 layers)."""
+    last = num_target_layers - 1
+    wanted = (1, num_target_layers // 2 - 1, num_target_layers - 4)
+    return sorted({min(max(layer, 0), last) for layer in wanted})
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 decoder layer: Llama-style, its attention projections reading [norm(e) ; norm(u)] (2H), its
+    residual stream starting from the hidden input u."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_norm = RMSNorm(hidden, eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(hidden, eps)  # on the fused feature / the previous slot's hidden state
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.post_norm = RMSNorm(hidden, eps)
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def _input(self, emb: Tensor, u: Tensor) -> Tensor:
+        return torch.cat([self.input_norm(emb), self.hidden_norm(u)], dim=-1)  # (N, T, 2H)
+
+    def _heads(self, x: Tensor, n_heads: int) -> Tensor:
+        n, t, _ = x.shape
+        return x.view(n, t, n_heads, self.head_dim).transpose(1, 2)  # (N, heads, T, D)
+
+    def kv(self, emb: Tensor, u: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
+        """Keys (rotated) and values of entries (e, u) (N, T, H) at positions ``pos`` (N, T): (N, kv_heads, T, D)."""
+        x = self._input(emb, u)
+        k = rope(self._heads(self.k_proj(x), self.kv_heads), pos[:, None], theta)
+        return k, self._heads(self.v_proj(x), self.kv_heads)
+
+    def qkv(self, emb: Tensor, u: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor, Tensor]:
+        """Query (N, heads, T, D), key and value (N, kv_heads, T, D) of entries (e, u) at positions ``pos``."""
+        x = self._input(emb, u)
+        q = rope(self._heads(self.q_proj(x), self.heads), pos[:, None], theta)
+        k = rope(self._heads(self.k_proj(x), self.kv_heads), pos[:, None], theta)
+        return q, k, self._heads(self.v_proj(x), self.kv_heads)
+
+    def finish(self, u: Tensor, attn: Tensor) -> Tensor:
+        """u (N, T, H), attention output (N, heads, T, D) -> the layer's output (N, T, H)."""
+        n, _, t, _ = attn.shape
+        h = u + self.o_proj(attn.transpose(1, 2).reshape(n, t, -1))
+        x = self.post_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def chain_attention(
+    q: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_mask: Tensor | None, own_k: Tensor, own_v: Tensor
+) -> Tensor:
+    """One query per chain over shared committed entries plus the chain's own entries, one softmax.
+
+    q (N, Hq, A, D): the current slot of A chains; ctx_k/v (N, Hkv, S, D) the committed entries; ctx_mask
+    (N, A, S) bool, the committed entries each chain sees (None: all); own_k/v (N, Hkv, A, J, D) each chain's own
+    entries (J >= 0). Returns (N, Hq, A, D). Cost A * (S + J) per step: the chains never see each other's keys.
+    """
+    n, hq, a, d = q.shape
+    hkv, s = ctx_k.shape[1], ctx_k.shape[2]
+    r = hq // hkv
+    q = q.reshape(n, hkv, r, a, d) * d**-0.5  # grouped-query: head h reads kv head h // r
+    scores_ctx = q @ ctx_k[:, :, None].transpose(-1, -2)  # (N, Hkv, r, A, S)
+    if ctx_mask is not None:
+        scores_ctx = scores_ctx.masked_fill(~ctx_mask[:, None, None], float("-inf"))
+    scores_own = torch.einsum("nhrad,nhajd->nhraj", q, own_k)  # (N, Hkv, r, A, J)
+    probs = torch.cat([scores_ctx, scores_own], dim=-1).softmax(-1)
+    out = probs[..., :s] @ ctx_v[:, :, None]  # (N, Hkv, r, A, D)
+    out = out + torch.einsum("nhraj,nhajd->nhrad", probs[..., s:], own_v)
+    return out.reshape(n, hq, a, d)
+
+
+@dataclass
+class Eagle3State:
+    """Decoding state: the committed entries of positions 0..length-1, built from the target's true features."""
+
+    keys: Tensor  # (1, kv_heads, length, D)
+    values: Tensor  # (1, kv_heads, length, D)
+    length: int  # committed positions with an entry; the next anchor sits at position ``length``
+    last: Tensor  # (1, H) fused feature g_{length-1} (zeros when length == 0): slot 1's hidden input
+    nodes: list[Tensor] = field(default_factory=list)  # this round's tokens: the anchor, then the drafts, (1,) each
+
+
+class Eagle3Drafter(Drafter):
+    """EAGLE-3 drafter: fused low/mid/high target features, one decoder layer over [embedding ; hidden], an
+    autoregressive chain trained by training-time test.
+
+    Args:
+        block_size: K, draft tokens per round, and the training-time-test unroll (EAGLE-3 trains 7 steps).
+        target_layers: 0-indexed target layers fused by ``fc``. Default EAGLE-3's low / middle / high layers,
+            [1, L/2 - 1, L - 4].
+        num_anchors: chains (anchors) per training sequence; EAGLE-3 trains one from every position (set it to
+            the sequence length or more for that).
+        draft_vocab_size: restrict the LM head to the most frequent target tokens of the training data (EAGLE-3's
+            reduced vocabulary, d2t / t2d; None = the full target vocabulary).
+        intermediate_size: MLP width; default the target's.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 7,
+        target_layers: list[int] | None = None,
+        num_anchors: int = 64,
+        draft_vocab_size: int | None = None,
+        intermediate_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if block_size < 1:
+            raise ValueError(f"drafter.block_size must be >= 1, got {block_size}.")
+        if num_anchors < 1:
+            raise ValueError(f"drafter.num_anchors must be >= 1, got {num_anchors}.")
+        self.block_size = block_size
+        self.target_layers = list(target_layers) if target_layers is not None else []
+        self.num_anchors = num_anchors
+        self.draft_vocab_size = draft_vocab_size
+        self.intermediate_size = intermediate_size
+        self.vocab = DraftVocab(draft_vocab_size)
+        self.built = False
+
+    def config_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "target_layers": self.target_layers,
+            "num_anchors": self.num_anchors,
+            "draft_vocab_size": self.draft_vocab_size,
+            "intermediate_size": self.intermediate_size,
+        }
+
+    # ------------------------------------------------------------------------------------------- building
+    def bind(self, target: Any) -> None:
+        super().bind(target)
+        cfg = target.config
+        if not self.target_layers:
+            self.target_layers = default_target_layers(target.num_layers)
+        target.check_layers(self.target_layers)
+        if self.built:
+            return
+        hidden = target.hidden_size
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        inter = self.intermediate_size or cfg.intermediate_size
+        eps = getattr(cfg, "rms_norm_eps", 1e-6)
+        rope_params = getattr(cfg, "rope_parameters", None) or {}
+        self.rope_theta = float(rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)  # 3H -> H
+        self.layer = Eagle3Layer(hidden, heads, kv_heads, head_dim, inter, eps)
+        self.norm = RMSNorm(hidden, eps)
+        self.vocab.build(target.vocab_size)
+        self._init_weights(target)
+        self.to(target.device)
+        self.built = True
+
+    @torch.no_grad()
+    def _init_weights(self, target: Any) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):  # GPT-2 residual scaling, one layer
+                    p.div_(math.sqrt(2))
+        # The final norm feeds the frozen target LM head: start from the target's own final norm scale.
+        final_norm = getattr(target.base, "norm", None)
+        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+            self.norm.weight.copy_(final_norm.weight.detach().to(self.norm.weight.dtype))
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """(N, S, len(target_layers) * H) -> fused features g (N, S, H)."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Target ids (...,) -> the target's frozen embedding (..., H)."""
+        return self.target.embed_tokens(ids).to(self.fc.weight.dtype)
+
+    def _committed_kv(self, ids: Tensor, g: Tensor, g_before: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Keys and values (N, kv_heads, T, D) of committed entries [e(x_p) ; g_{p-1}] for p = start..start+T-1:
+        ids (N, T) the tokens x_p, g (N, T, H) their own fused features g_p, g_before (N, H) g_{start-1}."""
+        n, t = ids.shape
+        g_prev = torch.cat([g_before[:, None], g[:, :-1]], dim=1)  # (N, T, H): g_{p-1}
+        pos = torch.arange(start, start + t, device=ids.device).expand(n, t)
+        return self.layer.kv(self.embed(ids), g_prev, pos, self.rope_theta)
+
+    # ------------------------------------------------------------------------------------------- training
+    def forward(self, batch: dict[str, Tensor], features: Tensor, anchors: Anchors | None = None) -> DraftOutput:
+        """Training-time test over every anchor at once. batch: input_ids (N, S), loss_mask (N, S); features
+        (N, S, F) of ``target_layers``; ``anchors`` default to ``sample_anchors(batch)``.
+
+        Slot t of anchor n is the decoding chain's slot t with the data's tokens as the drafts: position n + t - 1,
+        input [e(x_{n+t-1}) ; h_{t-1}] (h_0 = g_{n-1}), attending to the committed entries <= n (the entry at n is
+        slot 1's own) and to the anchor's slots 2..t."""
+        ids = batch["input_ids"]
+        n, s = ids.shape
+        anchors = anchors if anchors is not None else self.sample_anchors(batch)
+        starts = anchors.positions  # (N, A)
+        g = self.fuse(features)  # (N, S, H)
+        ctx_k, ctx_v = self._committed_kv(ids, g, g.new_zeros(n, g.shape[-1]), 0)  # (N, Hkv, S, D)
+        ctx_ok = torch.arange(s, device=ids.device) <= starts[..., None]  # (N, A, S)
+        g_prev = F.pad(g, (0, 0, 1, 0))[:, :-1]  # (N, S, H): g_{p-1}, zeros at p = 0
+        u = g_prev.gather(1, starts[..., None].expand(-1, -1, g.shape[-1]))  # (N, A, H): h_0 = g_{n-1}
+        own_k, own_v, hidden = [], [], []
+        for t in range(1, self.block_size + 1):
+            pos = starts + t - 1  # (N, A): slot t's position
+            emb = self.embed(ids.gather(1, pos.clamp(max=s - 1)))  # (N, A, H): x_{n+t-1} (teacher-forced)
+            q, k, v = self.layer.qkv(emb, u, pos, self.rope_theta)  # q (N, Hq, A, D); k, v (N, Hkv, A, D)
+            if t > 1:  # slot 1's entry is the committed entry at n, already in ctx_k
+                own_k.append(k)
+                own_v.append(v)
+            empty = k.new_zeros(*k.shape[:3], 0, k.shape[-1])
+            keys = torch.stack(own_k, dim=3) if own_k else empty  # (N, Hkv, A, t-1, D)
+            values = torch.stack(own_v, dim=3) if own_v else empty
+            u = self.layer.finish(u, chain_attention(q, ctx_k, ctx_v, ctx_ok, keys, values))  # (N, A, H)
+            hidden.append(self.norm(u))
+        labels, valid = self.labels(batch, anchors)  # (N, A, K)
+        hidden = torch.stack(hidden, dim=2)  # (N, A, K, H)
+        return DraftOutput(labels=labels, valid=valid, anchors=starts, hidden=hidden, head=self._slot_logits)
+
+    def _slot_logits(self, hidden: Tensor, index: Tensor) -> Tensor:
+        return self.head(hidden)  # (N, a, K, Vd): the frozen target head over the draft vocabulary
+
+    # ------------------------------------------------------------------------------------------- decoding
+    @torch.no_grad()
+    def begin(self, features: Tensor, input_ids: Tensor | None = None) -> Eagle3State:
+        """The committed entries of the prefill: features (1, S, F) and the tokens ``input_ids`` (1, S) at the same
+        positions 0..S-1 (a committed entry embeds its own token)."""
+        if input_ids is None or input_ids.shape[-1] != features.shape[1]:
+            raise ValueError(
+                "Eagle3Drafter.begin needs the prefill's token ids (input_ids, one per feature position): EAGLE-3's "
+                "committed entries embed their tokens; pass begin(features, input_ids)."
+            )
+        layer, dev = self.layer, self.fc.weight.device
+        zero = torch.zeros(1, self.fc.out_features, device=dev, dtype=self.fc.weight.dtype)
+        state = Eagle3State(
+            keys=torch.zeros(1, layer.kv_heads, 0, layer.head_dim, device=dev, dtype=zero.dtype),
+            values=torch.zeros(1, layer.kv_heads, 0, layer.head_dim, device=dev, dtype=zero.dtype),
+            length=0,
+            last=zero,
+        )
+        self._commit(state, input_ids.reshape(1, -1).to(dev), features)
+        return state
+
+    def _commit(self, state: Eagle3State, ids: Tensor, features: Tensor) -> None:
+        """Append committed entries for tokens ids (1, T) at positions length.. with their features (1, T, F)."""
+        t = ids.shape[1]
+        if t == 0:
+            return
+        g = self.fuse(features)  # (1, T, H)
+        k, v = self._committed_kv(ids, g, state.last, state.length)
+        state.keys, state.values = torch.cat([state.keys, k], 2), torch.cat([state.values, v], 2)
+        state.length += t
+        state.last = g[:, -1]
+
+    @torch.no_grad()
+    def propose(self, state: Eagle3State, anchor: Tensor, sampling: SamplingConfig, generator=None) -> ChainProposal:
+        """K slots in a row from the anchor x_n at position n = ``state.length``; each slot's entry joins the
+        round's own keys, and its sampled token is the next slot's input."""
+        token, u = anchor.reshape(1).to(state.keys.device), state.last[:, None]  # (1,), (1, 1, H)
+        own_k, own_v, tokens, probs = [], [], [], []
+        state.nodes = [token]
+        for t in range(1, self.block_size + 1):
+            pos = torch.full((1, 1), state.length + t - 1, device=token.device)
+            q, k, v = self.layer.qkv(self.embed(token)[None], u, pos, self.rope_theta)  # q (1, Hq, 1, D)
+            own_k.append(k)
+            own_v.append(v)
+            attn = chain_attention(q, state.keys, state.values, None, torch.stack(own_k, 3), torch.stack(own_v, 3))
+            u = self.layer.finish(u, attn)  # (1, 1, H)
+            logits = self.head(self.norm(u[0, 0]))  # (Vd,)
+            if sampling.greedy:
+                draft = logits.argmax(-1)
+            else:
+                q_t = sampling.probs(logits)  # (Vd,)
+                draft = sampling.sample(q_t, generator)
+                probs.append(self.vocab.scatter(q_t))  # (V,)
+            token = self.vocab.to_target(draft.reshape(1))  # (1,) target id
+            tokens.append(token)
+            state.nodes.append(token)
+        drafted = torch.cat(tokens)  # (K,)
+        return ChainProposal(tokens=drafted, probs=torch.stack(probs) if probs else None)
+
+    @torch.no_grad()
+    def extend(self, state: Eagle3State, features: Tensor, path: list[int]) -> None:
+        """The committed nodes (the anchor and the accepted drafts) become committed entries, re-run with their
+        true features: the drafts' own entries, built from the drafter's hidden states, are dropped."""
+        ids = torch.cat([state.nodes[i] for i in path])[None]  # (1, P)
+        self._commit(state, ids, features[:, path])
+        state.nodes = []
