@@ -64,7 +64,16 @@ def test_every_experiment_yaml_parses(path, in_tmp, capsys, monkeypatch):
     assert not list(in_tmp.iterdir())  # nothing written: no run, no checkpoint
 
 
-OVERLAYS = [path for path in EXPERIMENTS if len(config_files(path)) > 1]
+DRAFTER_OVERLAYS = sorted((ROOT / "experiments" / "drafters").glob("*.yaml"))
+OVERLAYS = [path for path in EXPERIMENTS if len(config_files(path)) > 1] + DRAFTER_OVERLAYS
+
+
+def test_every_drafter_family_has_an_overlay():
+    """issue 11: every family is a YAML choice, ``fit -c experiments/quickstart.yaml -c experiments/drafters/<f>.yaml``
+    (DFlash is the quickstart itself)."""
+    assert {p.stem for p in DRAFTER_OVERLAYS} >= {"eagle3", "dspark", "dfly", "domino", "medusa", "mtp"}
+    for path in DRAFTER_OVERLAYS:
+        assert config_files(path)[0] == ROOT / "experiments" / "quickstart.yaml", path.name
 
 
 def test_the_long_and_reweighting_runs_are_overlays():
