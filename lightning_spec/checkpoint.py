@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_spec.drafters.base import Drafter
+from lightning_spec.drafters.base import Drafter, init_arguments
 from lightning_spec.target import live_target, load_target
 
 CKPT_KEY = "lightning_spec"
@@ -64,24 +64,6 @@ def build(spec: Any, what: str = "class_path") -> Any:
         cls = _own_class(spec["class_path"], what)
         return cls(**{k: build(v, what) for k, v in spec.get("init_args", {}).items()})
     return spec
-
-
-def init_arguments(obj: Any) -> dict[str, Any]:
-    """The arguments of ``type(obj).__init__`` read back from the object (each stored under its own name).
-
-    Describing by the signature, not by ``vars(obj)``, is what makes ``build(describe(obj))`` rebuild ``obj``:
-    attributes an object derives (a composite objective's parts) are not arguments it accepts."""
-    args = {}
-    for name, param in inspect.signature(type(obj).__init__).parameters.items():
-        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        if not hasattr(obj, name):
-            raise TypeError(
-                f"{type(obj).__qualname__} does not keep its init argument {name!r} as an attribute, so it cannot be "
-                "described for checkpoints and MLflow; store it as self." + name + "."
-            )
-        args[name] = getattr(obj, name)
-    return args
 
 
 def describe(obj: Any) -> Any:

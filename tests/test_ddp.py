@@ -128,6 +128,12 @@ def test_two_ranks_train_every_family_like_one_process(tmp_path, family):
     assert two.returncode == 0, two.stderr[-3000:]
     (_, d1), (_, d2) = load(tmp_path / "one", 0), load(tmp_path / "two", 1)
     for key in d1["final"]:
-        torch.testing.assert_close(d2["final"][key], d1["final"][key], rtol=1e-5, atol=2e-6, msg=key)
+        # Adam divides each element's step by that element's own gradient scale: an element whose gradient cancels
+        # to about Adam's eps turns float-order noise (two batch layouts) into a step difference up to ~lr. Measured:
+        # one such element in ~10^4 for some seeds of every family, unchanged DFlash included (seeds 2 and 3). A DDP
+        # fault (data, reduction, normalisation) moves most elements, so at most one in a thousand may differ.
+        w1, w2 = d1["final"][key].float(), d2["final"][key].float()
+        off = int(((w2 - w1).abs() > 2e-6 + 1e-5 * w1.abs()).sum())
+        assert off <= max(1, w1.numel() // 1000), (key, off, float((w2 - w1).abs().max()))
     moved = max(float((d1["final"][k].float() - w0.float()).abs().max()) for k, w0 in d1["initial"].items())
     assert moved > 1e-3

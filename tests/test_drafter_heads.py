@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from lightning_spec import SamplingConfig
 from lightning_spec.drafters import Anchors, MedusaDrafter, MTPDrafter
-from lightning_spec.drafters.block import DraftLayer, rope
+from lightning_spec.drafters.block import rope
 from lightning_spec.objectives import CE, Geometric, Objective, Uniform
 
-T1 = SamplingConfig(temperature=1.0)
+GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 
 
 def bound(cls, target, seed: int = 0, scale: float = 0.0, **kwargs):
@@ -137,33 +137,156 @@ def test_medusa_zero_initialised_blocks_still_learn():
 
 
 # ---------------------------------------------------------------------------------------------------- MTP
-def test_mtp_two_slots_by_hand(diverse_target):
-    """One module, two slots: u_k = M[RMSNorm(h'_{k-1}); RMSNorm(Emb(x_{n+k-1}))], the block (slot 2 attends to slot
-    1's entry and its own, RoPE at slots 0 and 1), the output norm and the LM head (DeepSeek-V3 Eq. 21-23)."""
-    drafter = bound(MTPDrafter, diverse_target, scale=0.2, block_size=2, num_modules=1)
-    ids, feats, batch = sequence(diverse_target)
+def mtp_block(drafter, m, u, pos, context):
+    """Module m's block (DeepSeek-V3 Eq. 22) on entry u (H,) at position ``pos``, attending to ``context`` (a list
+    of (entry, position), u itself last) with one dense softmax."""
+    b, theta = drafter.mtp[m].block, drafter.rope_theta
+    eps, heads, kv, d = b.input_norm.eps, b.heads, b.kv_heads, b.head_dim
+    xs = torch.stack([rms(e, b.input_norm.weight, eps) for e, _ in context])  # (E, H)
+    where = torch.tensor([p for _, p in context])  # (E,)
+    q = rope((b.q_proj.weight @ xs[-1]).view(heads, 1, d), torch.tensor([pos]), theta)  # (heads, 1, D)
+    k = rope((xs @ b.k_proj.weight.T).view(-1, kv, d).transpose(0, 1), where, theta)  # (kv, E, D)
+    v = (xs @ b.v_proj.weight.T).view(-1, kv, d).transpose(0, 1)
+    k, v = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
+    attn = ((q @ k.transpose(1, 2)) / d**0.5).softmax(-1) @ v  # (heads, 1, D)
+    h = u + b.o_proj.weight @ attn.reshape(-1)
+    x = rms(h, b.post_norm.weight, eps)
+    return h + b.down_proj.weight @ (F.silu(b.gate_proj.weight @ x) * (b.up_proj.weight @ x))
+
+
+def mtp_by_hand(drafter, ids, feats, n, inputs):
+    """Slot logits (K, V) of the round anchored at n, entry by entry, one dense attention per entry.
+
+    Streams over the committed positions p < n: s^0_p = h_p (the feature), module k's entry
+    u^k_p = M_k[RMSNorm(s^{k-1}_{p-1}); RMSNorm(Emb(x_p))] (s_{-1} = 0) and s^k_p = TRM_k over u^k_0..u^k_p. Round:
+    slot t runs module m = min(t, D) at position n + t - 1 on [the previous slot's output (h_{n-1} for t = 1);
+    inputs[t - 1]] and attends to module m's stream entries at p < n, its anchor entry u^m_n (m >= 2; module 1's
+    is slot 1 itself) and its entries of the round."""
+    d_mods, w = drafter.num_modules, drafter.target.lm_head.weight
+    emb = drafter.target.embed_tokens.weight
+    zero = torch.zeros_like(feats[0, 0])
+
+    def entry(m, below, token):
+        mod = drafter.mtp[m]
+        eps = mod.hnorm.eps
+        return mod.proj.weight @ torch.cat([rms(below, mod.hnorm.weight, eps), rms(emb[token], mod.enorm.weight, eps)])
+
+    states, streams = [[feats[0, p] for p in range(n)]], []  # states[d][p] = s^d_p; streams[m] = [(u, p)]
+    for m in range(d_mods):
+        below = [zero] + states[m]  # s^m at p - 1, p = 0..n
+        us = [(entry(m, below[p], int(ids[0, p])), p) for p in range(n)]
+        streams.append(us)
+        states.append([mtp_block(drafter, m, u, p, us[: p + 1]) for u, p in us])
+    own = [[] for _ in range(d_mods)]
+    for m in range(1, d_mods):  # the anchor's entries: committed inputs, s^m_{n-1} and x_n
+        own[m].append((entry(m, states[m][n - 1] if n else zero, int(inputs[0])), n))
+    h, out = states[0][n - 1] if n else zero, []
+    for t in range(1, drafter.block_size + 1):
+        m = min(t, d_mods) - 1
+        u = entry(m, h, int(inputs[t - 1]))
+        own[m].append((u, n + t - 1))
+        h = mtp_block(drafter, m, u, n + t - 1, streams[m] + own[m])
+        out.append(w @ rms(h, drafter.mtp[m].out_norm.weight, drafter.mtp[m].out_norm.eps))
+    return torch.stack(out)  # (K, V)
+
+
+@pytest.mark.parametrize("num_modules,n", [(1, 0), (1, 6), (2, 1), (2, 7), (3, 0), (3, 5), (4, 9)])
+def test_mtp_training_forward_is_the_chain_written_out(diverse_target, num_modules, n):
+    """Every slot of the batched teacher-forced forward (streams once per sequence, one call per slot for all
+    anchors) is the hand-written chain with the data's tokens as its inputs."""
+    drafter = bound(MTPDrafter, diverse_target, scale=0.2, block_size=4, num_modules=num_modules)
+    ids, feats, batch = sequence(diverse_target, length=14)
+    got = drafter(batch, feats, anchors(n, 3, 10)).logits[0, 0]  # (K, V)
+    torch.testing.assert_close(got, mtp_by_hand(drafter, ids, feats, n, ids[0, n : n + 4]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_modules,n", [(1, 0), (1, 6), (2, 5), (3, 4)])
+def test_mtp_decoding_is_the_chain_written_out_before_and_after_a_round(diverse_target, num_modules, n):
+    """propose (greedy and sampled) drafts from the hand-written chain on its own tokens; after a round that accepts
+    two drafts, ``extend`` leaves the state a hand-written chain over the committed sequence sees (the drafts'
+    entries dropped, the committed positions run through the streams with the target's features)."""
+    drafter = bound(MTPDrafter, diverse_target, scale=0.2, block_size=4, num_modules=num_modules)
+    ids, feats, _ = sequence(diverse_target, length=14)
+    state = drafter.begin(feats[:, :n], ids[:, :n])
+    greedy = drafter.propose(state, ids[0, n : n + 1], GREEDY)
+    want = mtp_by_hand(drafter, ids, feats, n, torch.cat([ids[0, n : n + 1], greedy.tokens[:-1]]))
+    assert greedy.tokens.tolist() == want.argmax(-1).tolist()
+    sampled = drafter.propose(state, ids[0, n : n + 1], T1, torch.Generator().manual_seed(0))
+    want = mtp_by_hand(drafter, ids, feats, n, torch.cat([ids[0, n : n + 1], sampled.tokens[:-1]]))
+    torch.testing.assert_close(sampled.probs, want.softmax(-1), atol=1e-5, rtol=1e-5)
+
+    verified = torch.cat([ids[0, : n + 1], sampled.tokens])[None]  # the anchor and its K drafts, verified
+    f2 = diverse_target(verified, layers=drafter.target_layers, logits=False).features
+    drafter.extend(state, f2[:, n:], [0, 1, 2])  # the anchor and two drafts committed
+    assert state.length == n + 3
+    anchor = verified[0, n + 3 : n + 4]  # the next anchor (here the third draft, as if it were the correction)
+    again = drafter.propose(state, anchor, T1, torch.Generator().manual_seed(1))
+    seq = torch.cat([verified[0, : n + 4], again.tokens])[None]
+    want = mtp_by_hand(drafter, seq, f2, n + 3, torch.cat([anchor, again.tokens[:-1]]))
+    torch.testing.assert_close(again.probs, want.softmax(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_mtp_extend_equals_a_fresh_prefill_of_the_committed_prefix(diverse_target):
+    drafter = bound(MTPDrafter, diverse_target, scale=0.2, block_size=3, num_modules=2)
+    ids, _, _ = sequence(diverse_target)
     n = 5
-    out = drafter(batch, feats, anchors(n))
-    m = drafter.mtp[0]
-    b = m.block
-    eps = diverse_target.config.rms_norm_eps
-    emb, w = diverse_target.embed_tokens.weight, diverse_target.lm_head.weight
-    heads, kv, d = b.heads, b.kv_heads, b.head_dim
-    keys, values, h = [], [], feats[0, n - 1]
-    for k in range(2):
-        u = m.proj.weight @ torch.cat([rms(h, m.hnorm.weight, eps), rms(emb[ids[0, n + k]], m.enorm.weight, eps)])
-        x = rms(u, b.input_norm.weight, eps)
-        pos = torch.tensor([k])
-        q = rope((b.q_proj.weight @ x).view(heads, 1, d), pos, drafter.rope_theta)  # (heads, 1, D)
-        keys.append(rope((b.k_proj.weight @ x).view(kv, 1, d), pos, drafter.rope_theta))
-        values.append((b.v_proj.weight @ x).view(kv, 1, d))
-        kk = torch.cat(keys, 1).repeat_interleave(heads // kv, 0)  # (heads, k + 1, D)
-        vv = torch.cat(values, 1).repeat_interleave(heads // kv, 0)
-        attn = ((q @ kk.transpose(1, 2)) / d**0.5).softmax(-1) @ vv  # (heads, 1, D)
-        h = u + b.o_proj.weight @ attn.reshape(-1)
-        x = rms(h, b.post_norm.weight, eps)
-        h = h + b.down_proj.weight @ (F.silu(b.gate_proj.weight @ x) * (b.up_proj.weight @ x))
-        torch.testing.assert_close(out.logits[0, 0, k], w @ rms(h, m.out_norm.weight, eps), rtol=1e-4, atol=1e-4)
+    layers = drafter.target_layers
+    state = drafter.begin(diverse_target(ids[:, :n], layers=layers, logits=False).features, ids[:, :n])
+    prop = drafter.propose(state, ids[0, n : n + 1], GREEDY)
+    verified = torch.cat([ids[0, : n + 1], prop.tokens])[None]
+    drafter.extend(state, diverse_target(verified, layers=layers, logits=False).features[:, n:], [0, 1])
+    committed = verified[:, : n + 2]
+    fresh = drafter.begin(diverse_target(committed, layers=layers, logits=False).features, committed)
+    assert state.length == fresh.length == n + 2 and state.nodes == []
+    for got, want in ((state.keys, fresh.keys), (state.values, fresh.values), (state.last, fresh.last)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_mtp_attends_to_the_committed_positions(diverse_target):
+    """Module k at anchor n attends to its stream's entries before n: features and tokens at positions < n - 1
+    move every slot (they reach slot 1 only through attention, since its input is h_{n-1} and x_n); the anchor's
+    own feature and everything after it are never read; slot t reads the tokens x_n..x_{n+t-1} only."""
+    ids, feats, batch = sequence(diverse_target)
+    n = 7
+    for num_modules in (1, 3):
+        drafter = bound(MTPDrafter, diverse_target, scale=0.2, block_size=3, num_modules=num_modules)
+        base = drafter(batch, feats, anchors(n)).logits[0, 0]  # (K, V)
+        earlier = feats.clone()
+        earlier[:, : n - 1] += 1.0
+        moved = drafter(batch, earlier, anchors(n)).logits[0, 0]
+        assert ((moved - base).abs().amax(-1) > 1e-4).all(), num_modules
+        early_ids = ids.clone()
+        early_ids[0, 2] = (early_ids[0, 2] + 1) % diverse_target.vocab_size
+        moved = drafter(dict(batch, input_ids=early_ids), feats, anchors(n)).logits[0, 0]
+        assert ((moved - base).abs().amax(-1) > 1e-4).all(), num_modules
+        later = feats.clone()
+        later[:, n:] += 5.0
+        torch.testing.assert_close(drafter(batch, later, anchors(n)).logits[0, 0], base)
+        later_ids = ids.clone()
+        later_ids[0, n + 2] = (later_ids[0, n + 2] + 1) % diverse_target.vocab_size
+        moved = drafter(dict(batch, input_ids=later_ids), feats, anchors(n)).logits[0, 0]
+        torch.testing.assert_close(moved[:2], base[:2])
+        assert (moved[2] - base[2]).abs().max() > 1e-4
+
+
+def test_mtp_streams_run_once_and_each_slot_is_one_call_for_all_anchors(diverse_target):
+    """The modules' committed states are computed once per sequence whatever the number of anchors, and every slot
+    is one batched block call over the anchors (counted on the query projections)."""
+    drafter = bound(MTPDrafter, diverse_target, scale=0.1, block_size=4, num_modules=2)
+    _, feats, batch = sequence(diverse_target)
+    calls = []
+    hooks = [module.block.q_proj.register_forward_hook(lambda mod, i, o, m=m: calls.append((m, i[0].shape[1])))
+             for m, module in enumerate(drafter.mtp)]
+    try:
+        for positions in ([3], list(range(11))):
+            calls.clear()
+            drafter(batch, feats, anchors(*positions))
+            a, s = len(positions), feats.shape[1]
+            # module 1's stream (module 2's stream needs keys and values only), then slots 1..4 (2..4 on module 2)
+            assert calls == [(0, s), (0, a), (1, a), (1, a), (1, a)]
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @pytest.mark.parametrize("num_modules", [1, 2, 4])
@@ -180,7 +303,7 @@ def test_mtp_teacher_forcing_is_chain_drafting_given_acceptance(diverse_target, 
     out = drafter({"input_ids": seq, "loss_mask": torch.ones_like(seq, dtype=torch.bool)}, f2, anchors(n))
     torch.testing.assert_close(out.logits[0, 0].softmax(-1), proposal.probs, rtol=1e-4, atol=1e-6)
     assert out.valid.all()
-    greedy = drafter.propose(state, ids[0, n : n + 1], SamplingConfig(), None)
+    greedy = drafter.propose(state, ids[0, n : n + 1], GREEDY, None)
     assert greedy.probs is None and greedy.tokens.shape == (4,)
 
 
@@ -198,41 +321,16 @@ def test_mtp_later_slots_reuse_the_last_module(diverse_target):
         assert (after[:, :, k] - before[:, :, k]).abs().max() > 1e-3, k
 
 
-def test_mtp_blocks_attend_to_their_own_module_entries_of_the_round(diverse_target):
-    """One module: slot k attends to slots 1..k, so its queries and keys matter from slot 2 on. A module that runs at
-    one slot only attends to itself, a softmax over one key: it has no query and key projections, and its
-    attention equals the full block's with any of them."""
-    _, feats, batch = sequence(diverse_target)
-    drafter = bound(MTPDrafter, diverse_target, scale=0.2, block_size=3, num_modules=1)
-    before = drafter(batch, feats, anchors(3, 7)).logits
-    with torch.no_grad():
-        drafter.mtp[0].block.q_proj.weight.mul_(-2.0)
-        drafter.mtp[0].block.k_proj.weight.mul_(3.0)
-    after = drafter(batch, feats, anchors(3, 7)).logits
-    torch.testing.assert_close(after[:, :, 0], before[:, :, 0])
-    assert (after[:, :, 1:] - before[:, :, 1:]).abs().max() > 1e-3
-
-    per_slot = bound(MTPDrafter, diverse_target, scale=0.2, block_size=3, num_modules=3)
-    assert not any(m.attends or hasattr(m.block, "q_proj") or hasattr(m.block, "k_proj") for m in per_slot.mtp)
-    reused = bound(MTPDrafter, diverse_target, block_size=3, num_modules=2)
-    assert [m.attends for m in reused.mtp] == [False, True] and hasattr(reused.mtp[1].block, "q_proj")
-    # the single-position shortcut is the full block with a query and a key of its own
-    m = per_slot.mtp[0]
-    b = m.block
-    full = DraftLayer(diverse_target.hidden_size, b.heads, b.kv_heads, b.head_dim, b.gate_proj.out_features,
-                      b.input_norm.eps)
-    missing = full.load_state_dict(b.state_dict(), strict=False).missing_keys
-    assert sorted(missing) == ["k_proj.weight", "q_proj.weight"]  # random: they cannot matter
-    u, pos = torch.randn(5, 1, diverse_target.hidden_size), torch.zeros(5, 1, dtype=torch.long)
-    h, entries = m.run_block(u, pos, None, per_slot.rope_theta)
-    assert entries is None
-    empty = torch.zeros(5, b.kv_heads, 0, b.head_dim)
-    torch.testing.assert_close(h, full(u, pos, empty, empty, None, 1, per_slot.rope_theta)[:, 0])
+def test_mtp_begin_without_token_ids_names_the_argument(diverse_target):
+    drafter = bound(MTPDrafter, diverse_target, block_size=2)
+    _, feats, _ = sequence(diverse_target)
+    with pytest.raises(ValueError, match="input_ids"):
+        drafter.begin(feats[:, :4])
 
 
 def test_mtp_gradients_run_through_the_unrolled_chain(make_random_llama):
-    """Finite differences through all K slots, and the last slot's loss reaches the first module: h'_{k-1}
-    is not detached between slots (DeepSeek-V3 keeps the causal chain of depths)."""
+    """Finite differences through the streams and all K slots, and the last slot's loss reaches the first module:
+    h'_{k-1} is not detached between slots (DeepSeek-V3 keeps the causal chain of depths)."""
     target = make_random_llama(vocab_size=8, hidden_size=16, seed=1)
     target.model.double()
     drafter = bound(MTPDrafter, target, scale=0.2, block_size=3, num_modules=2).double()

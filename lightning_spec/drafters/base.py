@@ -15,6 +15,7 @@ the prompt's features, ``propose`` drafts a ``Proposal`` after an anchor, ``exte
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -236,7 +237,8 @@ class DraftOutput:
 # ---------------------------------------------------------------------------------------------------- drafter
 class Drafter(nn.Module):
     """Base class of every family. Subclasses set ``block_size``, ``target_layers`` and ``vocab`` (a
-    ``DraftVocab``) and implement ``forward``, ``begin``, ``propose``, ``extend`` and ``config_dict``.
+    ``DraftVocab``) and implement ``forward``, ``begin``, ``propose`` and ``extend``; ``config_dict`` reads the
+    ``__init__`` arguments back from same-named attributes unless a family overrides it.
 
     Attributes:
         block_size: K, the most proposals per round (a chain's length, later a tree's depth).
@@ -350,8 +352,9 @@ class Drafter(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement extend")
 
     def config_dict(self) -> dict[str, Any]:
-        """The init arguments that rebuild this drafter (stored in checkpoints and logged to MLflow)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement config_dict")
+        """The init arguments that rebuild this drafter (stored in checkpoints and logged to MLflow): by default
+        each one read back from the attribute of the same name (``init_arguments``)."""
+        return init_arguments(self)
 
 
 def _rename_old_vocab_keys(state_dict, prefix, *args) -> None:
@@ -362,6 +365,24 @@ def _rename_old_vocab_keys(state_dict, prefix, *args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+def init_arguments(obj: Any) -> dict[str, Any]:
+    """The arguments of ``type(obj).__init__`` read back from the object (each stored under its own name).
+
+    Describing by the signature, not by ``vars(obj)``, is what makes ``build(describe(obj))`` rebuild ``obj``:
+    attributes an object derives (a composite objective's parts) are not arguments it accepts."""
+    args = {}
+    for name, param in inspect.signature(type(obj).__init__).parameters.items():
+        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if not hasattr(obj, name):
+            raise TypeError(
+                f"{type(obj).__qualname__} does not keep its init argument {name!r} as an attribute, so it cannot be "
+                "described for checkpoints and MLflow; store it as self." + name + "."
+            )
+        args[name] = getattr(obj, name)
+    return args
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     var = x.float().pow(2).mean(-1, keepdim=True)
     return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight

@@ -51,21 +51,71 @@ def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-class DraftLayer(nn.Module):
-    """A Llama-style decoder layer whose keys/values also cover the injected context."""
+@dataclass(frozen=True)
+class TargetShape:
+    """The target's layer shapes, read from its HF config: what every family sizes its draft layers by."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # the draft layers' MLP width: the family's ``intermediate_size``, else the target's
+    eps: float
+    rope_theta: float
+
+    @classmethod
+    def of(cls, target: Any, intermediate_size: int | None = None) -> TargetShape:
+        cfg = target.config
+        heads = cfg.num_attention_heads
+        rope_params = getattr(cfg, "rope_parameters", None) or {}
+        return cls(
+            hidden=target.hidden_size,
+            heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or target.hidden_size // heads,
+            intermediate=intermediate_size or cfg.intermediate_size,
+            eps=getattr(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+        )
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, depth: int, target: Any, head_norms: list[RMSNorm]) -> None:
+    """Every family's start: N(0, 0.02) for each matrix of ``module``, the residual outputs (o_proj, down_proj)
+    divided by sqrt(2 * depth) (GPT-2's scaling for ``depth`` layers), and each norm in ``head_norms`` (those that
+    feed the frozen LM head) at the target's own final norm scale."""
+    for name, p in module.named_parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.div_(math.sqrt(2 * depth))
+    final_norm = getattr(target.base, "norm", None)
+    if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+        for norm in head_norms:
+            norm.weight.copy_(final_norm.weight.detach().to(norm.weight.dtype))
+
+
+class DraftLayer(nn.Module):
+    """A Llama-style decoder layer of the target's shape whose keys/values also cover the injected context."""
+
+    def __init__(self, shape: TargetShape) -> None:
         super().__init__()
+        hidden, heads, kv_heads, head_dim = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.input_norm = RMSNorm(hidden, eps)
+        self.input_norm = RMSNorm(hidden, shape.eps)
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.post_norm = RMSNorm(hidden, eps)
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.post_norm = RMSNorm(hidden, shape.eps)
+        self.gate_proj = nn.Linear(hidden, shape.intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, shape.intermediate, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate, hidden, bias=False)
+
+    def query(self, x: Tensor, pos: Tensor, theta: float) -> Tensor:
+        """Rotated queries of ``x`` (N, T, H) (already input-normed) at positions ``pos`` (N, T): (N, heads, T, D)."""
+        n, t, _ = x.shape
+        return rope(self.q_proj(x).view(n, t, self.heads, self.head_dim).transpose(1, 2), pos[:, None], theta)
 
     def kv(self, x: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
         """Keys (rotated) and values of ``x`` (N, T, H) at positions ``pos`` (N, T): each (N, kv_heads, T, D)."""
@@ -87,13 +137,15 @@ class DraftLayer(nn.Module):
         """h (N, Q, H): Q / block_len blocks side by side at positions pos (N, Q); ctx_k/v (N, kv_heads, S, D);
         ctx_mask (N, Q, S) bool: the context positions each query sees (None: all). Each block attends to the
         context and, bidirectionally, to itself only."""
-        n, q_len, _ = h.shape
         x = self.input_norm(h)
-        q = self.q_proj(x).view(n, q_len, self.heads, self.head_dim).transpose(1, 2)
-        q = rope(q, pos[:, None], theta)  # (N, heads, Q, D)
+        q = self.query(x, pos, theta)  # (N, heads, Q, D)
         k_blk, v_blk = self.kv(x, pos, theta)
-        attn = block_attention(q, ctx_k, ctx_v, k_blk, v_blk, ctx_mask, block_len)  # (N, heads, Q, D)
-        h = h + self.o_proj(attn.transpose(1, 2).reshape(n, q_len, -1))
+        return self.finish(h, block_attention(q, ctx_k, ctx_v, k_blk, v_blk, ctx_mask, block_len))
+
+    def finish(self, h: Tensor, attn: Tensor) -> Tensor:
+        """The residual stream h (N, T, H) and its attention output (N, heads, T, D) -> the layer's output (N, T, H)."""
+        n, _, t, _ = attn.shape
+        h = h + self.o_proj(attn.transpose(1, 2).reshape(n, t, -1))
         x = self.post_norm(h)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -190,41 +242,20 @@ class BlockDrafter(Drafter):
         self.vocab = DraftVocab(draft_vocab_size)
         self.built = False
 
-    def config_dict(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            "num_layers": self.num_layers,
-            "target_layers": self.target_layers,
-            "num_anchors": self.num_anchors,
-            "draft_vocab_size": self.draft_vocab_size,
-            "intermediate_size": self.intermediate_size,
-            "context_shortcut": self.context_shortcut,
-            "init_from_target": self.init_from_target,
-        }
-
     # ------------------------------------------------------------------------------------------- building
     def bind(self, target: Any) -> None:
         super().bind(target)
-        cfg = target.config
         if not self.target_layers:
             self.target_layers = default_target_layers(target.num_layers, self.num_layers + 2)
         target.check_layers(self.target_layers)
         if self.built:
             return
-        hidden = target.hidden_size
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        inter = self.intermediate_size or cfg.intermediate_size
-        eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        rope_params = getattr(cfg, "rope_parameters", None) or {}
-        self.rope_theta = float(rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        shape = TargetShape.of(target, self.intermediate_size)
+        hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)
-        self.ctx_norm = RMSNorm(hidden, eps)
-        self.layers = nn.ModuleList(
-            DraftLayer(hidden, heads, kv_heads, head_dim, inter, eps) for _ in range(self.num_layers)
-        )
-        self.norm = RMSNorm(hidden, eps)
+        self.ctx_norm = RMSNorm(hidden, shape.eps)
+        self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(self.num_layers))
+        self.norm = RMSNorm(hidden, shape.eps)
         # one learned mask vector per slot (DFlash shares one mask token; identical at init, so this starts
         # as DFlash and lets the residual stream know which offset it predicts)
         self.mask_embedding = nn.Parameter(torch.zeros(self.block_size, hidden))
@@ -236,16 +267,7 @@ class BlockDrafter(Drafter):
 
     @torch.no_grad()
     def _init_weights(self, target: Any) -> None:
-        std = 0.02
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=std)
-                if name.endswith(("o_proj.weight", "down_proj.weight")):  # GPT-2 residual scaling
-                    p.div_(math.sqrt(2 * self.num_layers))
-        # The final norm feeds the frozen target LM head: start from the target's own final norm scale.
-        final_norm = getattr(target.base, "norm", None)
-        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-            self.norm.weight.copy_(final_norm.weight.detach().to(self.norm.weight.dtype))
+        init_weights(self, self.num_layers, target, [self.norm])
         self.mask_embedding.copy_(target.embed_tokens.weight.mean(0).expand_as(self.mask_embedding))
         if self.init_from_target:
             self._copy_target_layers(target)
@@ -273,6 +295,12 @@ class BlockDrafter(Drafter):
         """(N, S, len(target_layers) * H) -> fused context H_ctx (N, S, H)."""
         return self.ctx_norm(self.fc(features.to(self.fc.weight.dtype)))
 
+    def layer_contexts(self, features: Tensor) -> tuple[list[Tensor], Tensor]:
+        """(N, S, F) -> the context each draft layer's keys and values read, (N, S, H) per layer, and the shared
+        H_ctx (the context shortcut's input). DFlash injects the one H_ctx into every layer."""
+        ctx = self.context(features)
+        return [ctx] * len(self.layers), ctx
+
     def embed_block(self, anchor_tokens: Tensor) -> Tensor:
         """(...,) anchor ids -> (..., K + 1, H): the anchor's frozen embedding, then K learned mask vectors."""
         emb = self.target.embed_tokens(anchor_tokens).to(self.mask_embedding.dtype)  # (..., H)
@@ -280,34 +308,38 @@ class BlockDrafter(Drafter):
         return torch.cat([emb[..., None, :], masks], dim=-2)
 
     # ------------------------------------------------------------------------------------------- training
-    def forward(self, batch: dict[str, Tensor], features: Tensor, anchors: Anchors | None = None) -> DraftOutput:
-        """Training forward. batch: input_ids (N, S), loss_mask (N, S); features (N, S, F) of the target layers.
-        ``anchors`` default to ``sample_anchors(batch)``; the offline evaluator and EDR pass their own."""
-        ids = batch["input_ids"]
+    def backbone(self, ids: Tensor, features: Tensor, starts: Tensor) -> Tensor:
+        """The draft layers over every anchor's block at once: ids (N, S), features (N, S, F), anchors ``starts``
+        (N, A) -> the final normed states (N, A, B, H) of the B = ``embed_block`` positions of each block (the
+        anchor, then the K slots)."""
         n, s = ids.shape
-        k = self.block_size
-        anchors = anchors if anchors is not None else self.sample_anchors(batch)
-        starts = anchors.positions  # (N, A)
         a = starts.shape[1]
-        ctx = self.context(features)  # (N, S, H)
+        contexts, ctx = self.layer_contexts(features)  # L x (N, S, H), (N, S, H)
         ctx_pos = torch.arange(s, device=ids.device).expand(n, s)  # (N, S)
-        offs = torch.arange(k + 1, device=ids.device)  # (K+1,)
-        blk_pos = (starts[..., None] + offs).reshape(n, a * (k + 1))  # (N, A(K+1))
-        h = self.embed_block(ids.gather(1, starts))  # (N, A, K+1, H)
+        h = self.embed_block(ids.gather(1, starts))  # (N, A, B, H)
+        b = h.shape[2]
+        blk_pos = (starts[..., None] + torch.arange(b, device=ids.device)).reshape(n, a * b)  # (N, AB)
         if self.shortcut is not None:  # [H_ctx[n - 1] ; e(x_n)] into every slot (H_ctx[-1] = 0 at anchor 0)
             prev = ctx.gather(1, (starts - 1).clamp(min=0)[..., None].expand(-1, -1, ctx.shape[-1]))  # (N, A, H)
             prev = prev * (starts > 0)[..., None]
             h = h + self.shortcut(torch.cat([prev, h[:, :, 0]], dim=-1))[:, :, None]
-        h = h.reshape(n, a * (k + 1), -1)  # (N, A(K+1), H)
+        h = h.reshape(n, a * b, -1)  # (N, AB, H)
         # each block sees the context strictly before its anchor, and the whole of itself
-        q_anchor = starts.repeat_interleave(k + 1, dim=1)  # (N, Q), Q = A(K+1)
-        ctx_ok = ctx_pos[:, None, :] < q_anchor[..., None]  # (N, Q, S)
-        for layer in self.layers:
-            ck, cv = layer.kv(ctx, ctx_pos, self.rope_theta)
-            h = layer(h, blk_pos, ck, cv, ctx_ok, k + 1, self.rope_theta)
-        hidden = self.norm(h).view(n, a, k + 1, -1)[:, :, 1:]  # (N, A, K, H) prediction slots
+        q_anchor = starts.repeat_interleave(b, dim=1)  # (N, AB)
+        ctx_ok = ctx_pos[:, None, :] < q_anchor[..., None]  # (N, AB, S)
+        for layer, context in zip(self.layers, contexts):
+            ck, cv = layer.kv(context, ctx_pos, self.rope_theta)
+            h = layer(h, blk_pos, ck, cv, ctx_ok, b, self.rope_theta)
+        return self.norm(h).view(n, a, b, -1)
+
+    def forward(self, batch: dict[str, Tensor], features: Tensor, anchors: Anchors | None = None) -> DraftOutput:
+        """Training forward. batch: input_ids (N, S), loss_mask (N, S); features (N, S, F) of the target layers.
+        ``anchors`` default to ``sample_anchors(batch)``; the offline evaluator and EDR pass their own."""
+        anchors = anchors if anchors is not None else self.sample_anchors(batch)
+        hidden = self.backbone(batch["input_ids"], features, anchors.positions)[:, :, 1:]  # (N, A, K, H) the slots
         labels, valid = self.labels(batch, anchors)  # (N, A, K)
-        return DraftOutput(labels=labels, valid=valid, anchors=starts, hidden=hidden, head=self._slot_logits)
+        return DraftOutput(labels=labels, valid=valid, anchors=anchors.positions, hidden=hidden,
+                           head=self._slot_logits)
 
     def _slot_logits(self, hidden: Tensor, index: Tensor) -> Tensor:
         return self.head(hidden)  # (N, a, K, Vd): the frozen target head over the draft vocabulary
@@ -327,10 +359,10 @@ class BlockDrafter(Drafter):
 
     def _append(self, state: BlockDraftState, features: Tensor) -> None:
         t = features.shape[1]
-        ctx = self.context(features)  # (1, T, H)
+        contexts, ctx = self.layer_contexts(features)  # L x (1, T, H), (1, T, H)
         pos = torch.arange(state.length, state.length + t, device=ctx.device)[None]
-        for i, layer in enumerate(self.layers):
-            k, v = layer.kv(ctx, pos, self.rope_theta)
+        for i, (layer, context) in enumerate(zip(self.layers, contexts)):
+            k, v = layer.kv(context, pos, self.rope_theta)
             if state.length:
                 k, v = torch.cat([state.keys[i], k], 2), torch.cat([state.values[i], v], 2)
             state.keys[i], state.values[i] = k, v
@@ -339,22 +371,28 @@ class BlockDrafter(Drafter):
             state.last = ctx[:, -1]
 
     @torch.no_grad()
-    def propose(
-        self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None
-    ) -> ChainProposal:
-        k = self.block_size
-        h = self.embed_block(anchor.reshape(1))  # (1, K+1, H)
+    def block_hidden(self, state: BlockDraftState, anchor: Tensor) -> Tensor:
+        """The draft layers over one block after ``anchor`` (1,) on the decoding context: the final normed states
+        (1, B, H) of its B = ``embed_block`` positions (the anchor, then the K slots)."""
+        h = self.embed_block(anchor.reshape(1))  # (1, B, H)
+        b = h.shape[1]
         if self.shortcut is not None:
             prev = state.last if state.last is not None else h.new_zeros(1, h.shape[-1])  # (1, H)
             h = h + self.shortcut(torch.cat([prev, h[:, 0]], dim=-1))[:, None]
-        pos = torch.arange(state.length, state.length + k + 1, device=h.device)[None]
+        pos = torch.arange(state.length, state.length + b, device=h.device)[None]
         for i, layer in enumerate(self.layers):
             if state.length:
                 ck, cv = state.keys[i], state.values[i]
             else:  # empty context (a one-token prompt): the block attends to itself only
                 ck = cv = h.new_zeros(1, layer.kv_heads, 0, layer.head_dim)
-            h = layer(h, pos, ck, cv, None, k + 1, self.rope_theta)
-        logits = self.head(self.norm(h[0, 1:]))  # (K, Vd)
+            h = layer(h, pos, ck, cv, None, b, self.rope_theta)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def propose(
+        self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None
+    ) -> ChainProposal:
+        logits = self.head(self.block_hidden(state, anchor)[0, 1:])  # (K, Vd)
         if sampling.greedy:
             return ChainProposal(tokens=self.vocab.to_target(logits.argmax(-1)))
         q = sampling.probs(logits)  # (K, Vd)

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.drafters.base import Anchors, DraftOutput
-from lightning_spec.drafters.block import BlockDrafter, BlockDraftState, RMSNorm
+from lightning_spec.drafters.block import BlockDrafter, BlockDraftState, RMSNorm, TargetShape
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -68,24 +68,6 @@ class ChainedBlockDrafter(BlockDrafter):
 
     left_to_right: bool = True  # False: the slots are independent and BlockDrafter.propose drafts them
 
-    @torch.no_grad()
-    def block_hidden(self, state: BlockDraftState, anchor: Tensor) -> Tensor:
-        """(K, H): the backbone's final states of the K slots after ``anchor``, as ``BlockDrafter.propose`` computes
-        them before its head."""
-        k = self.block_size
-        h = self.embed_block(anchor.reshape(1))  # (1, K+1, H)
-        if self.shortcut is not None:
-            prev = state.last if state.last is not None else h.new_zeros(1, h.shape[-1])  # (1, H)
-            h = h + self.shortcut(torch.cat([prev, h[:, 0]], dim=-1))[:, None]
-        pos = torch.arange(state.length, state.length + k + 1, device=h.device)[None]
-        for i, layer in enumerate(self.layers):
-            if state.length:
-                ck, cv = state.keys[i], state.values[i]
-            else:  # empty context (a one-token prompt): the block attends to itself only
-                ck = cv = h.new_zeros(1, layer.kv_heads, 0, layer.head_dim)
-            h = layer(h, pos, ck, cv, None, k + 1, self.rope_theta)
-        return self.norm(h[0, 1:])  # (K, H)
-
     def slot_logits(self, hidden: Tensor, t: int, previous: Tensor, carry: Any) -> tuple[Tensor, Any]:
         """Logits (1, Vd) of slot t + 1 (0-based ``t``) from the block's states ``hidden`` (K, H) and the token
         ``previous`` (1,) before it (target id), and what the next slot needs (``carry``, None at slot 1)."""
@@ -97,7 +79,7 @@ class ChainedBlockDrafter(BlockDrafter):
     ) -> ChainProposal:
         if not self.left_to_right:
             return super().propose(state, anchor, sampling, generator)
-        hidden = self.block_hidden(state, anchor)  # (K, H)
+        hidden = self.block_hidden(state, anchor)[0, 1:]  # (K, H) the slots' states
         previous, carry = anchor.reshape(1), None
         tokens, probs = [], []
         for t in range(self.block_size):
@@ -165,16 +147,12 @@ class DFlyDrafter(ChainedBlockDrafter):
         self.correction_size = correction_size
         self.left_to_right = hidden_correction
 
-    def config_dict(self) -> dict[str, Any]:
-        return {**super().config_dict(), "hidden_correction": self.hidden_correction,
-                "correction_size": self.correction_size}
-
     def bind(self, target: Any) -> None:
         first = not self.built
         super().bind(target)
         if not first:
             return
-        hidden, eps = target.hidden_size, getattr(target.config, "rms_norm_eps", 1e-6)
+        shape = TargetShape.of(target)
         # fusion logits (draft layers, target layers) at DFlare's distance prior: draft layer d prefers the target
         # layer at the same relative depth, its neighbours less (softmax of -2|l - l*|)
         d, t = self.num_layers, len(self.target_layers)
@@ -183,7 +161,7 @@ class DFlyDrafter(ChainedBlockDrafter):
         self.fusion = nn.Parameter(-2.0 * dist)  # (L, T)
         self.correction = None
         if self.hidden_correction:
-            self.correction = HiddenCorrection(hidden, self.correction_size or hidden, eps)
+            self.correction = HiddenCorrection(shape.hidden, self.correction_size or shape.hidden, shape.eps)
             with torch.no_grad():
                 nn.init.normal_(self.correction.gate_proj.weight, std=0.02)
                 nn.init.normal_(self.correction.up_proj.weight, std=0.02)
@@ -202,47 +180,12 @@ class DFlyDrafter(ChainedBlockDrafter):
         return [self.ctx_norm(base + f) for f in fused], self.ctx_norm(base)
 
     def forward(self, batch: dict[str, Tensor], features: Tensor, anchors: Anchors | None = None) -> DraftOutput:
-        """BlockDrafter's forward with a context per layer, then the correction teacher-forced on gold tokens."""
-        ids = batch["input_ids"]
-        n, s = ids.shape
-        k = self.block_size
-        anchors = anchors if anchors is not None else self.sample_anchors(batch)
-        starts = anchors.positions  # (N, A)
-        a = starts.shape[1]
-        contexts, ctx = self.layer_contexts(features)  # L x (N, S, H), (N, S, H)
-        ctx_pos = torch.arange(s, device=ids.device).expand(n, s)  # (N, S)
-        blk_pos = (starts[..., None] + torch.arange(k + 1, device=ids.device)).reshape(n, a * (k + 1))  # (N, A(K+1))
-        h = self.embed_block(ids.gather(1, starts))  # (N, A, K+1, H)
-        if self.shortcut is not None:  # [H_ctx[n - 1] ; e(x_n)] into every slot (H_ctx[-1] = 0 at anchor 0)
-            prev = ctx.gather(1, (starts - 1).clamp(min=0)[..., None].expand(-1, -1, ctx.shape[-1]))  # (N, A, H)
-            prev = prev * (starts > 0)[..., None]
-            h = h + self.shortcut(torch.cat([prev, h[:, :, 0]], dim=-1))[:, :, None]
-        h = h.reshape(n, a * (k + 1), -1)  # (N, A(K+1), H)
-        # each block sees the context strictly before its anchor, and the whole of itself
-        ctx_ok = ctx_pos[:, None, :] < starts.repeat_interleave(k + 1, dim=1)[..., None]  # (N, Q, S)
-        for layer, context in zip(self.layers, contexts):
-            ck, cv = layer.kv(context, ctx_pos, self.rope_theta)
-            h = layer(h, blk_pos, ck, cv, ctx_ok, k + 1, self.rope_theta)
-        hidden = self.norm(h).view(n, a, k + 1, -1)[:, :, 1:]  # (N, A, K, H) prediction slots
+        """BlockDrafter's forward (on the per-layer contexts), then the correction teacher-forced on gold tokens."""
+        out = super().forward(batch, features, anchors)  # hidden (N, A, K, H)
         if self.correction is not None:  # slot t reads x_{n+t-1}: the gold token (teacher forcing)
-            prev_emb = self.target.embed_tokens(previous_tokens(ids, starts, k))  # (N, A, K, H)
-            hidden = self.correction(hidden, prev_emb)
-        labels, valid = self.labels(batch, anchors)  # (N, A, K)
-        return DraftOutput(labels=labels, valid=valid, anchors=starts, hidden=hidden, head=self._slot_logits)
-
-    def _append(self, state: BlockDraftState, features: Tensor) -> None:
-        """BlockDrafter's decoding context, each layer's keys and values from its own context C_i."""
-        t = features.shape[1]
-        contexts, ctx = self.layer_contexts(features)  # L x (1, T, H), (1, T, H)
-        pos = torch.arange(state.length, state.length + t, device=ctx.device)[None]
-        for i, (layer, context) in enumerate(zip(self.layers, contexts)):
-            k, v = layer.kv(context, pos, self.rope_theta)
-            if state.length:
-                k, v = torch.cat([state.keys[i], k], 2), torch.cat([state.values[i], v], 2)
-            state.keys[i], state.values[i] = k, v
-        state.length += t
-        if t:
-            state.last = ctx[:, -1]
+            prev_emb = self.target.embed_tokens(previous_tokens(batch["input_ids"], out.anchors, self.block_size))
+            out.hidden = self.correction(out.hidden, prev_emb)  # (N, A, K, H)
+        return out
 
     def slot_logits(self, hidden: Tensor, t: int, previous: Tensor, carry: Any) -> tuple[Tensor, Any]:
         h = self.correction(hidden[t : t + 1], self.target.embed_tokens(previous))  # (1, H)
@@ -290,10 +233,6 @@ class DominoDrafter(ChainedBlockDrafter):
         self.gru_size = gru_size
         self.correction_rank = correction_rank
         self.pure_draft_prefix_len = pure_draft_prefix_len
-
-    def config_dict(self) -> dict[str, Any]:
-        return {**super().config_dict(), "gru_size": self.gru_size, "correction_rank": self.correction_rank,
-                "pure_draft_prefix_len": self.pure_draft_prefix_len}
 
     def bind(self, target: Any) -> None:
         first = not self.built

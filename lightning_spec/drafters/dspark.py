@@ -189,15 +189,6 @@ class DSparkDrafter(BlockDrafter):
         # Sequential Temperature Scaling (``calibrate``): c_k = σ(z_k / T_k); 1 until calibrated
         self.register_buffer("confidence_temperature", torch.ones(block_size))  # (K,)
 
-    def config_dict(self) -> dict[str, Any]:
-        return {
-            **super().config_dict(),
-            "markov": self.markov,
-            "markov_rank": self.markov_rank,
-            "prefix_scheduler": self.prefix_scheduler,
-            "verify_cost": self.verify_cost,
-        }
-
     # ------------------------------------------------------------------------------------------- building
     def bind(self, target: Any) -> None:
         fresh = not self.built
@@ -238,21 +229,8 @@ class DSparkDrafter(BlockDrafter):
         anchors = anchors if anchors is not None else self.sample_anchors(batch)
         starts = anchors.positions  # (N, A)
         a = starts.shape[1]
-        ctx = self.context(features)  # (N, S, H)
-        ctx_pos = torch.arange(s, device=ids.device).expand(n, s)  # (N, S)
+        hidden = self.backbone(ids, features, starts)  # (N, A, K, H): the block [anchor, K - 1 masks], every slot
         pos = starts[..., None] + torch.arange(k, device=ids.device)  # (N, A, K): n..n+K-1
-        h = self.embed_block(ids.gather(1, starts))  # (N, A, K, H): anchor, K - 1 masks
-        if self.shortcut is not None:  # [H_ctx[n - 1] ; e(x_n)] into every slot (H_ctx[-1] = 0 at anchor 0)
-            prev_ctx = ctx.gather(1, (starts - 1).clamp(min=0)[..., None].expand(-1, -1, ctx.shape[-1]))  # (N, A, H)
-            prev_ctx = prev_ctx * (starts > 0)[..., None]
-            h = h + self.shortcut(torch.cat([prev_ctx, h[:, :, 0]], dim=-1))[:, :, None]
-        h = h.reshape(n, a * k, -1)  # (N, AK, H)
-        ctx_ok = ctx_pos[:, None, :] < starts.repeat_interleave(k, dim=1)[..., None]  # (N, AK, S): before the anchor
-        for layer in self.layers:
-            ck, cv = layer.kv(ctx, ctx_pos, self.rope_theta)
-            h = layer(h, pos.reshape(n, a * k), ck, cv, ctx_ok, k, self.rope_theta)
-        hidden = self.norm(h).view(n, a, k, -1)  # (N, A, K, H): every slot predicts
-
         prev_ids = ids.gather(1, pos.clamp(max=s - 1).reshape(n, -1)).view(n, a, k)  # (N, A, K) x_{n+k-1}, gold
         prev = self.sequential.embed(self.rows(prev_ids))  # (N, A, K, r) W1[x_{k-1}]
         markov = self.sequential.unroll(prev, hidden)  # (N, A, K, r) m_k
@@ -277,18 +255,7 @@ class DSparkDrafter(BlockDrafter):
         """The backbone once, then slot by slot: the confidence of slot k (from x_{k-1}) decides whether it is
         admitted; an admitted slot's token is drawn from softmax(U_k + B_k) under ``sampling``."""
         k = self.block_size
-        h = self.embed_block(anchor.reshape(1))  # (1, K, H)
-        if self.shortcut is not None:
-            prev_ctx = state.last if state.last is not None else h.new_zeros(1, h.shape[-1])  # (1, H)
-            h = h + self.shortcut(torch.cat([prev_ctx, h[:, 0]], dim=-1))[:, None]
-        pos = torch.arange(state.length, state.length + k, device=h.device)[None]
-        for i, layer in enumerate(self.layers):
-            if state.length:
-                ck, cv = state.keys[i], state.values[i]
-            else:  # empty context (a one-token prompt): the block attends to itself only
-                ck = cv = h.new_zeros(1, layer.kv_heads, 0, layer.head_dim)
-            h = layer(h, pos, ck, cv, None, k, self.rope_theta)
-        hidden = self.norm(h[0])  # (K, H)
+        hidden = self.block_hidden(state, anchor)[0]  # (K, H): the anchor slot predicts too
         base = self.head(hidden)  # (K, Vd) U_k
 
         row = self.rows(anchor.reshape(1))[0]  # W1's row of x_0

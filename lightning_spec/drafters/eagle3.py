@@ -40,7 +40,6 @@ and decoding attend to exactly the same entries.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +49,7 @@ from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
-from lightning_spec.drafters.block import RMSNorm, rope
+from lightning_spec.drafters.block import RMSNorm, TargetShape, init_weights, rope
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -66,8 +65,9 @@ class Eagle3Layer(nn.Module):
     """The EAGLE-3 decoder layer: Llama-style, its attention projections reading [norm(e) ; norm(u)] (2H), its
     residual stream starting from the hidden input u."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
+    def __init__(self, shape: TargetShape) -> None:
         super().__init__()
+        hidden, heads, kv_heads, head_dim, eps = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.eps
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.input_norm = RMSNorm(hidden, eps)  # on the token embedding
         self.hidden_norm = RMSNorm(hidden, eps)  # on the fused feature / the previous slot's hidden state
@@ -76,9 +76,9 @@ class Eagle3Layer(nn.Module):
         self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.post_norm = RMSNorm(hidden, eps)
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, shape.intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, shape.intermediate, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate, hidden, bias=False)
 
     def _input(self, emb: Tensor, u: Tensor) -> Tensor:
         return torch.cat([self.input_norm(emb), self.hidden_norm(u)], dim=-1)  # (N, T, 2H)
@@ -178,51 +178,23 @@ class Eagle3Drafter(Drafter):
         self.vocab = DraftVocab(draft_vocab_size)
         self.built = False
 
-    def config_dict(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            "target_layers": self.target_layers,
-            "num_anchors": self.num_anchors,
-            "draft_vocab_size": self.draft_vocab_size,
-            "intermediate_size": self.intermediate_size,
-        }
-
     # ------------------------------------------------------------------------------------------- building
     def bind(self, target: Any) -> None:
         super().bind(target)
-        cfg = target.config
         if not self.target_layers:
             self.target_layers = default_target_layers(target.num_layers)
         target.check_layers(self.target_layers)
         if self.built:
             return
-        hidden = target.hidden_size
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        inter = self.intermediate_size or cfg.intermediate_size
-        eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        rope_params = getattr(cfg, "rope_parameters", None) or {}
-        self.rope_theta = float(rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        shape = TargetShape.of(target, self.intermediate_size)
+        hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)  # 3H -> H
-        self.layer = Eagle3Layer(hidden, heads, kv_heads, head_dim, inter, eps)
-        self.norm = RMSNorm(hidden, eps)
+        self.layer = Eagle3Layer(shape)
+        self.norm = RMSNorm(hidden, shape.eps)
         self.vocab.build(target.vocab_size)
-        self._init_weights(target)
+        init_weights(self, 1, target, [self.norm])
         self.to(target.device)
         self.built = True
-
-    @torch.no_grad()
-    def _init_weights(self, target: Any) -> None:
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-                if name.endswith(("o_proj.weight", "down_proj.weight")):  # GPT-2 residual scaling, one layer
-                    p.div_(math.sqrt(2))
-        # The final norm feeds the frozen target LM head: start from the target's own final norm scale.
-        final_norm = getattr(target.base, "norm", None)
-        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-            self.norm.weight.copy_(final_norm.weight.detach().to(self.norm.weight.dtype))
 
     def fuse(self, features: Tensor) -> Tensor:
         """(N, S, len(target_layers) * H) -> fused features g (N, S, H)."""

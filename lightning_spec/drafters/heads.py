@@ -21,24 +21,28 @@ head reads, which is Medusa's h_t exactly; MTP normalises its input with its own
   anchor token x_n: where the target sampled x_n, they still spread their mass over every x_n it might have
   drawn. That, and that no slot sees the drafted tokens before it, is why Medusa accepts less than the drafters
   that read the anchor (DFlash, EAGLE, MTP). ``propose`` ignores the anchor.
-- MTP: h'_0 = h_{n-1}; slot k runs module k on [RMSNorm(h'_{k-1}); RMSNorm(Emb(x_{n+k-1}))], x_n being the anchor,
-  and predicts x_{n+k}. Chain drafting feeds the drafted token into the next slot; training feeds the realised
-  one (teacher forcing), unrolling all K slots on the modules' own states h'_k, so slot k's distribution in
-  ``forward`` is the one ``propose`` draws from whenever slots 1..k-1 were accepted.
-- MTP with ``num_modules`` D < K: slot k uses module min(k, D), i.e. the last module again for the later slots,
-  as serving engines run a DeepSeek-V3 checkpoint (one MTP module) for several speculative tokens (vLLM, SGLang,
-  TensorRT-LLM's "MTP Eagle"). Because training unrolls every slot, the reused module is trained on its own
-  states, like EAGLE's training-time test.
-- MTP attention. In DeepSeek-V3, TRM_k attends causally over the sequence at depth k, and serving engines keep a
-  KV cache per module over committed positions. Here a block attends within the round: to the entries its
-  module wrote at earlier slots of the same round (one reused module: causal attention over the round, what a
-  serving engine's cache holds of the round; one module per slot: itself only, where attention is exactly
-  o_proj(v) and the module has no query and key projections). Everything before the anchor reaches the modules
-  through h_{n-1}. Attention over committed positions is left out on purpose: with one reused module it would
-  make this EAGLE's drafter (``eagle3.py``: one decoder layer over [Emb(x_p); state] with a cache of committed
-  entries) with a projection in front, and with D > 1 each module's committed entries would need the earlier
-  modules' states at every committed position (TensorRT-LLM's "MTP Vanilla" keeps the last D tokens and states
-  for that).
+- MTP streams. Index every depth by the token its entry embeds: s^0_p = h_p, and module k's entry at position p is
+  u^k_p = M_k[RMSNorm(s^{k-1}_{p-1}); RMSNorm(Emb(x_p))], its output s^k_p = TRM_k(u^k)_p with causal attention over
+  its own entries at positions <= p, predicting x_{p+1} (the paper's h'^k_i and h^k_i at i = p - k). Before position
+  0 every depth's state is 0 (the h_{-1} = 0 that anchor 0 reads). DeepSeek-V3 trains these streams over the
+  whole sequence; serving engines keep each module's keys and values over the committed tokens as its KV cache.
+- MTP round anchored at n: slot t runs module m = min(t, D) at position n + t - 1 on [RMSNorm(the previous slot's
+  output); RMSNorm(Emb(x_{n+t-1}))] (slot 1 reads h_{n-1}; x_n is the anchor) and predicts x_{n+t}; for t <= D
+  this is the stream's entry u^t_{n+t-1}. It attends to module m's committed entries, positions <= n (the module's
+  cache, built in ``begin`` and ``extend``, plus the anchor's entry, whose inputs are committed; module 1's is slot
+  1's), and to module m's entries of this round. Module m >= 3 has no entries at n + 1..n + m - 2: they need depth
+  m - 1 after the anchor, which a chain never computes (no gap for D <= 2, DeepSeek-V3 trains D = 1).
+- MTP with ``num_modules`` D < K: slots t > D run module D again, on the previous slot's output, as serving
+  engines run a DeepSeek-V3 checkpoint (one MTP module) for several speculative tokens (vLLM, SGLang,
+  TensorRT-LLM's "MTP Eagle"). Their context is the same committed module-D cache plus module D's entries of the
+  round from slot D on: module D drafts on autoregressively over its own stream, one entry a step, as an engine's
+  MTP cache does during a round. With D = 1 this is EAGLE's chain (``eagle3.py``) with DeepSeek-V3's projection.
+- Committed entries always come from the streams (the target's states, the committed tokens), never from the
+  chain: ``extend`` runs the streams over the committed nodes and drops the drafts' entries (as ``eagle3.py``).
+  Training runs each module's stream once per sequence, then each slot of all anchors in one batched call,
+  teacher-forced, each anchor masked to its module's entries < n: slot t's distribution in ``forward`` is the one
+  ``propose`` draws from whenever slots 1..t-1 were accepted. A reused module is trained on its own states, like
+  EAGLE's training-time test.
 
 Losses are objective parts (the family owns none): Medusa's Σ_k 0.8^k CE_k is ``CE`` + ``Geometric(0.8)``
 (``normalize: weight`` cancels its factor 0.8 against our t - 1 exponent); DeepSeek-V3's (λ/D) Σ_k CE_k is ``CE``
@@ -52,8 +56,7 @@ state (a tree expands a node by one call per child, from a copy of that state).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,21 +65,15 @@ from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
-from lightning_spec.drafters.block import DraftLayer, RMSNorm
+from lightning_spec.drafters.block import DraftLayer, RMSNorm, TargetShape, init_weights
+from lightning_spec.drafters.eagle3 import chain_attention
 from lightning_spec.sampling import SamplingConfig
 
 
 # --------------------------------------------------------------------------------------- shared: h_{n-1}
-@dataclass
-class LastHiddenState:
-    """Decoding state of both families: the target's last-layer state h_{n-1} before the next anchor n."""
-
-    last: Tensor  # (1, H)
-
-
 class LastHiddenDrafter(Drafter):
-    """What Medusa and MTP share: the last target layer as their only feature, h_{n-1} per anchor (zero at n = 0,
-    where no position precedes the anchor, in training and decoding alike), and a state that keeps h_{n-1}."""
+    """What Medusa and MTP share: the last target layer as their only feature, and h_{n-1} per anchor (zero at
+    n = 0, where no position precedes the anchor, in training and decoding alike)."""
 
     def __init__(self, block_size: int, num_anchors: int, draft_vocab_size: int | None) -> None:
         super().__init__()
@@ -108,21 +105,15 @@ class LastHiddenDrafter(Drafter):
         prev = features.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]))
         return prev * (anchors > 0)[..., None]  # (N, A, H)
 
-    @torch.no_grad()
-    def begin(self, features: Tensor, input_ids: Tensor | None = None) -> LastHiddenState:
-        """The prefill covers the prompt but its last token (the first anchor): h_{n-1} is the last feature. The
-        prompt's tokens are not read (see the module docstring on what MTP's blocks attend to)."""
-        if features.shape[1] == 0:  # a one-token prompt: nothing precedes the anchor
-            return LastHiddenState(last=features.new_zeros(1, features.shape[-1]))
-        return LastHiddenState(last=features[:, -1])
-
-    @torch.no_grad()
-    def extend(self, state: LastHiddenState, features: Tensor, path: list[int]) -> None:
-        """The last committed node sits just before the next anchor (the token the target commits after it)."""
-        state.last = features[:, path[-1]]  # (1, H)
-
 
 # ------------------------------------------------------------------------------------------------- Medusa
+@dataclass
+class LastHiddenState:
+    """Medusa's decoding state: the target's last-layer state h_{n-1} before the next anchor n."""
+
+    last: Tensor  # (1, H)
+
+
 class ResBlock(nn.Module):
     """x + SiLU(W x + b) (Medusa §2.1.1; the authors' code has the bias). W and b start at zero: the identity."""
 
@@ -163,14 +154,6 @@ class MedusaDrafter(LastHiddenDrafter):
             raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}.")
         self.num_layers = num_layers
 
-    def config_dict(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            "num_layers": self.num_layers,
-            "num_anchors": self.num_anchors,
-            "draft_vocab_size": self.draft_vocab_size,
-        }
-
     def build(self, target: Any) -> None:
         hidden = target.hidden_size
         self.medusa = nn.ModuleList(
@@ -195,6 +178,19 @@ class MedusaDrafter(LastHiddenDrafter):
 
     # ------------------------------------------------------------------------------------------- decoding
     @torch.no_grad()
+    def begin(self, features: Tensor, input_ids: Tensor | None = None) -> LastHiddenState:
+        """The prefill covers the prompt but its last token (the first anchor): h_{n-1} is the last feature.
+        The prompt's tokens are not read."""
+        if features.shape[1] == 0:  # a one-token prompt: nothing precedes the anchor
+            return LastHiddenState(last=features.new_zeros(1, features.shape[-1]))
+        return LastHiddenState(last=features[:, -1])
+
+    @torch.no_grad()
+    def extend(self, state: LastHiddenState, features: Tensor, path: list[int]) -> None:
+        """The last committed node sits just before the next anchor (the token the target commits after it)."""
+        state.last = features[:, path[-1]]  # (1, H)
+
+    @torch.no_grad()
     def slot_logits(self, state: LastHiddenState) -> Tensor:
         """Every head's logits over the draft vocabulary, (K, Vd): independent of the anchor and of each other."""
         return self.head(self.heads_hidden(state.last[0]))
@@ -213,58 +209,62 @@ class MedusaDrafter(LastHiddenDrafter):
 
 # ---------------------------------------------------------------------------------------------------- MTP
 class MTPModule(nn.Module):
-    """One DeepSeek-V3 MTP module: M_k [RMSNorm(h); RMSNorm(e)] -> a Llama-style decoder block -> h^k, and its own
-    RMSNorm before the shared head.
+    """One DeepSeek-V3 MTP module: u = M_k [RMSNorm(s); RMSNorm(e)] (Eq. 21), a Llama-style decoder block whose
+    causal attention runs over the module's own entries (Eq. 22), and its own RMSNorm before the shared head."""
 
-    ``attends``: whether the module runs at more than one slot of a round (the last module when D < K). One that
-    runs at a single slot attends to its own entry alone: a softmax over one key is 1, so its attention is
-    o_proj(v_proj(x)) exactly, and it has no query or key projections (they would only get rounding noise for
-    gradients, which Adam would turn into updates)."""
-
-    def __init__(
-        self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float, attends: bool
-    ) -> None:
+    def __init__(self, shape: TargetShape) -> None:
         super().__init__()
-        self.attends = attends
-        self.hnorm = RMSNorm(hidden, eps)
-        self.enorm = RMSNorm(hidden, eps)
-        self.proj = nn.Linear(2 * hidden, hidden, bias=False)  # M_k
-        self.block = DraftLayer(hidden, heads, kv_heads, head_dim, inter, eps)  # TRM_k
-        if not attends:
-            del self.block.q_proj, self.block.k_proj
-        self.out_norm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(shape.hidden, shape.eps)
+        self.enorm = RMSNorm(shape.hidden, shape.eps)
+        self.proj = nn.Linear(2 * shape.hidden, shape.hidden, bias=False)  # M_k
+        self.block = DraftLayer(shape)  # TRM_k
+        self.out_norm = RMSNorm(shape.hidden, shape.eps)
 
-    def run_block(
-        self, u: Tensor, pos: Tensor, past: tuple[Tensor, Tensor] | None, theta: float
-    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-        """The block on u (B, 1, H) at slot ``pos`` (B, 1), attending to ``past`` (this round's earlier entries of
-        this module, (B, kv_heads, j, D) each) and itself. Returns h^k (B, H) and the entries with its own."""
-        b = self.block
-        if not self.attends:  # one key: the attention output is its value
-            v = b.v_proj(b.input_norm(u)).view(-1, b.kv_heads, b.head_dim)  # (B, kv_heads, D)
-            h = u[:, 0] + b.o_proj(v.repeat_interleave(b.heads // b.kv_heads, dim=1).flatten(1))  # (B, H)
-            x = b.post_norm(h)
-            return h + b.down_proj(F.silu(b.gate_proj(x)) * b.up_proj(x)), None
-        key, value = b.kv(b.input_norm(u), pos, theta)  # (B, kv_heads, 1, D): this slot's entry
-        past_k, past_v = past if past is not None else (key[:, :, :0], value[:, :, :0])
-        h = b(u, pos, past_k, past_v, None, 1, theta)[:, 0]  # (B, H)
-        return h, (torch.cat([past_k, key], 2), torch.cat([past_v, value], 2))
+    def entry(self, below: Tensor, emb: Tensor) -> Tensor:
+        """u = M_k[RMSNorm(below); RMSNorm(emb)]: the state one depth below at the previous position (..., H) and the
+        entry's token embedding (..., H) -> (..., H)."""
+        return self.proj(torch.cat([self.hnorm(below), self.enorm(emb.to(below.dtype))], dim=-1))
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """T new entries' queries q (B, Hq, T, D) over keys and values (B, Hkv, L + T, D) whose last T are theirs: entry
+    j sees positions <= L + j. Returns (B, Hq, T, D)."""
+    t, total = q.shape[2], k.shape[2]
+    r = q.shape[1] // k.shape[1]  # grouped-query: head h reads kv head h // r
+    mask = torch.ones(t, total, dtype=torch.bool, device=q.device).tril(total - t)  # (T, L + T)
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), attn_mask=mask)
+
+
+@dataclass
+class MTPState:
+    """Decoding state: per module the keys and values of its committed entries at positions 0..length-1, and per
+    depth d = 0..D-1 the stream's state s^d at position length - 1 (the next committed entries read it)."""
+
+    keys: list[Tensor]  # per module (1, kv_heads, length, D)
+    values: list[Tensor]
+    last: list[Tensor]  # per depth (1, H): s^0 = h_{length-1}, the target's; zeros when length == 0
+    length: int = 0
+    nodes: list[Tensor] = field(default_factory=list)  # this round's tokens: the anchor, then the drafts, (1,) each
 
 
 @dataclass
 class MTPChain:
-    """One round's chain after ``slot`` slots, for B anchors side by side: h'_slot, and per module the keys and
-    values it wrote this round (its attention reads them at its later slots)."""
+    """One round's chain for anchors (N, A) side by side, after ``slot`` slots: the state the next slot reads, and
+    per module the committed entries it attends to and the entries it wrote this round."""
 
-    hidden: Tensor  # (B, H) h'_slot (h'_0 = h_{n-1})
-    entries: list[tuple[Tensor, Tensor] | None]  # per module: keys, values (B, kv_heads, j, D)
+    hidden: Tensor  # (N, A, H): h_{n-1} before slot 1, then the last slot's output
+    starts: Tensor  # (N, A) the anchor positions n
+    context: list[tuple[Tensor, Tensor, Tensor | None]]  # per module: committed keys, values (N, kv_heads, S, D)
+    # and which of them each anchor sees, (N, A, S) bool (None: all)
+    entries: list[tuple[Tensor, Tensor]]  # per module: this round's keys, values (N, kv_heads, A, J, D)
     slot: int = 0
 
 
 class MTPDrafter(LastHiddenDrafter):
-    """DeepSeek-V3 MTP modules as a chain drafter (DeepSeek-AI 2024, arXiv 2412.19437, §2.2): slot k runs module
-    min(k, D) on [RMSNorm(h'_{k-1}); RMSNorm(Emb(x_{n+k-1}))] with h'_0 = h_{n-1} and x_n the anchor, and predicts
-    x_{n+k} through the frozen LM head over the draft vocabulary.
+    """DeepSeek-V3 MTP modules as a chain drafter (DeepSeek-AI 2024, arXiv 2412.19437, §2.2): slot t runs module
+    min(t, D) on [RMSNorm(h'_{t-1}); RMSNorm(Emb(x_{n+t-1}))] with h'_0 = h_{n-1} and x_n the anchor, attending to
+    the module's committed entries and its entries of the round (see the module docstring), and predicts x_{n+t}
+    through the frozen LM head over the draft vocabulary.
 
     Args:
         block_size: K, draft proposals per round.
@@ -292,104 +292,159 @@ class MTPDrafter(LastHiddenDrafter):
         self.num_modules = num_modules
         self.intermediate_size = intermediate_size
 
-    def config_dict(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            "num_modules": self.num_modules,
-            "num_anchors": self.num_anchors,
-            "draft_vocab_size": self.draft_vocab_size,
-            "intermediate_size": self.intermediate_size,
-        }
-
     def build(self, target: Any) -> None:
-        cfg = target.config
-        hidden = target.hidden_size
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        inter = self.intermediate_size or cfg.intermediate_size
-        eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        rope_params = getattr(cfg, "rope_parameters", None) or {}
-        self.rope_theta = float(rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-        d = self.num_modules  # only the last module can run at several slots (when D < K)
-        self.mtp = nn.ModuleList(
-            MTPModule(hidden, heads, kv_heads, head_dim, inter, eps, attends=m == d - 1 and d < self.block_size)
-            for m in range(d)
-        )
-        self._init_weights(target)
+        shape = TargetShape.of(target, self.intermediate_size)
+        self.rope_theta = shape.rope_theta
+        self.mtp = nn.ModuleList(MTPModule(shape) for _ in range(self.num_modules))
+        init_weights(self.mtp, 1, target, [module.out_norm for module in self.mtp])  # each module is 1 block deep
 
-    @torch.no_grad()
-    def _init_weights(self, target: Any) -> None:
-        for name, p in self.mtp.named_parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-                if name.endswith(("o_proj.weight", "down_proj.weight")):  # GPT-2 residual scaling, 1 block deep
-                    p.div_(math.sqrt(2))
-        # each module's output norm feeds the frozen LM head: start from the target's own final norm scale
-        final_norm = getattr(target.base, "norm", None)
-        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-            for module in self.mtp:
-                module.out_norm.weight.copy_(final_norm.weight.detach().to(module.out_norm.weight.dtype))
+    # ----------------------------------------------------------------------------------- committed streams
+    def streams(
+        self, ids: Tensor, h: Tensor, before: list[Tensor], past: list[tuple[Tensor, Tensor]] | None
+    ) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+        """Every module's stream over T new committed positions L..L+T-1 (Eq. 21-22 over the sequence): tokens ids
+        (B, T), the target's states h (B, T, H) there, ``before`` per depth 0..D-1 its state at position L - 1
+        (B, H), ``past`` per module the keys and values (B, kv_heads, L, D) of positions < L (None: L = 0).
+        Returns per module the keys and values of positions 0..L+T-1, and per depth 0..D-1 its states (B, T, H) at
+        the new positions (depth 0: h). Causal, so a position's entries read nothing after it."""
+        b, t = ids.shape
+        start = past[0][0].shape[2] if past is not None else 0
+        pos = torch.arange(start, start + t, device=ids.device).expand(b, t)  # (B, T)
+        emb = self.target.embed_tokens(ids)  # (B, T, H)
+        states = [h.to(self.mtp[0].proj.weight.dtype)]  # s^0
+        cache = []
+        for m, module in enumerate(self.mtp):
+            below = torch.cat([before[m][:, None], states[m][:, :-1]], dim=1)  # (B, T, H): s^m at p - 1
+            u = module.entry(below, emb)  # (B, T, H)
+            x = module.block.input_norm(u)
+            k, v = module.block.kv(x, pos, self.rope_theta)  # (B, kv_heads, T, D)
+            if past is not None:
+                k, v = torch.cat([past[m][0], k], 2), torch.cat([past[m][1], v], 2)
+            cache.append((k, v))
+            if m + 1 < self.num_modules:  # the next module reads this depth's states (the last depth's are unread)
+                q = module.block.query(x, pos, self.rope_theta)  # (B, heads, T, D)
+                states.append(module.block.finish(u, causal_attention(q, k, v)))  # (B, T, H)
+        return cache, states
 
     # ------------------------------------------------------------------------------------------- one slot
-    def new_chain(self, last: Tensor) -> MTPChain:
-        """A round's chain before its first slot: h'_0 = h_{n-1}, last (B, H)."""
-        return MTPChain(hidden=last.to(self.mtp[0].proj.weight.dtype), entries=[None] * self.num_modules)
+    def new_chain(
+        self, before: list[Tensor], anchor: Tensor, starts: Tensor, context: list[tuple[Tensor, Tensor, Tensor | None]]
+    ) -> MTPChain:
+        """A round's chain before its first slot, for anchors at ``starts`` (N, A) with tokens ``anchor`` (N, A):
+        ``before`` per depth 0..D-1 the committed stream's state at n - 1 (N, A, H), ``context`` per module its
+        committed entries before the anchor. Modules 2..D start with the anchor's own entry (its inputs, depth
+        m - 1 at n - 1 and x_n, are committed); module 1's anchor entry is slot 1's."""
+        emb = self.target.embed_tokens(anchor)  # (N, A, H)
+        n, a = starts.shape
+        entries = []
+        for m, module in enumerate(self.mtp):
+            b = module.block
+            if m == 0:
+                entries.append((emb.new_zeros(n, b.kv_heads, a, 0, b.head_dim),) * 2)
+                continue
+            k, v = b.kv(b.input_norm(module.entry(before[m], emb)), starts, self.rope_theta)  # (N, kv_heads, A, D)
+            entries.append((k[:, :, :, None], v[:, :, :, None]))
+        return MTPChain(hidden=before[0], starts=starts, context=context, entries=entries)
 
     def advance(self, chain: MTPChain, tokens: Tensor) -> Tensor:
-        """Run slot k = chain.slot + 1 on the known token x_{n+k-1} (tokens (B,) target ids: the anchor at k = 1,
-        then the realised or the drafted token) and move the chain on. Returns the state the head reads, (B, H)."""
-        m = min(chain.slot, self.num_modules - 1)  # slot k uses module min(k, D)
+        """Run slot t = chain.slot + 1 on the known token x_{n+t-1} (tokens (N, A) target ids: the anchor at t = 1,
+        then the realised or the drafted token) and move the chain on. Returns the state the head reads, (N, A, H)."""
+        m = min(chain.slot, self.num_modules - 1)  # slot t runs module min(t, D)
         module = self.mtp[m]
-        emb = self.target.embed_tokens(tokens).to(module.proj.weight.dtype)  # (B, H)
-        u = module.proj(torch.cat([module.hnorm(chain.hidden), module.enorm(emb)], dim=-1))[:, None]  # (B, 1, H)
-        pos = torch.full_like(tokens, chain.slot)[:, None]  # (B, 1): the slot, for RoPE within the round
-        h, chain.entries[m] = module.run_block(u, pos, chain.entries[m], self.rope_theta)  # (B, H) h'_k
+        b = module.block
+        u = module.entry(chain.hidden, self.target.embed_tokens(tokens))  # (N, A, H)
+        pos = chain.starts + chain.slot  # (N, A): x_{n+t-1}'s position
+        x = b.input_norm(u)
+        q = b.query(x, pos, self.rope_theta)  # (N, heads, A, D)
+        k, v = b.kv(x, pos, self.rope_theta)  # (N, kv_heads, A, D)
+        own_k, own_v = (torch.cat([own, new[:, :, :, None]], 3) for own, new in zip(chain.entries[m], (k, v)))
+        chain.entries[m] = (own_k, own_v)  # (N, kv_heads, A, J, D)
+        ctx_k, ctx_v, seen = chain.context[m]
+        h = b.finish(u, chain_attention(q, ctx_k, ctx_v, seen, own_k, own_v))  # (N, A, H) h'_t
         chain.hidden, chain.slot = h, chain.slot + 1
         return module.out_norm(h)
 
     # ------------------------------------------------------------------------------------------- training
     def forward(self, batch: dict[str, Tensor], features: Tensor, anchors: Anchors | None = None) -> DraftOutput:
-        """All K slots of every anchor, teacher-forced: slot k reads the realised x_{n+k-1} (the anchor at k = 1)
-        and the modules' own h'_{k-1}, exactly as ``propose`` does when slots 1..k-1 were accepted."""
+        """The streams once over each sequence, then all K slots of every anchor, teacher-forced: slot t reads the
+        realised x_{n+t-1} (the anchor at t = 1) and the modules' own h'_{t-1}, and attends to its module's stream
+        entries before n and its round's entries, exactly as ``propose`` does when slots 1..t-1 were accepted."""
         ids = batch["input_ids"]
         n, s = ids.shape
+        k = self.block_size
         anchors = anchors if anchors is not None else self.sample_anchors(batch)
         starts = anchors.positions  # (N, A)
-        a = starts.shape[1]
-        prev = self.previous_hidden(features, starts)  # (N, A, H) h_{n-1}
-        pos = (starts[..., None] + torch.arange(self.block_size, device=ids.device)).clamp(max=s - 1)  # (N, A, K)
-        known = ids.gather(1, pos.reshape(n, -1)).view(n * a, self.block_size)  # (NA, K) x_{n+k-1}; past the end
-        # of the sequence the slots are invalid, and so is every slot after them
-        chain = self.new_chain(prev.reshape(n * a, -1))
-        hidden = torch.stack([self.advance(chain, known[:, k]) for k in range(self.block_size)], dim=1)  # (NA, K, H)
+        zero = features.new_zeros(n, features.shape[-1]).to(self.mtp[0].proj.weight.dtype)
+        cache, states = self.streams(ids, features, [zero] * self.num_modules, None)
+        before = [self.previous_hidden(state, starts) for state in states]  # (N, A, H) per depth, zero at n = 0
+        seen = torch.arange(s, device=ids.device) < starts[..., None]  # (N, A, S): the entries before the anchor
+        chain = self.new_chain(before, ids.gather(1, starts), starts, [(ck, cv, seen) for ck, cv in cache])
+        pos = (starts[..., None] + torch.arange(k, device=ids.device)).clamp(max=s - 1)  # (N, A, K)
+        known = ids.gather(1, pos.reshape(n, -1)).view(*pos.shape)  # (N, A, K) x_{n+t-1}; past the end of the
+        # sequence the slots are invalid, and so is every slot after them
+        hidden = torch.stack([self.advance(chain, known[..., t]) for t in range(k)], dim=2)  # (N, A, K, H)
         labels, valid = self.labels(batch, anchors)  # (N, A, K)
-        return DraftOutput(labels=labels, valid=valid, anchors=starts, hidden=hidden.view(n, a, self.block_size, -1),
-                           head=self._logits)
+        return DraftOutput(labels=labels, valid=valid, anchors=starts, hidden=hidden, head=self._logits)
 
     def _logits(self, hidden: Tensor, index: Tensor) -> Tensor:
         return self.head(hidden)  # (N, a, K, Vd)
 
     # ------------------------------------------------------------------------------------------- decoding
     @torch.no_grad()
-    def propose(
-        self, state: LastHiddenState, anchor: Tensor, sampling: SamplingConfig, generator=None
-    ) -> ChainProposal:
-        """Draft slot by slot, each drafted token the next slot's input."""
-        chain = self.new_chain(state.last)
-        token = anchor.reshape(1)
+    def begin(self, features: Tensor, input_ids: Tensor | None = None) -> MTPState:
+        """The streams over the prefill: features (1, S, H) and the tokens ``input_ids`` (1, S) at positions
+        0..S-1 (every module's entry embeds its token)."""
+        if input_ids is None or input_ids.shape[-1] != features.shape[1]:
+            raise ValueError(
+                "MTPDrafter.begin needs the prefill's token ids (input_ids, one per feature position): the MTP "
+                "modules' committed entries embed their tokens; pass begin(features, input_ids)."
+            )
+        w = self.mtp[0].proj.weight
+        empty = [w.new_zeros(1, m.block.kv_heads, 0, m.block.head_dim) for m in self.mtp]  # (1, kv_heads, 0, D)
+        zero = w.new_zeros(1, w.shape[0])  # (1, H)
+        state = MTPState(keys=empty, values=list(empty), last=[zero] * self.num_modules)
+        self._commit(state, input_ids.reshape(1, -1).to(w.device), features)
+        return state
+
+    def _commit(self, state: MTPState, ids: Tensor, features: Tensor) -> None:
+        """Run the streams over committed tokens ids (1, T) at positions length.. with the target's states (1, T, H)."""
+        if ids.shape[1] == 0:
+            return
+        cache, states = self.streams(ids, features, state.last, list(zip(state.keys, state.values)))
+        state.keys, state.values = [ck for ck, _ in cache], [cv for _, cv in cache]
+        state.last = [depth[:, -1] for depth in states]
+        state.length += ids.shape[1]
+
+    @torch.no_grad()
+    def propose(self, state: MTPState, anchor: Tensor, sampling: SamplingConfig, generator=None) -> ChainProposal:
+        """Draft slot by slot from the anchor x_n at position n = ``state.length``, each drafted token the next slot's
+        input."""
+        token = anchor.reshape(1, 1).to(state.keys[0].device)  # (1, 1)
+        starts = torch.full_like(token, state.length)
+        context = [(ck, cv, None) for ck, cv in zip(state.keys, state.values)]
+        chain = self.new_chain([last[:, None] for last in state.last], token, starts, context)
+        state.nodes = [token[0]]
         tokens, probs = [], []
         for _ in range(self.block_size):
-            logits = self.head(self.advance(chain, token))  # (1, Vd)
+            logits = self.head(self.advance(chain, token))[0]  # (1, Vd)
             if sampling.greedy:
                 draft = logits.argmax(-1)
             else:
                 q = sampling.probs(logits)  # (1, Vd)
                 draft = sampling.sample(q, generator)
                 probs.append(q)
-            token = self.vocab.to_target(draft)  # (1,)
-            tokens.append(token)
+            token = self.vocab.to_target(draft)[None]  # (1, 1)
+            tokens.append(token[0])
+            state.nodes.append(token[0])
         tokens = torch.cat(tokens)  # (K,)
         if sampling.greedy:
             return ChainProposal(tokens=tokens)
         return ChainProposal(tokens=tokens, probs=self.vocab.scatter(torch.cat(probs)))
+
+    @torch.no_grad()
+    def extend(self, state: MTPState, features: Tensor, path: list[int]) -> None:
+        """The committed nodes (the anchor and the accepted drafts) join the streams with the target's states; the
+        drafts' own entries, built from the chain's states, are dropped."""
+        ids = torch.cat([state.nodes[i] for i in path])[None]  # (1, P)
+        self._commit(state, ids, features[:, path])
+        state.nodes = []
