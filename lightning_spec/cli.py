@@ -87,12 +87,27 @@ class SpecCLI(LightningCLI):
         # A YAML `trainer.callbacks:` list replaces defaults wholesale; add ours unless the user chose their own.
         given = list(config.get("callbacks") or []) + list(callbacks)
         if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
-            callbacks.append(RichProgressBar())
+            callbacks.append(StepProgressBar())
         if config.get("enable_checkpointing", True) is not False and not any(
             isinstance(c, ModelCheckpoint) for c in given
         ):
             callbacks.append(ModelCheckpoint(save_last=True))
         return super()._instantiate_trainer(config, callbacks)
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich bar showing the optimizer step out of ``max_steps`` instead of "Epoch 2/-2": training here
+    is bounded by ``max_steps`` or ``max_time`` (``max_epochs`` is -1), so the epoch count has no end to show."""
+
+    def _get_train_description(self, current_epoch: int) -> str:  # Lightning's hook for the bar's label
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        return f"Epoch {current_epoch}"
+
+    def get_metrics(self, trainer: Trainer, pl_module: Any) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        steps = trainer.max_steps
+        return {"step": f"{trainer.global_step}/{steps}" if steps > 0 else trainer.global_step, **metrics}
 
 
 def _lightning_shortcut(path: str) -> bool:

@@ -238,3 +238,19 @@ def test_a_diverging_fit_stops_with_one_sentence(in_tmp, capsys):
     assert exit_code(args) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("lightning-spec: error: train/loss is not finite (nan) at step 1: ") and "model.lr" in last
+
+
+def test_the_progress_bar_counts_steps_not_an_endless_epoch_range():
+    """With ``max_epochs`` -1 (training bounded by steps or time) Lightning's bar would read "Epoch 2/-2"; ours names
+    the epoch alone and shows the step out of ``max_steps``."""
+    from types import SimpleNamespace
+
+    from lightning_spec.cli import StepProgressBar
+
+    bar = StepProgressBar()
+    bar._trainer = SimpleNamespace(max_epochs=-1, max_steps=500, global_step=7)
+    assert bar._get_train_description(2).strip() == "Epoch 2"
+    bar._trainer.max_epochs = 5
+    assert bar._get_train_description(2).strip() == "Epoch 2/4"
+    trainer = SimpleNamespace(max_steps=500, global_step=7, progress_bar_metrics={"train/loss": 3.4}, loggers=[])
+    assert bar.get_metrics(trainer, None) == {"step": "7/500", "train/loss": 3.4}
