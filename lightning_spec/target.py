@@ -131,10 +131,15 @@ class Target(nn.Module):
         tree_mask: Tensor | None = None,  # (T, T) bool: the tokens each token sees (None: causal)
     ) -> TargetOutput:
         """One frozen forward. With ``cache`` the tokens continue the cached sequence: positions follow it, offset
-        by ``positions`` when given (a proposal's nodes, ``decoding/proposals.py``)."""
+        by ``positions`` when given (a proposal's nodes, ``decoding/proposals.py``). A ``tree_mask`` runs the T
+        tokens as a token tree (METHODS §1.2): token i sees the whole cached prefix and the tokens j with
+        tree_mask[i, j] (its ancestors and itself), so each root-to-leaf path computes what it would as a chain."""
         kwargs: dict[str, Any] = {"input_ids": input_ids, "output_hidden_states": bool(layers)}
         if tree_mask is not None:
-            raise NotImplementedError("tree verification (a tree_mask) is not supported by this Target yet.")
+            if cache is None or attention_mask is not None or input_ids.shape[0] != 1:
+                raise ValueError("Target.forward runs a tree_mask for one sequence over a KV cache (cache=...), "
+                                 "without an attention_mask.")
+            kwargs["attention_mask"] = self._tree_attention(tree_mask, cache.get_seq_length())
         if cache is not None:
             past = cache.get_seq_length()
             kwargs[self._cache_kw] = cache
@@ -149,6 +154,20 @@ class Target(nn.Module):
         last = out.last_hidden_state  # (N, T, H)
         feats = torch.cat([out.hidden_states[layer + 1] for layer in layers], dim=-1) if layers else None
         return TargetOutput(logits=self.lm_head(last) if logits else None, features=feats, last_hidden=last)
+
+    def _tree_attention(self, tree_mask: Tensor, past: int) -> Tensor:
+        """The additive 4-D mask (1, 1, T, past + T) of a token tree over ``past`` cached positions: 0 where a token
+        may attend (the prefix, its ancestors, itself), the dtype's minimum elsewhere. Additive, not boolean, so the
+        eager attention (which adds the mask to the scores) and SDPA read it alike; transformers passes a 4-D mask
+        through unchanged."""
+        t = tree_mask.shape[0]
+        if tree_mask.shape != (t, t) or not bool(tree_mask.diagonal().all()):
+            raise ValueError(f"tree_mask must be a (T, T) bool mask in which every token sees itself; got shape "
+                             f"{tuple(tree_mask.shape)}.")
+        dtype = self.lm_head.weight.dtype
+        seen = torch.cat([tree_mask.new_ones(t, past), tree_mask], dim=1).to(self.device)  # (T, past + T)
+        mask = torch.zeros(t, past + t, dtype=dtype, device=self.device)
+        return mask.masked_fill(~seen, torch.finfo(dtype).min)[None, None]  # (1, 1, T, past + T)
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

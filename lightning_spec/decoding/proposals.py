@@ -81,3 +81,92 @@ class ChainProposal(Proposal):
             q = self.probs.to(p.device) if self.probs is not None else p.new_zeros(0, p.shape[-1])
             accepted, nxt = verify.rejection_accept(draft, q, p, generator)
         return list(range(accepted + 1)), nxt
+
+
+@dataclass
+class TreeProposal(Proposal):
+    """A token tree after the anchor, verified in one target forward (METHODS §1.2).
+
+    Node 0 is the anchor; draft node i (1-based) holds ``tokens[i - 1]`` and hangs under node ``parents[i - 1]``
+    (0 = the anchor), parents before children. The target runs all nodes at once, each at its depth and seeing
+    its ancestors only, so every root-to-leaf path gets the logits it would get as a chain.
+
+    Args:
+        tokens: (T,) target-vocabulary ids of the draft nodes.
+        parents: (T,) each draft node's parent node index, < its own index.
+        probs: None under greedy, or for sampled children (T, V): the distribution each draft node was drawn from,
+            over the TARGET vocabulary; siblings share it (they are candidates drawn from their parent's q). None
+            under sampling means the children were chosen deterministically (e.g. the draft's top-k).
+        replacement: sampled siblings were drawn independently (True) or without replacement (False).
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    probs: Tensor | None = None
+    replacement: bool = True
+
+    def __post_init__(self) -> None:
+        t = self.tokens.shape[0]
+        if self.parents.shape != (t,) or self.tokens.dim() != 1:
+            raise ValueError(f"TreeProposal needs tokens (T,) and parents (T,); got {tuple(self.tokens.shape)} and "
+                             f"{tuple(self.parents.shape)}.")
+        own = torch.arange(1, t + 1, device=self.parents.device)
+        if t and not bool(((self.parents >= 0) & (self.parents < own)).all()):
+            raise ValueError("TreeProposal.parents must name an earlier node (0 = the anchor) for every draft node.")
+        if self.probs is not None and self.probs.shape[0] != t:
+            raise ValueError(f"TreeProposal.probs must have one row per draft node ({t}); got {self.probs.shape[0]}.")
+
+    @property
+    def num_drafted(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def children(self) -> list[list[int]]:
+        """Per node (the anchor first), its children's node indices in draft order."""
+        kids: list[list[int]] = [[] for _ in range(self.num_drafted + 1)]
+        for i, parent in enumerate(self.parents.tolist(), start=1):
+            kids[parent].append(i)
+        return kids
+
+    def ancestors(self) -> Tensor:
+        """(T + 1, T + 1) bool: node i sees node j iff j is i or one of its ancestors."""
+        n = self.num_drafted + 1
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, parent in enumerate(self.parents.tolist(), start=1):
+            mask[i] |= mask[parent]  # parents come first, so their row is complete
+        return mask
+
+    def verify_inputs(self, anchor: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        ids = torch.cat([anchor.reshape(1), self.tokens.to(anchor.device)])  # (T + 1,)
+        mask = self.ancestors()
+        depth = mask.sum(-1) - 1  # (T + 1,) the anchor at 0
+        return ids, depth.to(anchor.device), mask.to(anchor.device)
+
+    def accept(
+        self, logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> tuple[list[int], int]:
+        """Greedy: follow the child whose token is the target's argmax while there is one (the longest path that
+        greedy decoding would produce). Sampling: at each node ``verify.candidate_accept`` picks a child or draws
+        the target's token; either way the committed tokens are distributed as the target's."""
+        kids = self.children()
+        tokens = self.tokens.tolist()
+        path = [0]
+        if sampling.greedy:
+            best = logits.argmax(-1).tolist()  # (T + 1,)
+            while True:
+                node = path[-1]
+                nxt = next((c for c in kids[node] if tokens[c - 1] == best[node]), None)
+                if nxt is None:
+                    return path, best[node]
+                path.append(nxt)
+        p = sampling.probs(logits)  # (T + 1, V)
+        while True:
+            node = path[-1]
+            children = kids[node]
+            if not children:
+                return path, verify.draw(p[node], generator)
+            q = self.probs[children[0] - 1].to(p.device) if self.probs is not None else None
+            cand = torch.tensor([tokens[c - 1] for c in children])
+            chosen, dist = verify.candidate_accept(p[node], cand, q, self.replacement, generator)
+            if chosen is None:
+                return path, verify.draw(dist, generator)
+            path.append(children[chosen])
