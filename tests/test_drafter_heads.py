@@ -107,7 +107,7 @@ def test_medusa_ignores_the_anchor_and_proposes_what_forward_gives(diverse_targe
     second = drafter.propose(state, torch.tensor([3]), T1, g)
     torch.testing.assert_close(first.probs, second.probs)
     torch.testing.assert_close(first.probs, out.logits[0, 0].softmax(-1), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(drafter.slot_logits(state), out.logits[0, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(drafter.position_logits(state), out.logits[0, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_medusa_extend_keeps_the_state_before_the_next_anchor(diverse_target):

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -77,13 +78,19 @@ def generate(
     sampling: SamplingConfig | None = None,
     drafter: Any = None,
     seed: int | None = None,
+    tree: TreeConfig | dict | None = None,
 ) -> Generation:
     """Decode one prompt with the target, speculatively when a drafter is given.
 
     ``input_ids``: one prompt (list of ints, 1-D or (1, S) tensor, or a tokenizer's output); ``sampling``: a
     ``SamplingConfig`` or a dict of its fields (None: greedy); ``drafter=None`` decodes plainly with the same code
-    path; ``seed`` makes sampled decoding reproducible. Stops after ``max_new_tokens`` or the target's EOS."""
+    path; ``seed`` makes sampled decoding reproducible; ``tree`` (a ``TreeConfig`` or a dict of its fields) verifies
+    a token tree per round instead of a chain (``decoding/trees.py``). Stops after ``max_new_tokens`` or the
+    target's EOS."""
     sampling = SamplingConfig.coerce(sampling)
+    tree = TreeConfig.coerce(tree)
+    if tree is not None and drafter is None:
+        raise ValueError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
     device = target.device
@@ -115,7 +122,12 @@ def generate(
     t_draft = t_verify = 0.0
     while len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
-        proposal = drafter.propose(state, anchor, sampling, generator) if drafter is not None else None
+        if drafter is None:
+            proposal = None
+        elif tree is not None:
+            proposal = drafter.propose_tree(state, anchor, sampling, tree, generator)
+        else:
+            proposal = drafter.propose(state, anchor, sampling, generator)
         proposal = proposal if proposal is not None else ChainProposal.empty(device)
         t1 = time.perf_counter()
         nodes, offsets, tree_mask = proposal.verify_inputs(anchor)  # (T,), (T,), (T, T) | None

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_spec.decoding.proposals import TreeProposal
+from lightning_spec.decoding.trees import best_first_tree
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -345,6 +347,27 @@ class Drafter(nn.Module):
         """A ``decoding.proposals.Proposal`` after ``anchor`` (1,), the committed token at position
         ``state.length``: at most ``block_size`` tokens, drawn from the distributions it records."""
         raise NotImplementedError(f"{type(self).__name__} must implement propose")
+
+    def position_logits(self, state: Any, anchor: Tensor) -> Tensor:
+        """For families whose slots do not read each other's tokens (a block drafted in parallel, heads side by
+        side): the draft logits (K, Vd) of every slot after ``anchor`` from one call, the same ones ``propose``
+        draws from. They let ``propose_tree`` grow a best-first tree; left-to-right families have none."""
+        raise ValueError(
+            f"{type(self).__name__} drafts each slot from the tokens drafted before it, so it has no per-slot "
+            "distributions for a best-first tree (tree=...); decode it as a chain (tree=None)."
+        )
+
+    @torch.no_grad()
+    def propose_tree(
+        self, state: Any, anchor: Tensor, sampling: SamplingConfig, tree: Any, generator=None
+    ) -> TreeProposal:
+        """A ``TreeProposal`` after ``anchor``: the best-first top-k tree over ``position_logits`` under ``sampling``
+        (``decoding/trees.py``). Its nodes are chosen, not drawn, so they are verified with the deterministic
+        candidate rule (lossless under sampling as well)."""
+        logits = self.position_logits(state, anchor)  # (K, Vd)
+        q = logits.softmax(-1) if sampling.greedy else sampling.probs(logits)  # (K, Vd)
+        index, parents = best_first_tree(q, tree)  # (T,), (T,)
+        return TreeProposal(tokens=self.vocab.to_target(index.to(q.device)), parents=parents.to(q.device))
 
     def extend(self, state: Any, features: Tensor, path: list[int]) -> None:
         """Commit a verified round: ``features`` (1, T, F) of the T verified nodes (the anchor first), ``path``

@@ -389,10 +389,14 @@ class BlockDrafter(Drafter):
         return self.norm(h)
 
     @torch.no_grad()
+    def position_logits(self, state: BlockDraftState, anchor: Tensor) -> Tensor:
+        return self.head(self.block_hidden(state, anchor)[0, 1:])  # (K, Vd): the block's slots, in parallel
+
+    @torch.no_grad()
     def propose(
         self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None
     ) -> ChainProposal:
-        logits = self.head(self.block_hidden(state, anchor)[0, 1:])  # (K, Vd)
+        logits = self.position_logits(state, anchor)  # (K, Vd)
         if sampling.greedy:
             return ChainProposal(tokens=self.vocab.to_target(logits.argmax(-1)))
         q = sampling.probs(logits)  # (K, Vd)

@@ -49,9 +49,10 @@ Losses are objective parts (the family owns none): Medusa's Σ_k 0.8^k CE_k is `
 + ``Uniform`` with ``normalize: slots`` (λ weighs it against the main model's loss, which has no counterpart
 here). See experiments/drafters/medusa.yaml and mtp.yaml.
 
-Trees (a later kind of proposal) need more than the chain: ``MedusaDrafter.slot_logits`` gives every head's
-logits at once (a Medusa tree is a product of their top-k), ``MTPDrafter.advance`` runs one slot from a chain's
-state (a tree expands a node by one call per child, from a copy of that state).
+Trees: ``MedusaDrafter.position_logits`` gives every head's logits at once, so ``Drafter.propose_tree`` grows a
+best-first tree over their top-k (Medusa's tree is a product of the heads' top-k). ``MTPDrafter.advance`` runs one
+slot from a chain's state, which a dynamic tree would call once per expanded node (not built yet: MTP decodes
+chains).
 """
 
 from __future__ import annotations
@@ -191,8 +192,9 @@ class MedusaDrafter(LastHiddenDrafter):
         state.last = features[:, path[-1]]  # (1, H)
 
     @torch.no_grad()
-    def slot_logits(self, state: LastHiddenState) -> Tensor:
-        """Every head's logits over the draft vocabulary, (K, Vd): independent of the anchor and of each other."""
+    def position_logits(self, state: LastHiddenState, anchor: Tensor | None = None) -> Tensor:
+        """Every head's logits over the draft vocabulary, (K, Vd): independent of the anchor and of each other
+        (a Medusa tree is grown over them, ``Drafter.propose_tree``)."""
         return self.head(self.heads_hidden(state.last[0]))
 
     @torch.no_grad()
@@ -200,7 +202,7 @@ class MedusaDrafter(LastHiddenDrafter):
         self, state: LastHiddenState, anchor: Tensor, sampling: SamplingConfig, generator=None
     ) -> ChainProposal:
         """Head k's top token (greedy) or a draw from it (sampling) at slot k; the anchor is not read."""
-        logits = self.slot_logits(state)  # (K, Vd)
+        logits = self.position_logits(state)  # (K, Vd)
         if sampling.greedy:
             return ChainProposal(tokens=self.vocab.to_target(logits.argmax(-1)))
         q = sampling.probs(logits)  # (K, Vd)

@@ -1,0 +1,88 @@
+"""Tree builders: which draft tokens a round verifies when it verifies a tree instead of a chain.
+
+On a CPU a target forward over 9 or 17 query tokens costs little more than over 2 (``benchmarks/README.md``), while
+a chain's later slots are rarely reached: spending the same verify width on alternatives for the first slots
+commits more tokens per forward. ``generate(..., tree=TreeConfig(...))`` asks the drafter for a ``TreeProposal``
+(``Drafter.propose_tree``); ``tree=None`` keeps the chain.
+
+Best-first top-k tree (for drafters whose slots do not read each other's tokens: DFlash's block, Medusa's heads):
+one drafter call gives a distribution q_d per depth d = 1..D. A node's value is the product of q along its root path
+(the chance that a draft sampled from q would follow it; EAGLE-2's value, Li et al. 2024, arXiv 2406.16858, §4);
+the tree grows by always adding the most valuable node not yet in it among the top-k children of the nodes in it,
+until it holds ``nodes`` draft nodes. Values fall along a path, so a node's parent is always added before it. The
+tree is a function of q alone, not drawn from it: under sampling its children are verified with the deterministic
+candidate rule (``verify.candidate_rule`` with q None), which is lossless for any such tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """How a round's draft tree is built.
+
+    Args:
+        nodes: draft nodes verified per round (the anchor comes on top): the verify forward runs nodes + 1 tokens.
+        top_k: children considered per node (the k of the top-k).
+        depth: the deepest slot used; None: the drafter's ``block_size``.
+    """
+
+    nodes: int = 16
+    top_k: int = 4
+    depth: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"tree.{name} must be an int >= 1, got {value!r}.")
+        if self.depth is not None and (isinstance(self.depth, bool) or not isinstance(self.depth, int)
+                                       or self.depth < 1):
+            raise ValueError(f"tree.depth must be an int >= 1 or None (the drafter's block_size), got {self.depth!r}.")
+
+    @classmethod
+    def coerce(cls, value: TreeConfig | dict | None) -> TreeConfig | None:
+        """A ``TreeConfig``, a dict of its fields (YAML), or None (chain decoding)."""
+        if value is None or isinstance(value, TreeConfig):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"nodes", "top_k", "depth"}
+            if unknown:
+                raise ValueError(f"tree has no field {sorted(unknown)[0]!r}; its fields are nodes, top_k and depth.")
+            return cls(**value)
+        raise ValueError(f"tree must be a TreeConfig, a dict of its fields or None, got {type(value).__name__}.")
+
+
+def best_first_tree(q: Tensor, config: TreeConfig) -> tuple[Tensor, Tensor]:
+    """The best-first top-k tree over per-depth distributions ``q`` (D, V) (rows need not be normalised the same
+    way: only the order of values matters). Returns the draft nodes' token indices into V (T,) and their parents
+    (T,) (0 = the anchor, node i = the i-th added), T = min(config.nodes, what D and top_k allow)."""
+    depth = min(q.shape[0], config.depth or q.shape[0])
+    k = min(config.top_k, q.shape[1])
+    top_p, top_i = q[:depth].double().topk(k, dim=-1)  # (D, k) each depth's k best tokens, best first
+    top_p, top_i = top_p.tolist(), top_i.tolist()
+    # frontier entries: (-value, order, parent node, depth of the child, rank among the parent's candidates)
+    frontier = [(-top_p[0][0], 0, 0, 0, 0)]
+    tokens: list[int] = []
+    parents: list[int] = []
+    values = [1.0]  # per node, the anchor's value 1
+    order = 1
+    while frontier and len(tokens) < config.nodes:
+        neg, _, parent, d, rank = heapq.heappop(frontier)
+        tokens.append(top_i[d][rank])
+        parents.append(parent)
+        values.append(-neg)
+        node = len(tokens)
+        if rank + 1 < k:  # the parent's next-best candidate
+            heapq.heappush(frontier, (-values[parent] * top_p[d][rank + 1], order, parent, d, rank + 1))
+            order += 1
+        if d + 1 < depth:  # this node's best child
+            heapq.heappush(frontier, (-values[node] * top_p[d + 1][0], order, node, d + 1, 0))
+            order += 1
+    return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)

@@ -1,0 +1,141 @@
+"""Tree decoding with real drafters: the best-first top-k builder (``decoding/trees.py``) and ``generate(tree=...)``.
+
+- the builder returns exactly the ``nodes`` most valuable nodes of the full top-k tree (value = product of q along
+  the root path), parents before children, siblings best first;
+- for every family with per-slot distributions (DFlash's block, Medusa's heads),
+  greedy tree decoding equals the independent argmax loop with a trained drafter, and sampled tree decoding is
+  distributed as the target (χ² against the enumerated joint);
+- the left-to-right families refuse a tree in one sentence, and so do bad tree settings.
+"""
+
+import itertools
+
+import pytest
+import torch
+from test_decoding import MAX_NEW, argmax_reference, random_prompts
+from test_families import FAMILIES, build, trained
+from test_lossless_sampling import NEW, PROMPT, assert_matches, exact_joint
+
+from lightning_spec import SamplingConfig, TreeConfig, generate
+from lightning_spec.decoding.trees import best_first_tree
+
+GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
+TREE_FAMILIES = ["dflash", "medusa"]
+CHAIN_ONLY = sorted(set(FAMILIES) - set(TREE_FAMILIES))
+
+
+@pytest.mark.parametrize("depth,top_k,nodes", [(3, 3, 7), (4, 2, 30), (2, 4, 5), (5, 1, 3)])
+def test_best_first_tree_is_the_most_valuable_nodes_of_the_full_tree(depth, top_k, nodes):
+    g = torch.Generator().manual_seed(depth * 10 + top_k)
+    q = torch.rand(depth, 12, generator=g, dtype=torch.float64).softmax(-1)
+    tokens, parents = best_first_tree(q, TreeConfig(nodes=nodes, top_k=top_k))
+    paths = {0: ()}
+    for i, (tok, parent) in enumerate(zip(tokens.tolist(), parents.tolist()), start=1):
+        assert parent < i
+        paths[i] = paths[parent] + (tok,)
+    top = q.topk(top_k, -1).indices.tolist()
+    full = [path for d in range(1, depth + 1) for path in itertools.product(*top[:d])]  # every node of the tree
+
+    def value(path):
+        return float(torch.tensor([q[d, t] for d, t in enumerate(path)]).prod())
+
+    best = sorted(full, key=value, reverse=True)[: min(nodes, len(full))]
+    assert sorted(paths[i] for i in range(1, len(tokens) + 1)) == sorted(best)
+    for node in paths:  # siblings are added best first
+        kids = [i for i, parent in enumerate(parents.tolist(), start=1) if parent == node]
+        vals = [value(paths[i]) for i in kids]
+        assert vals == sorted(vals, reverse=True)
+
+
+def test_tree_settings_are_checked_in_one_sentence():
+    with pytest.raises(ValueError, match="tree.nodes must be an int >= 1"):
+        TreeConfig(nodes=0)
+    with pytest.raises(ValueError, match="tree.top_k must be an int >= 1"):
+        TreeConfig(top_k=1.5)
+    with pytest.raises(ValueError, match="tree has no field 'width'"):
+        TreeConfig.coerce({"width": 3})
+    assert TreeConfig.coerce({"nodes": 5}) == TreeConfig(nodes=5)
+
+
+@pytest.fixture(scope="module", params=TREE_FAMILIES)
+def tree_family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def prompts(diverse_target):
+    return random_prompts(diverse_target.vocab_size)
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(nodes=6, top_k=2), TreeConfig(nodes=12, top_k=3, depth=2)])
+def test_greedy_tree_decoding_equals_the_argmax_loop(tree_family, diverse_target, prompts, tree):
+    drafter = trained(tree_family, diverse_target, prompts, k=3)
+    accepted = 0
+    for prompt in prompts:
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+        assert out.tokens == argmax_reference(diverse_target, prompt, MAX_NEW), prompt
+        accepted += sum(out.accept_lengths)
+        assert max(out.draft_lengths) <= tree.nodes
+    assert accepted > 0  # the tree's paths were accepted, not only the target's own tokens
+
+
+def test_sampled_tree_decoding_is_lossless(tree_family, make_random_llama):
+    target = make_random_llama(vocab_size=8, hidden_size=16, init=0.5, seed=0)
+    drafter = build(tree_family, target, k=2)
+    counts, first = tree_empirical(target, drafter)
+    assert_matches(counts, exact_joint(target, PROMPT, T1), target.vocab_size, NEW, tree_family)
+    assert any(a == 0 for a in first) and any(a > 0 for a in first), first[:50]
+
+
+def tree_empirical(target, drafter, runs: int = 800):
+    """``test_lossless_sampling.empirical`` with a tree of 4 nodes, top 3 per node, every round."""
+    v = target.vocab_size
+    counts = torch.zeros(v**NEW, dtype=torch.float64)
+    first = []
+    for seed in range(runs):
+        out = generate(target, PROMPT, NEW, T1, drafter=drafter, seed=seed, tree={"nodes": 4, "top_k": 3})
+        counts[sum(t * v ** (NEW - 1 - j) for j, t in enumerate(out.tokens))] += 1
+        first.append(out.accept_lengths[0])
+    return counts, first
+
+
+@pytest.mark.parametrize("family", CHAIN_ONLY)
+def test_left_to_right_families_refuse_a_tree_in_one_sentence(family, diverse_target):
+    drafter = build(family, diverse_target, k=3)
+    with pytest.raises(ValueError, match="decode it as a chain"):
+        generate(diverse_target, [1, 2, 3], 4, drafter=drafter, tree=TreeConfig())
+
+
+def test_a_tree_without_a_drafter_is_one_sentence(diverse_target):
+    with pytest.raises(ValueError, match="needs a drafter"):
+        generate(diverse_target, [1, 2, 3], 4, tree=TreeConfig())
+
+
+def test_after_a_tree_round_the_drafter_sees_what_a_fresh_prefill_of_the_committed_tokens_gives(
+    tree_family, diverse_target, prompts
+):
+    """``extend`` gets the features of the committed path (not a prefix of the nodes): every round's per-slot
+    logits equal those of a drafter started afresh on the committed sequence so far."""
+    drafter = trained(tree_family, diverse_target, prompts, k=3)
+    seen = []
+    original = drafter.position_logits
+
+    def recording(state, anchor):
+        logits = original(state, anchor)
+        seen.append((anchor.clone(), logits))
+        return logits
+
+    drafter.position_logits = recording
+    prompt = max(prompts, key=len)
+    out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=TreeConfig(nodes=6, top_k=3))
+    del drafter.position_logits
+    assert any(a > 0 for a in out.accept_lengths)
+    committed = prompt + out.tokens
+    done = len(prompt) - 1  # the committed tokens before the first round's anchor
+    for (anchor, logits), accepted in zip(seen, out.accept_lengths):
+        assert int(anchor) == committed[done]
+        ids = torch.tensor([committed[:done]], dtype=torch.long)
+        features = diverse_target(ids, layers=drafter.target_layers, logits=False).features
+        fresh = drafter.begin(features, ids)
+        torch.testing.assert_close(logits, original(fresh, anchor), atol=1e-5, rtol=1e-5)
+        done += accepted + 1
