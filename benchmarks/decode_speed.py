@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/decode_speed.py --drafter runs/x.ckpt --threads 1
     .venv/bin/python benchmarks/decode_speed.py --breakdown          # + the 1-token vs (K+1)-token cost split
     .venv/bin/python benchmarks/decode_speed.py --no-peers           # without the transformers peers
+    .venv/bin/python benchmarks/decode_speed.py --drafter x.ckpt --tree 16,4   # + a best-first tree, 16 nodes, top 4
 
 Prints, on the same prompts and in the same process:
   * tokens/s of plain decoding (``generate(..., drafter=None)``) and of speculative decoding, their ratio, MAL;
@@ -12,6 +13,9 @@ Prints, on the same prompts and in the same process:
   * engine efficiency = measured speculative tokens/s / (MAL / (draft + verify)): what the decoding loop
     (prefill, acceptance, cache bookkeeping, Python) loses outside the two forwards;
   * with ``--breakdown``: linear layers, LM head, attention and mask build for 1 vs K+1 query tokens;
+  * with ``--tree NODES,TOP_K[,DEPTH]``: tree decoding of the same drafter (``generate(..., tree=TreeConfig(...))``)
+    interleaved with the chain and plain runs: MAL, draft nodes per verify, tokens/s, and the forward time of the
+    tree's NODES + 1 query tokens under its ancestor mask;
   * the peers a user would try instead (``--peers``, on by default), interleaved prompt by prompt with the
     runs above: transformers' ``model.generate`` on the same target model, greedy with ``use_cache``: plain,
     prompt-lookup decoding (``prompt_lookup_num_tokens``) and assisted generation (``assistant_model``: the
@@ -33,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_spec import SamplingConfig, generate, load_drafter, load_target
+from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, load_target
 from lightning_spec.datamodule import SpecDataModule
 
 
@@ -94,9 +98,10 @@ def context_ids(prompts: list[list[int]], length: int) -> torch.Tensor:
     return torch.tensor([flat])
 
 
-def forward_timings(target, drafter, ctx: torch.Tensor) -> Timings:
+def forward_timings(target, drafter, ctx: torch.Tensor, tree: TreeConfig | None = None) -> Timings:
     """Timers of: the plain step (1 token), the verify forward (K+1 tokens with the drafter's feature layers)
-    and one drafter proposal, all against a warm cache of ``ctx``, cropped back after every run."""
+    and one drafter proposal, all against a warm cache of ``ctx``, cropped back after every run; with ``tree``
+    also the tree's proposal and its verify forward (its nodes under the ancestor mask)."""
     k, layers = drafter.block_size, list(drafter.target_layers)
     cache = target.new_cache()
     out = target(ctx, layers=layers, cache=cache, logits=False)
@@ -105,20 +110,23 @@ def forward_timings(target, drafter, ctx: torch.Tensor) -> Timings:
     one = torch.randint(0, target.vocab_size, (1, 1), generator=gen)
     block = torch.randint(0, target.vocab_size, (1, k + 1), generator=gen)
 
-    def step(ids, lay):
-        target(ids, layers=lay, cache=cache)
+    def step(ids, lay, positions=None, mask=None):
+        target(ids, layers=lay, cache=cache, positions=positions, tree_mask=mask)
         target.crop(cache, past)
 
-    state = drafter.begin(out.features)
+    state = drafter.begin(out.features, ctx)
     anchor = one[0]
     greedy = SamplingConfig()
-    return Timings(
-        {
-            "target_1": lambda: step(one, []),
-            "target_k1": lambda: step(block, layers),
-            "draft": lambda: drafter.propose(state, anchor, greedy),
-        }
-    )
+    fns = {
+        "target_1": lambda: step(one, []),
+        "target_k1": lambda: step(block, layers),
+        "draft": lambda: drafter.propose(state, anchor, greedy),
+    }
+    if tree is not None:
+        nodes, depth, mask = drafter.propose_tree(state, anchor, greedy, tree).verify_inputs(anchor)
+        fns["target_tree"] = lambda: step(nodes[None], layers, depth, mask)
+        fns["draft_tree"] = lambda: drafter.propose_tree(state, anchor, greedy, tree)
+    return Timings(fns)
 
 
 def breakdown(target, ctx: torch.Tensor, q_lens: list[int], repeats: int) -> list[tuple[str, list[float]]]:
@@ -238,6 +246,7 @@ def main() -> None:
     parser.add_argument("--cache-len", type=int, default=200, help="warm-cache length for the forward timings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--breakdown", action="store_true", help="also split 1 vs K+1 token forwards by part")
+    parser.add_argument("--tree", help="NODES,TOP_K[,DEPTH]: also decode with a best-first tree (DFlash, Medusa)")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                         help="also time transformers' generate: plain, prompt lookup, assisted")
     parser.add_argument("--assistant-layers", type=int, default=2, help="decoder layers of the assisted peer")
@@ -258,10 +267,16 @@ def main() -> None:
         label = "UNTRAINED BlockDrafter(num_layers=1, draft_vocab_size=4096)"
     k = drafter.block_size
     greedy = SamplingConfig()
+    tree = None
+    if args.tree:
+        parts = [int(v) for v in args.tree.split(",")]
+        tree = TreeConfig(*parts)
 
     # warm-up: both paths, every kernel shape the loop uses
     for d in (None, drafter):
         generate(target, prompts[0], 8, greedy, drafter=d)
+    if tree is not None:
+        generate(target, prompts[0], 8, greedy, drafter=drafter, tree=tree)
     peers = hf_peers(target, args) if args.peers else {}
     for run in peers.values():
         run(prompts[0][:16])
@@ -270,12 +285,14 @@ def main() -> None:
     peer_same = {name: 0 for name in peers}
 
     ctx = context_ids(prompts, args.cache_len)
-    timings = forward_timings(target, drafter, ctx)
+    timings = forward_timings(target, drafter, ctx, tree)
     per_prompt = -(-args.repeats // len(prompts))  # the forward timings run between the prompts
 
     plain_tokens = spec_tokens = rounds = 0
     plain_s = spec_s = draft_s = verify_s = prefill_s = 0.0
     same = 0
+    tree_tokens = tree_rounds = tree_nodes = tree_same = 0
+    tree_s = 0.0
     for ids in prompts:  # plain, speculative and the forward timings interleaved: load changes hit all alike
         plain = generate(target, ids, args.max_new_tokens, greedy, drafter=None)
         spec = generate(target, ids, args.max_new_tokens, greedy, drafter=drafter)
@@ -283,6 +300,12 @@ def main() -> None:
         spec_tokens, spec_s, rounds = spec_tokens + len(spec.tokens), spec_s + spec.seconds, rounds + spec.rounds
         draft_s, verify_s = draft_s + spec.draft_seconds, verify_s + spec.verify_seconds
         same += plain.tokens == spec.tokens
+        if tree is not None:
+            grown = generate(target, ids, args.max_new_tokens, greedy, drafter=drafter, tree=tree)
+            tree_tokens, tree_rounds = tree_tokens + len(grown.tokens), tree_rounds + grown.rounds
+            tree_s += grown.seconds
+            tree_nodes += sum(grown.draft_lengths)
+            tree_same += plain.tokens == grown.tokens
         # the prompt's prefill alone, to split the loop's own overhead from it (in no figure above)
         start = time.perf_counter()
         target(torch.tensor([ids[:-1]]), layers=list(drafter.target_layers), cache=target.new_cache(), logits=False)
@@ -312,10 +335,20 @@ def main() -> None:
         f"  {'plain (drafter=None)':<24}{plain_tokens:>8}{plain_tokens:>8}{1.0:>7.2f}{plain_s:>9.2f}{plain_tps:>10.2f}"
     )
     print(f"  {f'speculative (K={k})':<24}{spec_tokens:>8}{rounds:>8}{mal:>7.2f}{spec_s:>9.2f}{spec_tps:>10.2f}")
+    if tree is not None:
+        tree_mal, tree_tps = tree_tokens / max(tree_rounds, 1), tree_tokens / tree_s
+        name = f"tree ({tree.nodes} nodes, top {tree.top_k})"
+        print(f"  {name:<24}{tree_tokens:>8}{tree_rounds:>8}{tree_mal:>7.2f}{tree_s:>9.2f}{tree_tps:>10.2f}")
     print(
         f"  speculative / plain tokens/s = {spec_tps / plain_tps:.2f}x   "
         f"greedy outputs identical on {same}/{len(prompts)} prompts"
     )
+    if tree is not None:
+        print(
+            f"  tree / plain tokens/s = {tree_tps / plain_tps:.2f}x   tree / chain = {tree_tps / spec_tps:.2f}x   "
+            f"{tree_nodes / max(tree_rounds, 1):.1f} draft nodes per verify (chain: {k})   "
+            f"greedy outputs identical on {tree_same}/{len(prompts)} prompts"
+        )
     if peers:
         rows = [(name, peer_tokens[name], peer_s[name], peer_same[name]) for name in peers]
         rows += [("lightning_spec plain", plain_tokens, plain_s, len(prompts)),
@@ -336,6 +369,12 @@ def main() -> None:
         f"   {t['target_k1'] / t['target_1']:.2f}x the 1-token forward"
     )
     print(f"  {'drafter, one proposal':<38}{t['draft']:>8.1f}")
+    if tree is not None:
+        print(
+            f"  {f'target, tree of {tree.nodes}+1 tokens (verify)':<38}{t['target_tree']:>8.1f}"
+            f"   {t['target_tree'] / t['target_1']:.2f}x the 1-token forward"
+        )
+        print(f"  {'drafter, one tree proposal':<38}{t['draft_tree']:>8.1f}")
     print(f"  {'break-even MAL (draft+verify)/step':<38}{(t['draft'] + t['target_k1']) / t['target_1']:>8.2f}")
     print("\n  engine efficiency = measured tokens/s / ideal tokens/s from the forward times above")
     print(f"  {'':<38}{'ideal':>8}{'measured':>10}{'efficiency':>12}")

@@ -24,6 +24,10 @@ the last drafted one is the bonus and ends the round. Everything that depends on
 - ``slot_statistics``: A and the EOS-aware cost c of every slot of a drafter's forward (differentiable).
 - ``every_anchor``: the drafter run from every round start of a batch, in chunks of anchors: A (and c) for
   every (n, slot), and how many slots it drafts there (a variable-length drafter submits fewer than K).
+- ``tree_accept``: A when every round verifies a best-first tree (``decoding/trees.py``) instead of a chain.
+  Its nodes are chosen, not drawn, and verified by sampling the target's token and looking for it among the
+  children (``verify.candidate_rule`` with q None), so given the output the round is deterministic: it accepts
+  the longest root path the output follows, A = 1 for its L slots and 0 after, under greedy and sampling alike.
 
 Target distribution and the reduced draft vocabulary. p_t is the target's distribution under ``sampling`` over
 its *full* vocabulary (top-k/top-p and the normaliser need every logit); the table keeps, per position, p on the
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_spec.decoding.trees import TreeConfig, best_first_tree
 from lightning_spec.drafters.base import Anchors, DraftOutput, DraftVocab
 from lightning_spec.sampling import SamplingConfig
 
@@ -383,9 +388,11 @@ def every_anchor(
     draft_sampling: SamplingConfig,
     chunk: int,
     costs: bool = True,
+    tree: TreeConfig | None = None,
 ) -> EveryAnchor:
     """Run ``draft_fn`` (the drafter's training forward) from every position n whose next token is supervised,
-    ``chunk`` anchors (per row) at a time, and collect A, c and the submitted slots per (n, slot)."""
+    ``chunk`` anchors (per row) at a time, and collect A, c and the submitted slots per (n, slot). With ``tree``
+    every round verifies a best-first tree (``tree_accept``; no costs)."""
     lm = loss_mask.bool()
     n, s = lm.shape
     k = block_size
@@ -405,7 +412,10 @@ def every_anchor(
         keep = positions < s
         anchors = Anchors(torch.where(keep, positions, torch.zeros_like(positions)), keep)
         out = draft_fn(anchors)
-        a, c = slot_statistics(out.logits, table, anchors.positions, draft_sampling, costs)  # (N, C, K)
+        if tree is not None:
+            a, c = tree_accept(out, draft_sampling, tree).to(accept.device), None  # (N, C, K)
+        else:
+            a, c = slot_statistics(out.logits, table, anchors.positions, draft_sampling, costs)  # (N, C, K)
         submitted = torch.ones_like(a, dtype=torch.bool)
         if out.drafted is not None:  # slots after the drafted prefix are not proposed: never accepted
             submitted = slot <= out.drafted[..., None]
@@ -415,3 +425,28 @@ def every_anchor(
         if costs:
             cost[r, p] = c[keep].double()
     return EveryAnchor(accept, cost, drafted)
+
+
+@torch.no_grad()
+def tree_accept(out: DraftOutput, sampling: SamplingConfig, tree: TreeConfig) -> Tensor:
+    """A (N, C, K) float64 for rounds that verify the best-first tree over each anchor's slot distributions: 1 for
+    the first L slots, L = the depth of the longest root path whose tokens are the output's (the gold labels), 0
+    after. Exact under greedy and sampling (module docstring)."""
+    logits = out.logits  # (N, C, K, Vd)
+    q = logits.float().softmax(-1) if sampling.greedy else sampling.probs(logits.float())
+    labels = torch.where(out.valid, out.labels, -1).tolist()  # (N, C, K); -1: no token the tree can hold
+    accept = torch.zeros(logits.shape[:3], dtype=torch.float64)
+    for i, row in enumerate(labels):
+        for j, gold in enumerate(row):
+            if gold[0] < 0:
+                continue
+            tokens, parents = best_first_tree(q[i, j], tree)
+            children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node, the best-first sibling
+            for node, (tok, parent) in enumerate(zip(tokens.tolist(), parents.tolist()), start=1):
+                children.setdefault((parent, tok), node)
+            node = depth = 0
+            while depth < len(gold) and (node, gold[depth]) in children:
+                node = children[(node, gold[depth])]
+                depth += 1
+            accept[i, j, :depth] = 1.0
+    return accept

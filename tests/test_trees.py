@@ -16,7 +16,7 @@ from test_decoding import MAX_NEW, argmax_reference, random_prompts
 from test_families import FAMILIES, build, trained
 from test_lossless_sampling import NEW, PROMPT, assert_matches, exact_joint
 
-from lightning_spec import SamplingConfig, TreeConfig, generate
+from lightning_spec import SamplingConfig, TreeConfig, generate, offline_rounds
 from lightning_spec.decoding.trees import best_first_tree
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
@@ -139,3 +139,26 @@ def test_after_a_tree_round_the_drafter_sees_what_a_fresh_prefill_of_the_committ
         fresh = drafter.begin(features, ids)
         torch.testing.assert_close(logits, original(fresh, anchor), atol=1e-5, rtol=1e-5)
         done += accepted + 1
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "T1"])
+def test_offline_tree_rounds_equal_the_engines_on_every_output(tree_family, diverse_target, prompts, sampling):
+    """A best-first tree's children are chosen, not drawn: given the output, a round accepts the longest root path
+    the output follows, so the offline rounds equal each real run's rounds exactly, sampled runs included."""
+    drafter = trained(tree_family, diverse_target, prompts, k=3)
+    tree = TreeConfig(nodes=12, top_k=4)
+    pairs, real = [], []
+    for i, prompt in enumerate(prompts * (1 if sampling.greedy else 4)):
+        out = generate(diverse_target, prompt, MAX_NEW, sampling, drafter=drafter, seed=i, tree=tree)
+        pairs.append((prompt, out.tokens))
+        real.append(float(out.rounds))
+    assert sum(real) < sum(len(tokens) for _, tokens in pairs)  # drafts were accepted
+    assert offline_rounds(diverse_target, drafter, pairs, sampling, tree=tree).tolist() == real
+    chain = offline_rounds(diverse_target, drafter, pairs, sampling)
+    assert chain.tolist() != real  # the tree is scored, not the chain
+
+
+def test_offline_trees_are_refused_for_left_to_right_families(diverse_target):
+    drafter = build("eagle3", diverse_target, k=3)
+    with pytest.raises(ValueError, match="decode it as a chain"):
+        offline_rounds(diverse_target, drafter, [([1, 2], [3, 4])], GREEDY, tree={"nodes": 4})

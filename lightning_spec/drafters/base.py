@@ -348,14 +348,14 @@ class Drafter(nn.Module):
         ``state.length``: at most ``block_size`` tokens, drawn from the distributions it records."""
         raise NotImplementedError(f"{type(self).__name__} must implement propose")
 
+    #: True when no slot reads the tokens drafted before it (a block drafted in parallel, heads side by side):
+    #: then ``position_logits`` gives every slot's distribution from one call and ``propose_tree`` grows a tree.
+    parallel_slots: bool = False
+
     def position_logits(self, state: Any, anchor: Tensor) -> Tensor:
-        """For families whose slots do not read each other's tokens (a block drafted in parallel, heads side by
-        side): the draft logits (K, Vd) of every slot after ``anchor`` from one call, the same ones ``propose``
-        draws from. They let ``propose_tree`` grow a best-first tree; left-to-right families have none."""
-        raise ValueError(
-            f"{type(self).__name__} drafts each slot from the tokens drafted before it, so it has no per-slot "
-            "distributions for a best-first tree (tree=...); decode it as a chain (tree=None)."
-        )
+        """For ``parallel_slots`` families: the draft logits (K, Vd) of every slot after ``anchor``, the ones
+        ``propose`` draws from (and the training ``forward`` gives at that anchor)."""
+        raise NotImplementedError(f"{type(self).__name__} sets parallel_slots but does not implement position_logits")
 
     @torch.no_grad()
     def propose_tree(
@@ -364,10 +364,19 @@ class Drafter(nn.Module):
         """A ``TreeProposal`` after ``anchor``: the best-first top-k tree over ``position_logits`` under ``sampling``
         (``decoding/trees.py``). Its nodes are chosen, not drawn, so they are verified with the deterministic
         candidate rule (lossless under sampling as well)."""
+        self.check_tree()
         logits = self.position_logits(state, anchor)  # (K, Vd)
         q = logits.softmax(-1) if sampling.greedy else sampling.probs(logits)  # (K, Vd)
         index, parents = best_first_tree(q, tree)  # (T,), (T,)
         return TreeProposal(tokens=self.vocab.to_target(index.to(q.device)), parents=parents.to(q.device))
+
+    def check_tree(self) -> None:
+        """Refuse, in one sentence, a tree for a family whose slots read each other's drafted tokens."""
+        if not self.parallel_slots:
+            raise ValueError(
+                f"{type(self).__name__} drafts each slot from the tokens drafted before it, so it has no per-slot "
+                "distributions for a best-first tree (tree=...); decode it as a chain (tree=None)."
+            )
 
     def extend(self, state: Any, features: Tensor, path: list[int]) -> None:
         """Commit a verified round: ``features`` (1, T, F) of the T verified nodes (the anchor first), ``path``

@@ -388,6 +388,8 @@ class BlockDrafter(Drafter):
             h = layer(h, pos, ck, cv, None, b, self.rope_theta)
         return self.norm(h)
 
+    parallel_slots = True  # the block's K slots are drafted in one forward, none reads another's token
+
     @torch.no_grad()
     def position_logits(self, state: BlockDraftState, anchor: Tensor) -> Tensor:
         return self.head(self.block_hidden(state, anchor)[0, 1:])  # (K, Vd): the block's slots, in parallel

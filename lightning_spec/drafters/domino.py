@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
-from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput
+from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.block import BlockDrafter, BlockDraftState, RMSNorm, TargetShape
 from lightning_spec.sampling import SamplingConfig
 
@@ -73,10 +73,9 @@ class ChainedBlockDrafter(BlockDrafter):
         ``previous`` (1,) before it (target id), and what the next slot needs (``carry``, None at slot 1)."""
         raise NotImplementedError
 
-    def position_logits(self, state: BlockDraftState, anchor: Tensor) -> Tensor:
-        if self.left_to_right:  # slot t reads the token drafted at t - 1: no per-slot distributions
-            return Drafter.position_logits(self, state, anchor)
-        return super().position_logits(state, anchor)
+    @property
+    def parallel_slots(self) -> bool:  # slot t reads the token drafted at t - 1 unless the chain is off
+        return not self.left_to_right
 
     @torch.no_grad()
     def propose(

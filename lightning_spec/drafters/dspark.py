@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
-from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput
+from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.block import BlockDrafter, BlockDraftState
 from lightning_spec.sampling import SamplingConfig
 
@@ -248,9 +248,7 @@ class DSparkDrafter(BlockDrafter):
                            aux={"confidence": conf}, drafted=drafted)
 
     # ------------------------------------------------------------------------------------------- decoding
-    def position_logits(self, state: BlockDraftState, anchor: Tensor) -> Tensor:
-        # the Markov head makes slot k read the token drafted at k - 1: no per-slot distributions for a tree
-        return Drafter.position_logits(self, state, anchor)
+    parallel_slots = False  # the Markov head makes slot k read the token drafted at k - 1
 
     @torch.no_grad()
     def propose(

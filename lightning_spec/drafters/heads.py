@@ -191,6 +191,8 @@ class MedusaDrafter(LastHiddenDrafter):
         """The last committed node sits just before the next anchor (the token the target commits after it)."""
         state.last = features[:, path[-1]]  # (1, H)
 
+    parallel_slots = True  # the heads read h_{n-1} only
+
     @torch.no_grad()
     def position_logits(self, state: LastHiddenState, anchor: Tensor | None = None) -> Tensor:
         """Every head's logits over the draft vocabulary, (K, Vd): independent of the anchor and of each other

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.data.rollouts import check_rollouts, load_rollout_set, rollout_sampling, spread
+from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.progress import advancer, progress_bar
 from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
@@ -108,6 +109,7 @@ def _score_batch(
     anchors_per_forward: int,
     max_elems: int,
     seconds: dict[str, float],
+    tree: TreeConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """τ(x) (N,), and the expected slot visits and acceptances (K,), (K,) of a batch of rollouts."""
     dev = target.device
@@ -127,7 +129,7 @@ def _score_batch(
     batch = {"input_ids": ids, "loss_mask": mask}
     chunk = max(1, min(max(1, anchors_per_forward // n), max_elems // max(1, n * k * drafter.vocab.ids.numel())))
     stats = every_anchor(lambda anchors: drafter(batch, out.features, anchors), mask, table, k, sampling, chunk,
-                         costs=False)
+                         costs=False, tree=tree)
     t2 = time.perf_counter()
 
     ch = chain(mask, k)
@@ -153,6 +155,7 @@ def offline_report(
     anchors_per_forward: int = 256,
     max_elems: int = 1 << 24,
     progress: bool | Callable[[int], None] = False,
+    tree: TreeConfig | dict | None = None,
 ) -> OfflineReport:
     """Exact expected rounds of every rollout, and the pooled MAL, MAL per domain and AR_k.
 
@@ -168,6 +171,8 @@ def offline_report(
         anchors_per_forward: anchors (over the batch) per drafter forward: memory, not results.
         max_elems: largest logits tensor materialised at once: memory, not results.
         progress: True shows a rich progress bar; a callable is called with the rollouts done per batch.
+        tree: score rounds that verify a best-first tree (``TreeConfig`` or a dict of its fields) instead of a
+            chain, as ``generate(..., tree=...)`` decodes; exact under greedy and sampling (``rounds.tree_accept``).
     """
     from lightning_spec.target import load_target
 
@@ -178,6 +183,9 @@ def offline_report(
 
         drafter = load_drafter(drafter, target=target)
     drafter.use_target(target)
+    tree = TreeConfig.coerce(tree)
+    if tree is not None:
+        drafter.check_tree()
     data = load_rollout_set(rollouts, vocab_size=target.vocab_size)
     recorded = rollout_sampling(data.meta)
     if sampling is None:
@@ -207,7 +215,7 @@ def offline_report(
                 index = todo[lo : lo + batch_size]
                 tau, re, ac = _score_batch(
                     target, drafter, [data.prompt_ids[i] for i in index], [data.response_ids[i] for i in index],
-                    sampling, anchors_per_forward, max_elems, seconds,
+                    sampling, anchors_per_forward, max_elems, seconds, tree,
                 )
                 rounds[index] = tau
                 reached += re
