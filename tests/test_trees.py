@@ -9,6 +9,7 @@
 """
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,63 @@ def test_offline_trees_are_refused_for_left_to_right_families(diverse_target):
     drafter = build("eagle3", diverse_target, k=3)
     with pytest.raises(ValueError, match="decode it as a chain"):
         offline_rounds(diverse_target, drafter, [([1, 2], [3, 4])], GREEDY, tree={"nodes": 4})
+
+
+def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_target, capsys):
+    """``lightning-spec evaluate --tree``: offline it scores the tree exactly (the rounds ``offline_rounds(tree=)``
+    gives), online it decodes with it; both record it in the JSON and say so in the table's title."""
+    import json
+    import sys
+
+    from test_offline import saved_drafters
+
+    from lightning_spec.cli import main
+    from lightning_spec.data import prompt_ids
+    from lightning_spec.data.rollout_writer import generate_rollouts
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    (path,) = saved_drafters(tiny_target, tmp_path, seeds=(0,))
+    prompts = [{"id": f"p{i}", "domain": "chat", "subdomain": "",
+                "prompt_ids": prompt_ids(tiny_target.tokenizer, [{"role": "user", "content": text}])}
+               for i, text in enumerate(["hello", "2+2?"])]
+    generate_rollouts(tiny_target, prompts, T1, 2, 10, tmp_path / "t1", seed=0, batch_size=4, progress=False)
+    tree = "{nodes: 4, top_k: 2}"
+    main(["evaluate", "--mode", "offline", "--rollouts", "t1", "--drafters", f"[{path}]", "--tree", tree,
+          "--n_resamples", "50", "--output", "off.json", "--progress", "false"])
+    assert "tree of 4 nodes (top 2)" in capsys.readouterr().out
+    result = json.loads((tmp_path / "off.json").read_text())
+    assert result["tree"] == {"nodes": 4, "top_k": 2, "depth": None}
+    want = offline_rounds(tiny_target, path, tmp_path / "t1", tree=TreeConfig(nodes=4, top_k=2))
+    assert result["arms"]["drafter0"]["rounds"] == pytest.approx(want.tolist())
+    main(["evaluate", "--mode", "online", "--drafters", f"[{path}]", "--tree", tree, "--sources", "[mt-bench]",
+          "--prompts_per_source", "2", "--max_new_tokens", "6", "--n_resamples", "50", "--output", "on.json",
+          "--progress", "false"])
+    result = json.loads((tmp_path / "on.json").read_text())
+    assert result["tree"]["nodes"] == 4 and result["arms"]["drafter0"]["tokens"] > 0
+
+
+def test_decode_validation_takes_a_tree_from_yaml(tmp_path, monkeypatch):
+    """``SpecDecodeValidation(tree=...)`` from a YAML overlay: every speculative decode of the fit is a tree decode."""
+    import sys
+
+    import lightning_spec.evaluation.benchmark as benchmark
+    from lightning_spec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    seen = []
+    real = benchmark.generate
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs.get("drafter") is not None, kwargs.get("tree")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "generate", recording)
+    overlay = tmp_path / "tree.yaml"
+    overlay.write_text("trainer:\n  callbacks:\n    - init_args:\n        tree: {nodes: 4, top_k: 2}\n")
+    tiny = Path(__file__).resolve().parents[1] / "experiments" / "tiny.yaml"
+    main(["fit", "-c", str(tiny), "-c", str(overlay), "--trainer.logger=false", "--trainer.max_steps=3"])
+    speculative = [tree for drafted, tree in seen if drafted]
+    assert speculative and all(tree == TreeConfig(nodes=4, top_k=2) for tree in speculative)
+    assert all(tree is None for drafted, tree in seen if not drafted)  # plain decoding has no tree

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 
 from lightning_spec.callbacks.base import EvaluationCallback, full_parameters
+from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums
 from lightning_spec.sampling import SamplingConfig
@@ -34,6 +35,8 @@ class SpecDecodeValidation(EvaluationCallback):
         print_summary: print a per-domain table of MAL before and after training when fit ends (and the MAL
             measured by ``lightning-spec validate``).
         seed: base seed; prompt i uses ``seed + i``.
+        tree: decode with a best-first token tree per round (``TreeConfig`` fields: nodes, top_k, depth) instead
+            of a chain; for the families with per-slot distributions (DFlash, Medusa).
     """
 
     name = "spec-validation"
@@ -47,6 +50,7 @@ class SpecDecodeValidation(EvaluationCallback):
         before_training: bool = True,
         print_summary: bool = True,
         seed: int = 0,
+        tree: TreeConfig | None = None,
     ) -> None:
         if prompts_per_domain < 1 or max_new_tokens < 1:
             raise ValueError("SpecDecodeValidation.prompts_per_domain and max_new_tokens must be >= 1.")
@@ -57,6 +61,7 @@ class SpecDecodeValidation(EvaluationCallback):
         self.measure_speedup = measure_speedup
         self.print_summary = print_summary
         self.seed = seed
+        self.tree = TreeConfig.coerce(tree)
         self._table_due = False  # a fit or validate ended with something to print
 
     @staticmethod
@@ -95,7 +100,7 @@ class SpecDecodeValidation(EvaluationCallback):
                 for i, sampling in enumerate(self.sampling):
                     report = decode_prompts(
                         module.target, module.drafter, mine, sampling, self.max_new_tokens,
-                        measure_plain=not before_training and self.measure_speedup and i == 0,
+                        measure_plain=not before_training and self.measure_speedup and i == 0, tree=self.tree,
                     )
                     metrics.update(self._reduce(trainer, report, domains, self.prefix(i, sampling)))
         finally:

@@ -75,22 +75,26 @@ def decode_prompts(
     measure_plain: bool = False,
     seed: int = 0,
     progress: Any = None,
+    tree: Any = None,
 ) -> DecodeReport:
     """Decode every prompt (dicts with ``prompt_ids`` and ``domain``) with the drafter, and optionally plain.
 
     Seeds are per prompt (``prompt["seed"]`` when given, else ``seed + i``) so runs are reproducible and
     plain/speculative see the same prompts.
-    ``progress`` is an optional callable advanced once per prompt.
+    ``progress`` is an optional callable advanced once per prompt; ``tree`` (a ``TreeConfig``) decodes with a
+    token tree per round (slot k = tree depth k in the acceptance counts).
     """
     block_size = drafter.block_size if drafter is not None else 1
     report = DecodeReport(torch.zeros(block_size, dtype=torch.float64), torch.zeros(block_size, dtype=torch.float64))
     for i, prompt in enumerate(prompts):
         prompt_seed = prompt.get("seed", seed + i)
-        gen = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=drafter, seed=prompt_seed)
+        gen = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=drafter, seed=prompt_seed,
+                       tree=tree)
         sums = report.by_domain.setdefault(prompt["domain"], [0, 0])
         sums[0] += len(gen.tokens)
         sums[1] += gen.rounds
-        accepted, reached = slot_counts(gen.accept_lengths, block_size, gen.draft_lengths)
+        # a tree's nodes are not its depth: every round of a tree reaches depth 1..K while its path lasts
+        accepted, reached = slot_counts(gen.accept_lengths, block_size, None if tree else gen.draft_lengths)
         report.slot_accepted += accepted
         report.slot_reached += reached
         report.tokens += len(gen.tokens)

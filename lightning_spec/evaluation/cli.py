@@ -14,6 +14,7 @@ rollout before the bootstrap.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from lightning_spec.data.rollouts import check_rollouts, load_rollout_set, rollout_sampling, spread
+from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.evaluation.offline import OfflineReport, offline_report
 from lightning_spec.evaluation.paired import Comparison, compare, compare_reports
 from lightning_spec.progress import progress_bar
@@ -73,6 +75,7 @@ def run_offline(
     target_dtype: str,
     device: str,
     progress: bool,
+    tree: TreeConfig | None = None,
 ) -> tuple[dict[str, Any], Comparison]:
     from lightning_spec.checkpoint import load_drafter
     from lightning_spec.target import load_target
@@ -90,7 +93,7 @@ def run_offline(
     for path, name in zip(drafters, names):
         drafter = load_drafter(path, target=model)
         reports.setdefault(name, []).append(
-            offline_report(model, drafter, data, sampling, batch_size=batch_size, progress=progress)
+            offline_report(model, drafter, data, sampling, batch_size=batch_size, progress=progress, tree=tree)
         )
         del drafter
     comparison = compare_reports(reports, baseline, n_resamples, confidence, seed)
@@ -113,6 +116,7 @@ def run_offline(
         "target": spec,
         "target_fingerprint": model.fingerprint,
         "sampling": sampling.to_dict(),
+        "tree": dataclasses.asdict(tree) if tree else None,
         "rollouts": rollouts,
         "rows": {
             "prompt_id": first.prompt_keys,
@@ -141,6 +145,7 @@ def run_online(
     target_dtype: str,
     device: str,
     progress: bool,
+    tree: TreeConfig | None = None,
 ) -> tuple[dict[str, Any], Comparison]:
     from lightning_spec.checkpoint import load_drafter
     from lightning_spec.data.prompts import select_prompts
@@ -154,8 +159,11 @@ def run_online(
         raise ValueError(f"--target {spec} has no tokenizer; online evaluation builds chat prompts with it.")
     prompts = select_prompts(model.tokenizer, [as_source(s) for s in sources], prompts_per_source, seed)
     loaded = [load_drafter(p, target=model) for p in drafters]
+    if tree is not None:
+        for d in loaded:
+            d.check_tree()
     for d in [None, *loaded]:  # warm-up: first calls pay one-off costs that are not decoding speed
-        decode_prompts(model, d, prompts[:1], sampling, min(8, max_new_tokens), seed=seed)
+        decode_prompts(model, d, prompts[:1], sampling, min(8, max_new_tokens), seed=seed, tree=tree if d else None)
 
     # per prompt: plain, then every drafter (interleaved, so a load change on the machine hits all alike)
     n = len(prompts)
@@ -167,7 +175,8 @@ def run_online(
     with progress_bar(f"online decoding ({len(loaded)} drafters + plain)", n, progress) as bar:
         for i, prompt in enumerate(prompts):
             for j, d in enumerate([None, *loaded]):
-                rep = decode_prompts(model, d, [prompt], sampling, max_new_tokens, seed=seed + i)
+                rep = decode_prompts(model, d, [prompt], sampling, max_new_tokens, seed=seed + i,
+                                     tree=tree if d is not None else None)
                 tok[j, i], rnd[j, i], sec[j, i] = rep.tokens, rep.rounds, rep.seconds
                 draft_sec[j, i] = rep.draft_seconds
                 if d is not None:
@@ -209,6 +218,7 @@ def run_online(
         "target": spec,
         "target_fingerprint": model.fingerprint,
         "sampling": sampling.to_dict(),
+        "tree": dataclasses.asdict(tree) if tree else None,
         "sources": [str(s) for s in sources],
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -237,6 +247,8 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     mode = result["mode"]
     s = result["sampling"]
     how = "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g} top_p={s['top_p']:g} top_k={s['top_k']}"
+    if result.get("tree"):
+        how += ", tree of {nodes} nodes (top {top_k})".format(**result["tree"])
     what = (f"{comparison.rows} rollouts of {comparison.prompts} prompts" if mode == "offline"
             else f"{comparison.prompts} prompts, real decoding")
     console.print(f"{mode} MAL (tokens per target forward, bonus included), {how}, {what}")
@@ -337,6 +349,7 @@ def evaluate(
     target_dtype: str = "float32",
     device: str = "cpu",
     progress: bool = True,
+    tree: TreeConfig | None = None,
 ) -> dict[str, Any]:
     """Score drafters offline on target rollouts (exact expected rounds) or online by real decoding.
 
@@ -366,7 +379,11 @@ def evaluate(
         target_dtype: float32 on CPU, bfloat16 on GPUs.
         device: where the target and drafters run.
         progress: show progress bars.
+        tree: decode (online) or score (offline, exactly) rounds that verify a best-first token tree instead of a
+            chain, e.g. --tree '{nodes: 16, top_k: 4}'; for the families with per-slot distributions (DFlash,
+            Medusa).
     """
+    tree = TreeConfig.coerce(tree)
     if not drafters:
         raise ValueError("--drafters is empty; pass one or more checkpoints, e.g. --drafters '[runs/a/last.ckpt]'.")
     if n_resamples < 1 or not 0 < confidence < 1:
@@ -378,14 +395,14 @@ def evaluate(
             raise ValueError("--mode offline needs --rollouts: a folder made by `lightning-spec rollouts`.")
         result, comparison = run_offline(
             rollouts, drafters, labels, baseline, target, sampling, max_rollouts, batch_size, n_resamples,
-            confidence, seed, target_dtype, device, progress,
+            confidence, seed, target_dtype, device, progress, tree,
         )
     elif mode == "online":
         if prompts_per_source < 1 or max_new_tokens < 1:
             raise ValueError("--prompts_per_source and --max_new_tokens must be >= 1.")
         result, comparison = run_online(
             target, drafters, labels, baseline, sampling or SamplingConfig(), sources, prompts_per_source,
-            max_new_tokens, n_resamples, confidence, seed, target_dtype, device, progress,
+            max_new_tokens, n_resamples, confidence, seed, target_dtype, device, progress, tree,
         )
     else:
         raise ValueError(f"--mode must be offline or online, got {mode!r}.")
