@@ -2,13 +2,19 @@
 
 - the builder returns exactly the ``nodes`` most valuable nodes of the full top-k tree (value = product of q along
   the root path), parents before children, siblings best first;
-- for every family with per-slot distributions (DFlash's block, Medusa's heads),
+- EAGLE-2's dynamic builder expands, depth by depth, the k most valuable nodes offered there and keeps the ``nodes``
+  most valuable of all offered (against a set-based restatement, on a drafter whose q depends on the whole path);
+- for every family with per-slot distributions (DFlash's block, Medusa's heads) and every autoregressive one
+  (EAGLE-3, MTP),
   greedy tree decoding equals the independent argmax loop with a trained drafter, and sampled tree decoding is
   distributed as the target (χ² against the enumerated joint);
-- the left-to-right families refuse a tree in one sentence, and so do bad tree settings.
+- after a tree round the drafter's state is that of a fresh prefill of the committed tokens;
+- best-first trees are scored offline exactly (the rounds of every real run, sampled ones included); dynamic trees
+  are refused offline, the families with no builder everywhere, and bad tree settings, each in one sentence.
 """
 
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -18,11 +24,13 @@ from test_families import FAMILIES, build, trained
 from test_lossless_sampling import NEW, PROMPT, assert_matches, exact_joint
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, offline_rounds
-from lightning_spec.decoding.trees import best_first_tree
+from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
+from lightning_spec.drafters import Anchors
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
-TREE_FAMILIES = ["dflash", "medusa"]
-CHAIN_ONLY = sorted(set(FAMILIES) - set(TREE_FAMILIES))
+BEST_FIRST = ["dflash", "medusa"]  # per-slot distributions: best-first trees, scored offline exactly
+DYNAMIC = ["eagle3", "mtp"]  # autoregressive: EAGLE-2's dynamic trees, online only
+CHAIN_ONLY = sorted(set(FAMILIES) - set(BEST_FIRST) - set(DYNAMIC))
 
 
 @pytest.mark.parametrize("depth,top_k,nodes", [(3, 3, 7), (4, 2, 30), (2, 4, 5), (5, 1, 3)])
@@ -48,6 +56,45 @@ def test_best_first_tree_is_the_most_valuable_nodes_of_the_full_tree(depth, top_
         assert vals == sorted(vals, reverse=True)
 
 
+def path_q(path: tuple[int, ...], vocab: int = 9) -> torch.Tensor:
+    """A draft distribution that depends on the whole path drafted so far (as an autoregressive drafter's)."""
+    g = torch.Generator().manual_seed(hash(path) % 2**31)
+    return torch.rand(vocab, generator=g, dtype=torch.float64).mul(4).softmax(-1)
+
+
+@pytest.mark.parametrize("depth,top_k,nodes", [(3, 2, 5), (4, 3, 12), (2, 4, 30), (3, 1, 2)])
+def test_dynamic_tree_expands_the_most_valuable_nodes_depth_by_depth(depth, top_k, nodes):
+    """Restated on sets: at depth d the offered nodes are the top-k children of each expanded node (depth 1: of the
+    anchor), the expanded ones the k most valuable offered; the tree is the ``nodes`` most valuable offered nodes."""
+    calls = []
+
+    def start():
+        return [()], path_q(())[None]
+
+    def step(chain, rows, tokens):
+        calls.append(len(rows))
+        paths = [chain[r] + (t,) for r, t in zip(rows.tolist(), tokens.tolist())]
+        return paths, torch.stack([path_q(p) for p in paths])
+
+    tokens, parents = dynamic_tree(start, step, depth, TreeConfig(nodes=nodes, top_k=top_k))
+
+    def value(path):
+        return math.prod(float(path_q(path[:i])[t]) for i, t in enumerate(path))
+
+    offered, expanded = [], [()]
+    for _ in range(depth):
+        here = [p + (t,) for p in expanded for t in path_q(p).topk(top_k).indices.tolist()]
+        offered += here
+        expanded = sorted(here, key=value, reverse=True)[:top_k]
+    want = sorted(offered, key=lambda p: (-value(p), len(p)))[:nodes]
+    paths = {0: ()}
+    for i, (tok, parent) in enumerate(zip(tokens.tolist(), parents.tolist()), start=1):
+        assert parent < i
+        paths[i] = paths[parent] + (tok,)
+    assert sorted(paths[i] for i in range(1, len(tokens) + 1)) == sorted(want)
+    assert calls == [top_k] * (depth - 1)  # one drafter call per depth after the first, over the k expanded
+
+
 def test_tree_settings_are_checked_in_one_sentence():
     with pytest.raises(ValueError, match="tree.nodes must be an int >= 1"):
         TreeConfig(nodes=0)
@@ -58,8 +105,13 @@ def test_tree_settings_are_checked_in_one_sentence():
     assert TreeConfig.coerce({"nodes": 5}) == TreeConfig(nodes=5)
 
 
-@pytest.fixture(scope="module", params=TREE_FAMILIES)
+@pytest.fixture(scope="module", params=BEST_FIRST + DYNAMIC)
 def tree_family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module", params=BEST_FIRST)
+def best_first_family(request):
     return request.param
 
 
@@ -115,21 +167,27 @@ def test_a_tree_without_a_drafter_is_one_sentence(diverse_target):
 def test_after_a_tree_round_the_drafter_sees_what_a_fresh_prefill_of_the_committed_tokens_gives(
     tree_family, diverse_target, prompts
 ):
-    """``extend`` gets the features of the committed path (not a prefix of the nodes): every round's per-slot
-    logits equal those of a drafter started afresh on the committed sequence so far."""
+    """``extend`` gets the features of the committed path (not a prefix of the nodes): every round's first draft
+    distributions (all slots for a best-first tree, slot 1 for a dynamic one) equal those of a drafter started
+    afresh on the committed sequence so far."""
     drafter = trained(tree_family, diverse_target, prompts, k=3)
+    hook = "position_logits" if drafter.parallel_slots else "tree_start"
+    original = getattr(drafter, hook)
     seen = []
-    original = drafter.position_logits
+
+    def first(state, anchor):
+        out = original(state, anchor)
+        return out if drafter.parallel_slots else out[1]
 
     def recording(state, anchor):
-        logits = original(state, anchor)
-        seen.append((anchor.clone(), logits))
-        return logits
+        out = original(state, anchor)
+        seen.append((anchor.clone(), out if drafter.parallel_slots else out[1]))
+        return out
 
-    drafter.position_logits = recording
+    setattr(drafter, hook, recording)
     prompt = max(prompts, key=len)
     out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=TreeConfig(nodes=6, top_k=3))
-    del drafter.position_logits
+    delattr(drafter, hook)
     assert any(a > 0 for a in out.accept_lengths)
     committed = prompt + out.tokens
     done = len(prompt) - 1  # the committed tokens before the first round's anchor
@@ -138,15 +196,15 @@ def test_after_a_tree_round_the_drafter_sees_what_a_fresh_prefill_of_the_committ
         ids = torch.tensor([committed[:done]], dtype=torch.long)
         features = diverse_target(ids, layers=drafter.target_layers, logits=False).features
         fresh = drafter.begin(features, ids)
-        torch.testing.assert_close(logits, original(fresh, anchor), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, first(fresh, anchor), atol=1e-5, rtol=1e-5)
         done += accepted + 1
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "T1"])
-def test_offline_tree_rounds_equal_the_engines_on_every_output(tree_family, diverse_target, prompts, sampling):
+def test_offline_tree_rounds_equal_the_engines_on_every_output(best_first_family, diverse_target, prompts, sampling):
     """A best-first tree's children are chosen, not drawn: given the output, a round accepts the longest root path
     the output follows, so the offline rounds equal each real run's rounds exactly, sampled runs included."""
-    drafter = trained(tree_family, diverse_target, prompts, k=3)
+    drafter = trained(best_first_family, diverse_target, prompts, k=3)
     tree = TreeConfig(nodes=12, top_k=4)
     pairs, real = [], []
     for i, prompt in enumerate(prompts * (1 if sampling.greedy else 4)):
@@ -159,9 +217,10 @@ def test_offline_tree_rounds_equal_the_engines_on_every_output(tree_family, dive
     assert chain.tolist() != real  # the tree is scored, not the chain
 
 
-def test_offline_trees_are_refused_for_left_to_right_families(diverse_target):
-    drafter = build("eagle3", diverse_target, k=3)
-    with pytest.raises(ValueError, match="decode it as a chain"):
+@pytest.mark.parametrize("family,says", [("eagle3", "evaluate --mode online"), ("dspark", "decode it as a chain")])
+def test_offline_trees_are_refused_where_they_cannot_be_scored_exactly(diverse_target, family, says):
+    drafter = build(family, diverse_target, k=3)
+    with pytest.raises(ValueError, match=says):
         offline_rounds(diverse_target, drafter, [([1, 2], [3, 4])], GREEDY, tree={"nodes": 4})
 
 
@@ -223,3 +282,27 @@ def test_decode_validation_takes_a_tree_from_yaml(tmp_path, monkeypatch):
     speculative = [tree for drafted, tree in seen if drafted]
     assert speculative and all(tree == TreeConfig(nodes=4, top_k=2) for tree in speculative)
     assert all(tree is None for drafted, tree in seen if not drafted)  # plain decoding has no tree
+
+
+@pytest.mark.parametrize("family", DYNAMIC)
+def test_tree_steps_draft_what_the_chain_drafts_along_each_path(family, diverse_target):
+    """``tree_start`` and ``tree_step`` (rows taken out of order and twice) give each row the distribution the
+    teacher-forced forward gives along that row's path: the branching keeps every row's own entries."""
+    drafter = build(family, diverse_target, k=3, seed=1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, diverse_target.vocab_size, (1, 9), generator=g)
+    n = 6  # the anchor
+    feats = diverse_target(ids[:, :n], layers=drafter.target_layers, logits=False).features
+    state = drafter.begin(feats, ids[:, :n])
+    chain, first = drafter.tree_start(state, ids[0, n : n + 1])
+    a, b, c, d = (int(drafter.vocab.to_draft(torch.tensor([t]))[0]) for t in (11, 23, 35, 47))
+    chain, second = drafter.tree_step(chain, torch.tensor([0, 0]), torch.tensor([a, b]))  # rows: (a), (b)
+    chain, third = drafter.tree_step(chain, torch.tensor([1, 0, 1]), torch.tensor([c, d, d]))  # (b,c) (a,d) (b,d)
+    rows = {(): first[0], (a,): second[0], (b,): second[1], (b, c): third[0], (a, d): third[1], (b, d): third[2]}
+    for path, got in rows.items():
+        tokens = [int(drafter.vocab.to_target(torch.tensor([t]))[0]) for t in path]
+        seq = torch.cat([ids[0, : n + 1], torch.tensor(tokens + [0] * (3 - len(tokens)))])[None]  # (1, n + 4)
+        features = diverse_target(seq, layers=drafter.target_layers, logits=False).features
+        batch = {"input_ids": seq, "loss_mask": torch.ones_like(seq, dtype=torch.bool)}
+        want = drafter(batch, features, Anchors(torch.tensor([[n]]), torch.tensor([[True]]))).logits[0, 0, len(path)]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=str(path))

@@ -5,19 +5,28 @@ a chain's later slots are rarely reached: spending the same verify width on alte
 commits more tokens per forward. ``generate(..., tree=TreeConfig(...))`` asks the drafter for a ``TreeProposal``
 (``Drafter.propose_tree``); ``tree=None`` keeps the chain.
 
-Best-first top-k tree (for drafters whose slots do not read each other's tokens: DFlash's block, Medusa's heads):
-one drafter call gives a distribution q_d per depth d = 1..D. A node's value is the product of q along its root path
-(the chance that a draft sampled from q would follow it; EAGLE-2's value, Li et al. 2024, arXiv 2406.16858, §4);
-the tree grows by always adding the most valuable node not yet in it among the top-k children of the nodes in it,
-until it holds ``nodes`` draft nodes. Values fall along a path, so a node's parent is always added before it. The
-tree is a function of q alone, not drawn from it: under sampling its children are verified with the deterministic
-candidate rule (``verify.candidate_rule`` with q None), which is lossless for any such tree.
+Two builders, by what the drafter can give in one call:
+
+Best-first top-k tree (``best_first_tree``, for drafters whose slots do not read each other's tokens: DFlash's
+block, Medusa's heads): one drafter call gives a distribution q_d per depth d = 1..D. A node's value is the product
+of q along its root path (the chance that a draft sampled from q would follow it; EAGLE-2's value, Li et al. 2024,
+arXiv 2406.16858, §4); the tree grows by always adding the most valuable node not yet in it among the top-k children
+of the nodes in it, until it holds ``nodes`` draft nodes. Values fall along a path, so a node's parent is always
+added before it. The tree is a function of q alone, not drawn from it: under sampling its children are verified with
+the deterministic candidate rule (``verify.candidate_rule`` with q None), which is lossless for any such tree.
+
+Dynamic tree (``dynamic_tree``, for autoregressive drafters: EAGLE-3, MTP): EAGLE-2's expansion and rerank, one
+drafter call per depth over the k nodes expanded there. Its nodes are chosen from q as well (top-k), so the same
+rule verifies it. Offline scoring needs the drafter's distributions off the output's path, which a teacher-forced
+forward does not give: ``evaluate`` refuses it and points to real decoding.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -86,3 +95,48 @@ def best_first_tree(q: Tensor, config: TreeConfig) -> tuple[Tensor, Tensor]:
             heapq.heappush(frontier, (-values[node] * top_p[d + 1][0], order, node, d + 1, 0))
             order += 1
     return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
+
+
+def dynamic_tree(
+    start: Callable[[], tuple[Any, Tensor]],
+    step: Callable[[Any, Tensor, Tensor], tuple[Any, Tensor]],
+    depth: int,
+    config: TreeConfig,
+) -> tuple[Tensor, Tensor]:
+    """EAGLE-2's dynamic tree (Li et al. 2024, arXiv 2406.16858, §4) for drafters whose slots read the tokens drafted
+    before them (EAGLE-3, MTP): grown depth by depth, then reranked.
+
+    ``start()`` runs slot 1 after the anchor and returns the drafter's chain state over one row and the row's draft
+    distribution (1, V). ``step(chain, rows, tokens)`` continues the chain rows ``rows`` (A,) by the draft indices
+    ``tokens`` (A,) (one slot each) and returns the new chain over A rows and their distributions (A, V).
+
+    Expansion: at every depth each expanded node offers its top-k tokens as children, valued at the parent's value
+    times their probability; the k most valuable children of the depth are expanded next (one ``step`` call for all
+    of them). Rerank: the ``nodes`` most valuable nodes of everything offered (ties to the shallower), which holds
+    every kept node's parent (values do not grow along a path). Returns draft indices (T,) and parents (T,) in the
+    order of ``best_first_tree``'s result (parents first; 0 = the anchor)."""
+    k = config.top_k
+    chain, q = start()  # q (1, V)
+    tokens, parents, values, depths = [-1], [-1], [1.0], [0]  # node 0: the anchor
+    rows = [0]  # the node each chain row continues
+    for d in range(1, depth + 1):
+        top_p, top_i = q.double().topk(min(k, q.shape[-1]), dim=-1)  # (A, k)
+        offered = []
+        for row, parent in enumerate(rows):
+            for p, t in zip(top_p[row].tolist(), top_i[row].tolist()):
+                tokens.append(t)
+                parents.append(parent)
+                values.append(values[parent] * p)
+                depths.append(d)
+                offered.append(len(tokens) - 1)
+        if d == depth:
+            break
+        expand = sorted(offered, key=lambda i: (-values[i], i))[:k]
+        chain, q = step(chain, torch.tensor([rows.index(parents[i]) for i in expand]),
+                        torch.tensor([tokens[i] for i in expand]))
+        rows = expand
+    kept = sorted(sorted(range(1, len(tokens)), key=lambda i: (-values[i], depths[i], i))[: config.nodes])
+    index = {node: i + 1 for i, node in enumerate(kept)}  # node id -> position in the proposal (0: the anchor)
+    index[0] = 0
+    return (torch.tensor([tokens[i] for i in kept], dtype=torch.long),
+            torch.tensor([index[parents[i]] for i in kept], dtype=torch.long))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import TreeProposal
-from lightning_spec.decoding.trees import best_first_tree
+from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -349,7 +349,9 @@ class Drafter(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement propose")
 
     #: True when no slot reads the tokens drafted before it (a block drafted in parallel, heads side by side):
-    #: then ``position_logits`` gives every slot's distribution from one call and ``propose_tree`` grows a tree.
+    #: then ``position_logits`` gives every slot's distribution from one call and ``propose_tree`` grows a
+    #: best-first tree over them. Autoregressive families grow EAGLE-2's dynamic tree through ``tree_start`` and
+    #: ``tree_step`` instead; a family with neither decodes chains only.
     parallel_slots: bool = False
 
     def position_logits(self, state: Any, anchor: Tensor) -> Tensor:
@@ -357,25 +359,62 @@ class Drafter(nn.Module):
         ``propose`` draws from (and the training ``forward`` gives at that anchor)."""
         raise NotImplementedError(f"{type(self).__name__} sets parallel_slots but does not implement position_logits")
 
+    def tree_start(self, state: Any, anchor: Tensor) -> tuple[Any, Tensor]:
+        """For autoregressive families: slot 1 after ``anchor`` as a chain of one row, and its draft logits (1, Vd)."""
+        raise NotImplementedError
+
+    def tree_step(self, chain: Any, rows: Tensor, tokens: Tensor) -> tuple[Any, Tensor]:
+        """Continue the chain's rows ``rows`` (A,) (a row may be taken several times) by one slot each on the draft
+        indices ``tokens`` (A,): the new chain over A rows and their draft logits (A, Vd)."""
+        raise NotImplementedError
+
+    @property
+    def dynamic_trees(self) -> bool:
+        return type(self).tree_start is not Drafter.tree_start
+
     @torch.no_grad()
     def propose_tree(
         self, state: Any, anchor: Tensor, sampling: SamplingConfig, tree: Any, generator=None
     ) -> TreeProposal:
-        """A ``TreeProposal`` after ``anchor``: the best-first top-k tree over ``position_logits`` under ``sampling``
-        (``decoding/trees.py``). Its nodes are chosen, not drawn, so they are verified with the deterministic
-        candidate rule (lossless under sampling as well)."""
+        """A ``TreeProposal`` after ``anchor`` (``decoding/trees.py``): the best-first top-k tree over
+        ``position_logits`` for ``parallel_slots`` families, EAGLE-2's dynamic tree otherwise, both over the draft
+        distributions under ``sampling``. Its nodes are chosen, not drawn, so they are verified with the
+        deterministic candidate rule (lossless under sampling as well)."""
         self.check_tree()
-        logits = self.position_logits(state, anchor)  # (K, Vd)
-        q = logits.softmax(-1) if sampling.greedy else sampling.probs(logits)  # (K, Vd)
-        index, parents = best_first_tree(q, tree)  # (T,), (T,)
-        return TreeProposal(tokens=self.vocab.to_target(index.to(q.device)), parents=parents.to(q.device))
 
-    def check_tree(self) -> None:
-        """Refuse, in one sentence, a tree for a family whose slots read each other's drafted tokens."""
-        if not self.parallel_slots:
+        def probs(logits: Tensor) -> Tensor:
+            return logits.softmax(-1) if sampling.greedy else sampling.probs(logits)
+
+        if self.parallel_slots:
+            index, parents = best_first_tree(probs(self.position_logits(state, anchor)), tree)  # (T,), (T,)
+        else:
+            def start() -> tuple[Any, Tensor]:
+                chain, logits = self.tree_start(state, anchor)
+                return chain, probs(logits)
+
+            def step(chain: Any, rows: Tensor, tokens: Tensor) -> tuple[Any, Tensor]:
+                chain, logits = self.tree_step(chain, rows, tokens)
+                return chain, probs(logits)
+
+            depth = min(tree.depth or self.block_size, self.block_size)  # slots past K were never trained
+            index, parents = dynamic_tree(start, step, depth, tree)
+        device = anchor.device
+        return TreeProposal(tokens=self.vocab.to_target(index.to(device)), parents=parents.to(device))
+
+    def check_tree(self, offline: bool = False) -> None:
+        """Refuse, in one sentence, a tree this family cannot grow (or, ``offline``, cannot be scored exactly)."""
+        name = type(self).__name__
+        if self.parallel_slots:
+            return
+        if not self.dynamic_trees:
             raise ValueError(
-                f"{type(self).__name__} drafts each slot from the tokens drafted before it, so it has no per-slot "
-                "distributions for a best-first tree (tree=...); decode it as a chain (tree=None)."
+                f"{name} drafts each slot from the tokens drafted before it and has no tree builder; decode it as "
+                "a chain (tree=None)."
+            )
+        if offline:
+            raise ValueError(
+                f"{name} grows its tree from drafts off the output's path, which the offline evaluator cannot score "
+                "exactly; measure it with real decoding (evaluate --mode online)."
             )
 
     def extend(self, state: Any, features: Tensor, path: list[int]) -> None:

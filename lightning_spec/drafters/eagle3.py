@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
 from lightning_spec.drafters.block import RMSNorm, TargetShape, init_weights, rope
 from lightning_spec.sampling import SamplingConfig
@@ -129,6 +129,17 @@ def chain_attention(
     out = probs[..., :s] @ ctx_v[:, :, None]  # (N, Hkv, r, A, D)
     out = out + torch.einsum("nhraj,nhajd->nhrad", probs[..., s:], own_v)
     return out.reshape(n, hq, a, d)
+
+
+@dataclass
+class Eagle3Chain:
+    """A round's draft rows after some slots: each row's next hidden input and its own entries (its path's slots),
+    over the committed entries of ``state`` that every row sees. One row for a chain, one per node for a tree."""
+
+    u: Tensor  # (1, A, H)
+    keys: Tensor  # (1, kv_heads, A, J, D)
+    values: Tensor
+    state: Eagle3State
 
 
 @dataclass
@@ -281,21 +292,33 @@ class Eagle3Drafter(Drafter):
         state.length += t
         state.last = g[:, -1]
 
+    def _slot(self, chain: Eagle3Chain, tokens: Tensor) -> Tensor:
+        """One slot for every row of ``chain`` on its known token ``tokens`` (A,) (target ids): the row's entry joins
+        its own, its output is the next slot's hidden input. Returns the rows' draft logits (A, Vd)."""
+        state = chain.state
+        pos = torch.full((1, tokens.shape[0]), state.length + chain.keys.shape[3], device=tokens.device)  # (1, A)
+        q, k, v = self.layer.qkv(self.embed(tokens)[None], chain.u, pos, self.rope_theta)  # q (1, Hq, A, D)
+        chain.keys = torch.cat([chain.keys, k[:, :, :, None]], 3)  # (1, Hkv, A, J + 1, D)
+        chain.values = torch.cat([chain.values, v[:, :, :, None]], 3)
+        attn = chain_attention(q, state.keys, state.values, None, chain.keys, chain.values)
+        chain.u = self.layer.finish(chain.u, attn)  # (1, A, H)
+        return self.head(self.norm(chain.u[0]))  # (A, Vd)
+
+    def _chain(self, state: Eagle3State) -> Eagle3Chain:
+        """A round's chain before slot 1: one row, h_0 = g_{n-1}, no entries of its own yet."""
+        empty = state.keys.new_zeros(1, self.layer.kv_heads, 1, 0, self.layer.head_dim)
+        return Eagle3Chain(u=state.last[:, None], keys=empty, values=empty, state=state)
+
     @torch.no_grad()
     def propose(self, state: Eagle3State, anchor: Tensor, sampling: SamplingConfig, generator=None) -> ChainProposal:
         """K slots in a row from the anchor x_n at position n = ``state.length``; each slot's entry joins the
         round's own keys, and its sampled token is the next slot's input."""
-        token, u = anchor.reshape(1).to(state.keys.device), state.last[:, None]  # (1,), (1, 1, H)
-        own_k, own_v, tokens, probs = [], [], [], []
+        token = anchor.reshape(1).to(state.keys.device)  # (1,)
+        chain = self._chain(state)
+        tokens, probs = [], []
         state.nodes = [token]
-        for t in range(1, self.block_size + 1):
-            pos = torch.full((1, 1), state.length + t - 1, device=token.device)
-            q, k, v = self.layer.qkv(self.embed(token)[None], u, pos, self.rope_theta)  # q (1, Hq, 1, D)
-            own_k.append(k)
-            own_v.append(v)
-            attn = chain_attention(q, state.keys, state.values, None, torch.stack(own_k, 3), torch.stack(own_v, 3))
-            u = self.layer.finish(u, attn)  # (1, 1, H)
-            logits = self.head(self.norm(u[0, 0]))  # (Vd,)
+        for _ in range(self.block_size):
+            logits = self._slot(chain, token)[0]  # (Vd,)
             if sampling.greedy:
                 draft = logits.argmax(-1)
             else:
@@ -307,6 +330,25 @@ class Eagle3Drafter(Drafter):
             state.nodes.append(token)
         drafted = torch.cat(tokens)  # (K,)
         return ChainProposal(tokens=drafted, probs=torch.stack(probs) if probs else None)
+
+    # ----------------------------------------------------------------------- dynamic trees (EAGLE-2)
+    @torch.no_grad()
+    def tree_start(self, state: Eagle3State, anchor: Tensor) -> tuple[Eagle3Chain, Tensor]:
+        chain = self._chain(state)
+        return chain, self._slot(chain, anchor.reshape(1).to(state.keys.device))
+
+    @torch.no_grad()
+    def tree_step(self, chain: Eagle3Chain, rows: Tensor, tokens: Tensor) -> tuple[Eagle3Chain, Tensor]:
+        rows = rows.to(chain.u.device)
+        branch = Eagle3Chain(u=chain.u[:, rows], keys=chain.keys[:, :, rows], values=chain.values[:, :, rows],
+                             state=chain.state)
+        return branch, self._slot(branch, self.vocab.to_target(tokens.to(chain.u.device)))
+
+    def propose_tree(self, state: Eagle3State, anchor: Tensor, sampling: SamplingConfig, tree: Any,
+                     generator=None) -> TreeProposal:
+        proposal = super().propose_tree(state, anchor, sampling, tree, generator)
+        state.nodes = [anchor.reshape(1), *proposal.tokens.reshape(-1, 1)]  # extend reads the committed ones
+        return proposal
 
     @torch.no_grad()
     def extend(self, state: Eagle3State, features: Tensor, path: list[int]) -> None:

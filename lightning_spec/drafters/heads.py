@@ -50,9 +50,8 @@ Losses are objective parts (the family owns none): Medusa's Σ_k 0.8^k CE_k is `
 here). See experiments/drafters/medusa.yaml and mtp.yaml.
 
 Trees: ``MedusaDrafter.position_logits`` gives every head's logits at once, so ``Drafter.propose_tree`` grows a
-best-first tree over their top-k (Medusa's tree is a product of the heads' top-k). ``MTPDrafter.advance`` runs one
-slot from a chain's state, which a dynamic tree would call once per expanded node (not built yet: MTP decodes
-chains).
+best-first tree over their top-k (Medusa's tree is a product of the heads' top-k). MTP grows EAGLE-2's dynamic tree:
+``tree_step`` continues chosen rows of a round's chain by one ``advance`` (their entries copied per row).
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
 from lightning_spec.drafters.block import DraftLayer, RMSNorm, TargetShape, init_weights
 from lightning_spec.drafters.eagle3 import chain_attention
@@ -419,14 +418,18 @@ class MTPDrafter(LastHiddenDrafter):
         state.last = [depth[:, -1] for depth in states]
         state.length += ids.shape[1]
 
+    def _round(self, state: MTPState, token: Tensor) -> MTPChain:
+        """The chain of a round anchored at n = ``state.length`` on the anchor ``token`` (1, 1), before slot 1."""
+        starts = torch.full_like(token, state.length)
+        context = [(ck, cv, None) for ck, cv in zip(state.keys, state.values)]
+        return self.new_chain([last[:, None] for last in state.last], token, starts, context)
+
     @torch.no_grad()
     def propose(self, state: MTPState, anchor: Tensor, sampling: SamplingConfig, generator=None) -> ChainProposal:
         """Draft slot by slot from the anchor x_n at position n = ``state.length``, each drafted token the next slot's
         input."""
         token = anchor.reshape(1, 1).to(state.keys[0].device)  # (1, 1)
-        starts = torch.full_like(token, state.length)
-        context = [(ck, cv, None) for ck, cv in zip(state.keys, state.values)]
-        chain = self.new_chain([last[:, None] for last in state.last], token, starts, context)
+        chain = self._round(state, token)
         state.nodes = [token[0]]
         tokens, probs = [], []
         for _ in range(self.block_size):
@@ -444,6 +447,29 @@ class MTPDrafter(LastHiddenDrafter):
         if sampling.greedy:
             return ChainProposal(tokens=tokens)
         return ChainProposal(tokens=tokens, probs=self.vocab.scatter(torch.cat(probs)))
+
+    # ----------------------------------------------------------------------- dynamic trees (EAGLE-2)
+    @torch.no_grad()
+    def tree_start(self, state: MTPState, anchor: Tensor) -> tuple[MTPChain, Tensor]:
+        token = anchor.reshape(1, 1).to(state.keys[0].device)  # (1, 1)
+        chain = self._round(state, token)
+        return chain, self.head(self.advance(chain, token))[0]  # (1, Vd)
+
+    @torch.no_grad()
+    def tree_step(self, chain: MTPChain, rows: Tensor, tokens: Tensor) -> tuple[MTPChain, Tensor]:
+        rows = rows.to(chain.hidden.device)
+        branch = MTPChain(
+            hidden=chain.hidden[:, rows], starts=chain.starts[:, rows], context=chain.context,  # decoding: seen None
+            entries=[(k[:, :, rows], v[:, :, rows]) for k, v in chain.entries], slot=chain.slot,
+        )
+        ids = self.vocab.to_target(tokens.to(chain.hidden.device))[None]  # (1, A)
+        return branch, self.head(self.advance(branch, ids))[0]  # (A, Vd)
+
+    def propose_tree(self, state: MTPState, anchor: Tensor, sampling: SamplingConfig, tree: Any,
+                     generator=None) -> TreeProposal:
+        proposal = super().propose_tree(state, anchor, sampling, tree, generator)
+        state.nodes = [anchor.reshape(1), *proposal.tokens.reshape(-1, 1)]  # extend reads the committed ones
+        return proposal
 
     @torch.no_grad()
     def extend(self, state: MTPState, features: Tensor, path: list[int]) -> None:

@@ -185,7 +185,7 @@ def offline_report(
     drafter.use_target(target)
     tree = TreeConfig.coerce(tree)
     if tree is not None:
-        drafter.check_tree()
+        drafter.check_tree(offline=True)
     data = load_rollout_set(rollouts, vocab_size=target.vocab_size)
     recorded = rollout_sampling(data.meta)
     if sampling is None:
