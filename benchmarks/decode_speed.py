@@ -84,7 +84,7 @@ def mt_bench_prompts(target, count: int, seed: int) -> list[list[int]]:
 def untrained_drafter(target, block_size: int, prompts: list[list[int]]):
     from lightning_spec.drafters.block import BlockDrafter
 
-    drafter = BlockDrafter(block_size=block_size, num_layers=1, draft_vocab_size=4096)
+    drafter = BlockDrafter(block_size=block_size, num_layers=1, draft_vocab_size=min(4096, target.vocab_size))
     drafter.bind(target)
     counts = torch.bincount(torch.tensor([t for p in prompts for t in p]), minlength=target.vocab_size)
     drafter.vocab.set_from_counts(counts.float() + torch.linspace(1, 0, target.vocab_size))  # ties broken by token id

@@ -1,0 +1,132 @@
+"""What a verify forward of T query tokens costs against a 1-token forward, per dtype, chain vs tree mask.
+
+    .venv/bin/python benchmarks/verify_cost.py                         # SmolLM2, fp32 and bf16, T = 1..65
+    .venv/bin/python benchmarks/verify_cost.py --dtypes float32 --threads 2
+
+Against a warm KV cache of ``--cache-len`` real tokens (MT-Bench prompts), ``Target.forward`` (our shared-KV SDPA
+path, the one ``generate`` uses) runs T = 1, 2, 9, 17, 33, 65 query tokens: causally (a chain of T - 1 drafts after
+the anchor) and under a tree mask of the same size (a best-first tree's ancestor mask, 4 children per node), the
+cache cropped back after every run. All sizes and dtypes are interleaved repeat by repeat, so a change of load
+hits every figure alike; medians in ms and each one's ratio to the 1-token forward of its dtype. Also times
+plain greedy decoding per dtype (``generate`` without a drafter, same prompts) and says how often bf16's greedy
+output equals fp32's: the fastest plain decoding on this CPU is what speculative decoding has to beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+from decode_speed import mt_bench_prompts  # this folder is on sys.path when the script runs
+
+from lightning_spec import TreeConfig, generate, load_target
+from lightning_spec.decoding.proposals import TreeProposal
+from lightning_spec.decoding.trees import best_first_tree
+
+SIZES = [1, 2, 9, 17, 33, 65]
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def tree_inputs(t: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ids (T,), depths (T,) and the ancestor mask (T, T) of a best-first tree of T - 1 nodes (top 4 per node)."""
+    g = torch.Generator().manual_seed(t)
+    q = torch.rand(8, 64, generator=g).softmax(-1)
+    index, parents = best_first_tree(q, TreeConfig(nodes=t - 1, top_k=4))
+    proposal = TreeProposal(tokens=index % vocab, parents=parents)
+    return proposal.verify_inputs(torch.tensor([1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--cache-len", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts for the plain-decoding comparison")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    targets = {d: load_target(args.target, dtype=d) for d in args.dtypes}
+    first = next(iter(targets.values()))
+    prompts = mt_bench_prompts(first, max(args.prompts, 1), 0)
+    flat = [t for p in prompts for t in p]
+    ctx = torch.tensor([(flat * (args.cache_len // len(flat) + 1))[: args.cache_len]])
+
+    runs = {}
+    for dtype, target in targets.items():
+        cache = target.new_cache()
+        target(ctx, cache=cache, logits=False)
+        past = cache.get_seq_length()
+        for t in SIZES:
+            ids = torch.randint(0, target.vocab_size, (1, t), generator=torch.Generator().manual_seed(t))
+
+            def chain(target=target, cache=cache, past=past, ids=ids):
+                target(ids, cache=cache)
+                target.crop(cache, past)
+
+            runs[(dtype, "chain", t)] = chain
+            if t > 1:
+                nodes, depth, mask = tree_inputs(t, target.vocab_size)
+
+                def tree(target=target, cache=cache, past=past, nodes=nodes, depth=depth, mask=mask):
+                    target(nodes[None], cache=cache, positions=depth, tree_mask=mask)
+                    target.crop(cache, past)
+
+                runs[(dtype, "tree", t)] = tree
+    samples = {key: [] for key in runs}
+    for rep in range(args.repeats + 2):  # two warm-up rounds
+        for key, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            if rep >= 2:
+                samples[key].append(time.perf_counter() - start)
+    ms = {key: 1e3 * statistics.median(v) for key, v in samples.items()}
+
+    print(f"\nverify_cost  target={args.target}  {cpu_name()}  threads={torch.get_num_threads()}  "
+          f"torch {torch.__version__}  warm cache {ctx.shape[1]} tokens, median of {args.repeats} (ms)")
+    print(f"  {'dtype':<10}{'T':>4}{'chain ms':>10}{'x 1-token':>11}{'tree ms':>10}{'x 1-token':>11}")
+    for dtype in targets:
+        one = ms[(dtype, "chain", 1)]
+        for t in SIZES:
+            c = ms[(dtype, "chain", t)]
+            tr = ms.get((dtype, "tree", t))
+            tree_cols = f"{tr:>10.1f}{tr / one:>10.2f}x" if tr is not None else f"{'':>10}{'':>11}"
+            print(f"  {dtype:<10}{t:>4}{c:>10.1f}{c / one:>10.2f}x{tree_cols}")
+
+    print(f"\n  plain greedy decoding, {len(prompts)} MT-Bench prompts x {args.max_new_tokens} tokens, interleaved")
+    tokens = {d: 0 for d in targets}
+    seconds = {d: 0.0 for d in targets}
+    outputs = {d: [] for d in targets}
+    for target in targets.values():
+        generate(target, prompts[0], 4)  # warm-up
+    for ids in prompts:
+        for d, target in targets.items():
+            out = generate(target, ids, args.max_new_tokens)
+            tokens[d] += len(out.tokens)
+            seconds[d] += out.seconds
+            outputs[d].append(out.tokens)
+    best = max(tokens[d] / seconds[d] for d in targets)
+    for d in targets:
+        tps = tokens[d] / seconds[d]
+        same = sum(a == b for a, b in zip(outputs[d], outputs[args.dtypes[0]]))
+        print(f"  {d:<10}{tps:>8.2f} tokens/s  {tps / best:.2f}x the fastest   "
+              f"greedy output = {args.dtypes[0]}'s on {same}/{len(prompts)} prompts")
+
+
+if __name__ == "__main__":
+    main()
