@@ -96,6 +96,7 @@ FAMILY_DRAFTERS = {
     "eagle3": {"class_path": "lightning_spec.drafters.Eagle3Drafter", "init_args": {"block_size": 3}},
     "medusa": {"class_path": "lightning_spec.drafters.MedusaDrafter", "init_args": {"block_size": 3}},
     "mtp": {"class_path": "lightning_spec.drafters.MTPDrafter", "init_args": {"block_size": 3}},
+    "d2sd": {"class_path": "lightning_spec.drafters.VPDrafter", "init_args": {"block_size": 3}},
 }
 
 

@@ -29,6 +29,7 @@ from lightning_spec.drafters import (
     Eagle3Drafter,
     MedusaDrafter,
     MTPDrafter,
+    VPDrafter,
 )
 from lightning_spec.objectives import CE, Objective
 
@@ -41,6 +42,7 @@ FAMILIES = {
     "eagle3": lambda k: Eagle3Drafter(block_size=k, num_anchors=64),
     "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
     "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
+    "d2sd": lambda k: VPDrafter(block_size=k, num_layers=1, num_anchors=64),
 }
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 

@@ -30,7 +30,8 @@ from lightning_spec.drafters import Anchors
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 BEST_FIRST = ["dflash", "medusa"]  # per-slot distributions: best-first trees, scored offline exactly
 DYNAMIC = ["eagle3", "mtp"]  # autoregressive: EAGLE-2's dynamic trees, online only
-CHAIN_ONLY = sorted(set(FAMILIES) - set(BEST_FIRST) - set(DYNAMIC))
+OWN_TREES = ["d2sd"]  # a tree builder of the family's own (tests/test_drafter_<family>.py), online only
+CHAIN_ONLY = sorted(set(FAMILIES) - set(BEST_FIRST) - set(DYNAMIC) - set(OWN_TREES))
 
 
 @pytest.mark.parametrize("depth,top_k,nodes", [(3, 3, 7), (4, 2, 30), (2, 4, 5), (5, 1, 3)])

@@ -2,6 +2,7 @@
 
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
 from lightning_spec.drafters.block import BlockDrafter
+from lightning_spec.drafters.d2sd import VPDrafter
 from lightning_spec.drafters.domino import DFlyDrafter, DominoDrafter
 from lightning_spec.drafters.dspark import DSparkDrafter
 from lightning_spec.drafters.eagle3 import Eagle3Drafter
@@ -9,5 +10,5 @@ from lightning_spec.drafters.heads import MedusaDrafter, MTPDrafter
 
 __all__ = [
     "Anchors", "BlockDrafter", "DFlyDrafter", "DominoDrafter", "DSparkDrafter", "DraftOutput", "DraftVocab", "Drafter",
-    "Eagle3Drafter", "MTPDrafter", "MedusaDrafter",
+    "Eagle3Drafter", "MTPDrafter", "MedusaDrafter", "VPDrafter",
 ]

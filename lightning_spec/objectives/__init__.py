@@ -4,7 +4,8 @@ No Lightning in here.
 
 Losses ℓ: CE, KL, ReverseKL, TV, JSD, LK, LKAlpha, BernoulliKL, TVMinusOne (E2E/WTV), NegProb (EAL), EDRCost.
 Block-position weights b: Uniform, ExpDecay, Geometric, AUFSupport, ValidPrefix, DPACE, E2EWeight, WTVWeight,
-EALWeight, EDRReach, PositionProduct (a product of weights). Anchor weights a: AnchorUniform, EDROccupancy.
+EALWeight, EDRReach, PositionProduct (a product of weights), VPDecay (D²SD's variable prefix). Anchor weights a:
+AnchorUniform, EDROccupancy.
 Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, and Mixture (weighted sums).
 """
 
@@ -25,6 +26,7 @@ from lightning_spec.objectives.losses import (
 )
 from lightning_spec.objectives.objective import E2E, EAL, WTV, LossTerms, Mixture, Objective, TargetInfo
 from lightning_spec.objectives.two_branch import TwoBranchCE
+from lightning_spec.objectives.vp import VPDecay
 from lightning_spec.objectives.weights import (
     DPACE,
     AnchorUniform,
@@ -45,5 +47,6 @@ __all__ = [
     "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "ConfidenceBCE", "DPACE", "E2E", "E2EWeight",
     "EAL", "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "Geometric", "JSD", "KL", "LK",
     "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct", "PositionWeight",
-    "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform", "ValidPrefix", "WTV", "WTVWeight",
+    "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform", "ValidPrefix", "VPDecay", "WTV",
+    "WTVWeight",
 ]
