@@ -97,6 +97,7 @@ FAMILY_DRAFTERS = {
     "medusa": {"class_path": "lightning_spec.drafters.MedusaDrafter", "init_args": {"block_size": 3}},
     "mtp": {"class_path": "lightning_spec.drafters.MTPDrafter", "init_args": {"block_size": 3}},
     "d2sd": {"class_path": "lightning_spec.drafters.VPDrafter", "init_args": {"block_size": 3}},
+    "specblock": {"class_path": "lightning_spec.drafters.SpecBlockDrafter", "init_args": {"block_size": 3}},
 }
 
 
@@ -112,6 +113,13 @@ FAMILY_OBJECTIVES = {
         _part("Objective", loss=_part("ConfidenceBCE"), position_weight=_part("ExpDecay", gamma=4.0)),
     ], weights=[0.1, 1.8, 1.0]),
     "domino": _part("Objective", loss=_part("TwoBranchCE"), position_weight=_part("ExpDecay", gamma=4.0)),
+    # SpecBlock's loss with one normaliser for both parts and no frequency cap: the paper's per-batch class counts
+    # (RankOrdinal's cap) depend on how a batch is split, so 2 ranks cannot equal 1 process with them
+    "specblock": _part("Mixture", objectives=[
+        _part("Objective", loss=_part("KL"), normalize="slots", position_weight=_part("PositionProduct", weights=[
+            _part("Geometric", rho=0.8), _part("ValidPrefix")])),
+        _part("Objective", loss=_part("RankOrdinal", cap=1e9), normalize="slots"),
+    ], weights=[1.0, 1.0]),
 }
 
 

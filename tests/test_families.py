@@ -29,6 +29,7 @@ from lightning_spec.drafters import (
     Eagle3Drafter,
     MedusaDrafter,
     MTPDrafter,
+    SpecBlockDrafter,
     VPDrafter,
 )
 from lightning_spec.objectives import CE, Objective
@@ -43,6 +44,7 @@ FAMILIES = {
     "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
     "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
     "d2sd": lambda k: VPDrafter(block_size=k, num_layers=1, num_anchors=64),
+    "specblock": lambda k: SpecBlockDrafter(block_size=k, num_layers=2, num_anchors=64, rank_width=32),
 }
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 

@@ -30,7 +30,7 @@ from lightning_spec.drafters import Anchors
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 BEST_FIRST = ["dflash", "medusa"]  # per-slot distributions: best-first trees, scored offline exactly
 DYNAMIC = ["eagle3", "mtp"]  # autoregressive: EAGLE-2's dynamic trees, online only
-OWN_TREES = ["d2sd"]  # a tree builder of the family's own (tests/test_drafter_<family>.py), online only
+OWN_TREES = ["d2sd", "specblock"]  # a tree builder of the family's own (tests/test_drafter_<family>.py), online only
 CHAIN_ONLY = sorted(set(FAMILIES) - set(BEST_FIRST) - set(DYNAMIC) - set(OWN_TREES))
 
 

@@ -5,7 +5,7 @@ No Lightning in here.
 Losses ℓ: CE, KL, ReverseKL, TV, JSD, LK, LKAlpha, BernoulliKL, TVMinusOne (E2E/WTV), NegProb (EAL), EDRCost.
 Block-position weights b: Uniform, ExpDecay, Geometric, AUFSupport, ValidPrefix, DPACE, E2EWeight, WTVWeight,
 EALWeight, EDRReach, PositionProduct (a product of weights), VPDecay (D²SD's variable prefix). Anchor weights a:
-AnchorUniform, EDROccupancy.
+AnchorUniform, EDROccupancy. Aux-head losses: ConfidenceBCE (DSpark), RankOrdinal (SpecBlock's rank head).
 Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, and Mixture (weighted sums).
 """
 
@@ -25,6 +25,7 @@ from lightning_spec.objectives.losses import (
     TVMinusOne,
 )
 from lightning_spec.objectives.objective import E2E, EAL, WTV, LossTerms, Mixture, Objective, TargetInfo
+from lightning_spec.objectives.rank import RankOrdinal
 from lightning_spec.objectives.two_branch import TwoBranchCE
 from lightning_spec.objectives.vp import VPDecay
 from lightning_spec.objectives.weights import (
@@ -47,6 +48,6 @@ __all__ = [
     "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "ConfidenceBCE", "DPACE", "E2E", "E2EWeight",
     "EAL", "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "Geometric", "JSD", "KL", "LK",
     "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct", "PositionWeight",
-    "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform", "ValidPrefix", "VPDecay", "WTV",
-    "WTVWeight",
+    "RankOrdinal", "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform", "ValidPrefix", "VPDecay",
+    "WTV", "WTVWeight",
 ]
