@@ -3,11 +3,15 @@
     .venv/bin/python benchmarks/compare_drafters.py                       # every family, the quickstart's time
     .venv/bin/python benchmarks/compare_drafters.py --families dflash eagle3 --minutes 2
     .venv/bin/python benchmarks/compare_drafters.py --extra domino_auf    # + the AUF-on-Domino arm
+    .venv/bin/python benchmarks/compare_drafters.py --families dflash --extra dflash_ce_decay dflash_auf
+    .venv/bin/python benchmarks/compare_drafters.py --steps 200 --extra domino_auf   # equal steps, not equal time
 
 Each family trains with ``lightning-spec fit -c experiments/quickstart.yaml -c experiments/drafters/<family>.yaml``
 (DFlash is the quickstart itself) in its own process, with the quickstart's ``trainer.max_time`` as the budget
 for every family (``max_steps`` lifted, so the schedule runs on time and every run ends annealed; the steps each
-family reached are reported) and no decode-validation. Then, all checkpoints together:
+family reached are reported) and no decode-validation. On a machine shared with other work a time budget gives
+each arm whatever the load left it; ``--steps N`` trains every arm for exactly N steps instead (its schedule ends
+at N) and reports the seconds each took. Then, all checkpoints together:
 
 1. exact offline MAL on SmolLM2's greedy answers to all 80 MT-Bench prompts (96 tokens each), paired against
    DFlash with a bootstrap CI over prompts, and the per-slot acceptance AR_1, AR_2
@@ -35,10 +39,13 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ["dflash", "eagle3", "dspark", "dfly", "domino", "medusa", "mtp"]
+FAMILIES = ["dflash", "eagle3", "dspark", "dfly", "domino", "medusa", "mtp", "d2sd", "specblock"]
 # extra arms: name -> (family overlay, more overlay text)
 EXTRAS = {
     "domino_auf": ("domino", "experiments/drafters/domino_auf.yaml"),
+    # AUF against the position decay on DFlash (README "Reproductions"): both with CE, as the paper's pair
+    "dflash_ce_decay": ("dflash", "experiments/objectives/ce_decay.yaml"),
+    "dflash_auf": ("dflash", "experiments/objectives/auf.yaml"),
 }
 EXPERIMENT = "drafters-compare"
 
@@ -70,16 +77,18 @@ def run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"failed ({proc.returncode}); see {log}")
 
 
-def fit(arm: str, minutes: float, out: Path) -> Path:
-    """Train one arm; returns its last.ckpt (copied to ``out/<arm>.ckpt``)."""
+def fit(arm: str, minutes: float, out: Path, steps: int | None = None) -> Path:
+    """Train one arm for ``minutes`` (or exactly ``steps`` optimizer steps); returns its last.ckpt (copied to
+    ``out/<arm>.ckpt``)."""
     target = out / f"{arm}.ckpt"
     if target.exists():
         print(f"{arm}: {target} exists, not retrained", flush=True)
         return target
     exe = str(Path(sys.executable).with_name("lightning-spec"))
     seconds = int(minutes * 60)
-    cmd = [exe, "fit"] + [a for f in overlays(arm) for a in ("-c", f)] + [
-        "--trainer.max_steps=1000000", f"--trainer.max_time=00:00:{seconds // 60:02d}:{seconds % 60:02d}",
+    budget = ([f"--trainer.max_steps={steps}", "--trainer.max_time=null"] if steps else
+              ["--trainer.max_steps=1000000", f"--trainer.max_time=00:00:{seconds // 60:02d}:{seconds % 60:02d}"])
+    cmd = [exe, "fit"] + [a for f in overlays(arm) for a in ("-c", f)] + budget + [
         "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
         f"--trainer.logger.init_args.experiment_name={EXPERIMENT}", f"--trainer.logger.init_args.run_name={arm}",
         f"--trainer.default_root_dir={out / 'runs' / arm}",
@@ -97,6 +106,9 @@ def main() -> None:
     ap.add_argument("--families", nargs="+", default=FAMILIES)
     ap.add_argument("--extra", nargs="*", default=[], choices=list(EXTRAS))
     ap.add_argument("--minutes", type=float, default=None, help="training time per arm (default: the quickstart's)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="train every arm for exactly this many optimizer steps instead of a time budget (results "
+                         "then do not depend on the machine's load; the time each arm took is reported)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "drafters-compare")
     ap.add_argument("--rollouts", type=Path, default=None, help="default: <out>/eval_mt80_g96 (made if missing)")
     args = ap.parse_args()
@@ -112,7 +124,11 @@ def main() -> None:
              "--max_new_tokens", "96", "--out", str(rollouts)], args.out / "rollouts.log")
 
     arms = list(args.families) + list(args.extra)
-    ckpts = {arm: fit(arm, args.minutes, args.out) for arm in arms}
+    ckpts, seconds = {}, {}
+    for arm in arms:
+        start = time.perf_counter()
+        ckpts[arm] = fit(arm, args.minutes, args.out, args.steps)
+        seconds[arm] = time.perf_counter() - start
     paths = "[" + ", ".join(str(ckpts[a]) for a in arms) + "]"
     names = "[" + ", ".join(arms) + "]"
     offline_json, online_json = args.out / "offline.json", args.out / "online.json"
@@ -124,19 +140,20 @@ def main() -> None:
 
     off, on = json.loads(offline_json.read_text()), json.loads(online_json.read_text())
     cmp_arms = off["comparison"]["arms"]
-    print(f"\n{cpu_name()}, {torch.get_num_threads()} threads; {args.minutes:g} min of training per arm")
-    print("| drafter | steps | params | exact MAL [95% CI] | ΔMAL vs dflash [95% CI] | AR1 | AR2 | draft ms/round "
-          "| tok/s | speedup |")
-    print("|---|---:|---:|---|---|---:|---:|---:|---:|---:|")
+    budget = f"{args.steps} optimizer steps per arm" if args.steps else f"{args.minutes:g} min of training per arm"
+    print(f"\n{cpu_name()}, {torch.get_num_threads()} threads; {budget}")
+    print("| drafter | steps | fit s | params | exact MAL [95% CI] | ΔMAL vs dflash [95% CI] | AR1 | AR2 "
+          "| draft ms/round | tok/s | speedup |")
+    print("|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|")
     for arm in arms:
         step = torch.load(ckpts[arm], map_location="cpu", weights_only=True)["global_step"]
         c, o, a = cmp_arms[arm], on["arms"][arm], off["arms"][arm]
         delta = "—" if arm == arms[0] else (f"{c['delta_mal']:+.3f} [{c['delta_mal_ci'][0]:+.3f}, "
                                             f"{c['delta_mal_ci'][1]:+.3f}]")
         ar = a["accept_rate"] + [float("nan")] * 2
-        print(f"| {arm} | {step} | {o['parameters'] / 1e6:.1f} M | {c['mal']:.3f} [{c['mal_ci'][0]:.3f}, "
-              f"{c['mal_ci'][1]:.3f}] | {delta} | {ar[0]:.2f} | {ar[1]:.2f} | {o['draft_ms_per_round']:.1f} | "
-              f"{o['tokens_per_s']:.1f} | {o['speedup']:.2f}x |")
+        print(f"| {arm} | {step} | {seconds[arm]:.0f} | {o['parameters'] / 1e6:.1f} M | "
+              f"{c['mal']:.3f} [{c['mal_ci'][0]:.3f}, {c['mal_ci'][1]:.3f}] | {delta} | {ar[0]:.2f} | {ar[1]:.2f} | "
+              f"{o['draft_ms_per_round']:.1f} | {o['tokens_per_s']:.1f} | {o['speedup']:.2f}x |")
     print(f"plain decoding: {on['plain']['tokens_per_s']:.1f} tokens/s (same prompts, same process)")
 
 
