@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/decode_speed.py --drafter runs/x.ckpt --threads 1
     .venv/bin/python benchmarks/decode_speed.py --breakdown          # + the 1-token vs (K+1)-token cost split
     .venv/bin/python benchmarks/decode_speed.py --no-peers           # without the transformers peers
+    .venv/bin/python benchmarks/decode_speed.py --dtype bfloat16     # the target (and verify) in bf16
     .venv/bin/python benchmarks/decode_speed.py --drafter x.ckpt --tree 16,4   # + a best-first tree, 16 nodes, top 4
 
 Prints, on the same prompts and in the same process:
@@ -238,6 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", help="a fit checkpoint (.ckpt) or exported folder; default: untrained")
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype (the drafter follows it)")
     parser.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts (round-robin over categories)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, help="K; default 8 untrained, the checkpoint's otherwise")
@@ -255,7 +257,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=args.dtype)
     prompts = mt_bench_prompts(target, args.prompts, args.seed)
     if args.drafter:
         drafter = load_drafter(args.drafter, target=target)
