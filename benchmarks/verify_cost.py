@@ -15,28 +15,18 @@ output equals fp32's: the fastest plain decoding on this CPU is what speculative
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 from decode_speed import mt_bench_prompts  # this folder is on sys.path when the script runs
+from objective_memory import cpu_name
 
 from lightning_spec import TreeConfig, generate, load_target
 from lightning_spec.decoding.proposals import TreeProposal
 from lightning_spec.decoding.trees import best_first_tree
 
 SIZES = [1, 2, 9, 17, 33, 65]
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def tree_inputs(t: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from test_decoding import MAX_NEW, argmax_reference, random_prompts
 from test_families import FAMILIES, build, trained
 from test_lossless_sampling import PROMPT, assert_matches, chi_square, exact_joint
-from test_trees import tree_empirical
+from test_trees import assert_greedy_tree_is_the_argmax_loop, tree_empirical
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import save_drafter
@@ -324,13 +324,7 @@ def test_offline_tree_scoring_is_refused_in_one_sentence(diverse_target):
 
 @pytest.mark.parametrize("tree", [TreeConfig(nodes=12), TreeConfig(nodes=5, depth=2)])
 def test_greedy_tree_decoding_equals_the_argmax_loop(accepted_drafter, diverse_target, prompts, tree):
-    accepted = 0
-    for prompt in prompts:
-        out = generate(diverse_target, prompt, MAX_NEW, drafter=accepted_drafter, tree=tree)
-        assert out.tokens == argmax_reference(diverse_target, prompt, MAX_NEW), prompt
-        accepted += sum(out.accept_lengths)
-        assert max(out.draft_lengths) <= tree.nodes
-    assert accepted > 0
+    assert_greedy_tree_is_the_argmax_loop(accepted_drafter, diverse_target, prompts, tree)
 
 
 @pytest.fixture(scope="module")

@@ -121,16 +121,22 @@ def prompts(diverse_target):
     return random_prompts(diverse_target.vocab_size)
 
 
-@pytest.mark.parametrize("tree", [TreeConfig(nodes=6, top_k=2), TreeConfig(nodes=12, top_k=3, depth=2)])
-def test_greedy_tree_decoding_equals_the_argmax_loop(tree_family, diverse_target, prompts, tree):
-    drafter = trained(tree_family, diverse_target, prompts, k=3)
+def assert_greedy_tree_is_the_argmax_loop(drafter, target, prompts, tree: TreeConfig) -> None:
+    """Greedy tree decoding of every prompt equals the independent argmax loop, within the node budget, and some
+    drafts were accepted (the tree's paths, not only the target's own tokens). Shared by every tree family's tests."""
     accepted = 0
     for prompt in prompts:
-        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=tree)
-        assert out.tokens == argmax_reference(diverse_target, prompt, MAX_NEW), prompt
+        out = generate(target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+        assert out.tokens == argmax_reference(target, prompt, MAX_NEW), prompt
         accepted += sum(out.accept_lengths)
         assert max(out.draft_lengths) <= tree.nodes
-    assert accepted > 0  # the tree's paths were accepted, not only the target's own tokens
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(nodes=6, top_k=2), TreeConfig(nodes=12, top_k=3, depth=2)])
+def test_greedy_tree_decoding_equals_the_argmax_loop(tree_family, diverse_target, prompts, tree):
+    assert_greedy_tree_is_the_argmax_loop(trained(tree_family, diverse_target, prompts, k=3), diverse_target, prompts,
+                                          tree)
 
 
 def test_sampled_tree_decoding_is_lossless(tree_family, make_random_llama):
