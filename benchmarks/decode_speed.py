@@ -239,7 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", help="a fit checkpoint (.ckpt) or exported folder; default: untrained")
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="float32", help="the target's dtype (the drafter follows it)")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype (the drafter keeps its weights)")
     parser.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts (round-robin over categories)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, help="K; default 8 untrained, the checkpoint's otherwise")

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_spec.decoding.trees import TreeConfig, best_first_tree
+from lightning_spec.decoding.trees import TreeConfig, best_first_tree, tree_probs
 from lightning_spec.drafters.base import Anchors, DraftOutput, DraftVocab
 from lightning_spec.sampling import SamplingConfig
 
@@ -433,7 +433,7 @@ def tree_accept(out: DraftOutput, sampling: SamplingConfig, tree: TreeConfig) ->
     the first L slots, L = the depth of the longest root path whose tokens are the output's (the gold labels), 0
     after. Exact under greedy and sampling (module docstring)."""
     logits = out.logits  # (N, C, K, Vd)
-    q = logits.float().softmax(-1) if sampling.greedy else sampling.probs(logits.float())
+    q = tree_probs(logits.float(), sampling)  # (N, C, K, Vd) what the engine's builder chose from
     labels = torch.where(out.valid, out.labels, -1).tolist()  # (N, C, K); -1: no token the tree can hold
     accept = torch.zeros(logits.shape[:3], dtype=torch.float64)
     for i, row in enumerate(labels):

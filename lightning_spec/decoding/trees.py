@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_spec.sampling import SamplingConfig
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -66,6 +68,13 @@ class TreeConfig:
                 raise ValueError(f"tree has no field {sorted(unknown)[0]!r}; its fields are nodes, top_k and depth.")
             return cls(**value)
         raise ValueError(f"tree must be a TreeConfig, a dict of its fields or None, got {type(value).__name__}.")
+
+
+def tree_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """The draft distributions (..., V) a tree is chosen from: ``sampling.probs`` of the draft logits, and under
+    greedy decoding their plain softmax (greedy's one-hot would leave nothing to rank the top-k by). One rule for
+    every builder and for the offline scorer, so offline and real trees are the same trees."""
+    return logits.softmax(-1) if sampling.greedy else sampling.probs(logits)
 
 
 def best_first_tree(q: Tensor, config: TreeConfig) -> tuple[Tensor, Tensor]:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import TreeProposal
-from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
+from lightning_spec.decoding.trees import best_first_tree, dynamic_tree, tree_probs
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -383,7 +383,7 @@ class Drafter(nn.Module):
         self.check_tree()
 
         def probs(logits: Tensor) -> Tensor:
-            return logits.softmax(-1) if sampling.greedy else sampling.probs(logits)
+            return tree_probs(logits, sampling)
 
         if self.parallel_slots:
             index, parents = best_first_tree(probs(self.position_logits(state, anchor)), tree)  # (T,), (T,)

@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.proposals import TreeProposal
+from lightning_spec.decoding.trees import tree_probs
 from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
 from lightning_spec.drafters.block import BlockDrafter, BlockDraftState
 from lightning_spec.sampling import SamplingConfig
@@ -250,17 +251,15 @@ class VPDrafter(BlockDrafter):
         """D²SD's tree after ``anchor`` (the module docstring, step 4): the DFlash trunk, the ``branches`` most
         likely rejection boundaries re-drafted by the VP-drafter in one pass, merged into one shared-prefix tree of
         at most ``tree.nodes`` draft nodes and depth ``tree.depth`` (``tree.top_k`` is not used)."""
-
-        def probs(logits: Tensor) -> Tensor:
-            return logits.softmax(-1) if sampling.greedy else sampling.probs(logits)
-
         depth = min(tree.depth or self.block_size, self.block_size)
-        confidence, trunk = probs(self.position_logits(state, anchor)).max(-1)  # (K,) c_k, (K,) d_k (draft ids)
+        q = tree_probs(self.position_logits(state, anchor), sampling)  # (K, Vd)
+        confidence, trunk = q.max(-1)  # (K,) c_k, (K,) d_k (draft ids)
         r = boundary_posterior(confidence[:depth].double())  # (D,)
         chosen = r.topk(min(self.branches, depth)).indices  # (S,) boundaries i, most likely first
         paths = [trunk[:depth].tolist()]
         if chosen.numel():
-            redraft = probs(self.branch_logits(state, anchor, self.vocab.to_target(trunk), chosen)).argmax(-1)  # (S, K)
+            branch = self.branch_logits(state, anchor, self.vocab.to_target(trunk), chosen)  # (S, K, Vd)
+            redraft = tree_probs(branch, sampling).argmax(-1)  # (S, K)
             trunk_ids = trunk.tolist()
             for i, row in zip(chosen.tolist(), redraft.tolist()):
                 paths.append(trunk_ids[:i] + row[i:depth])  # d_1..d_i, then the re-drafted slots i+1..D

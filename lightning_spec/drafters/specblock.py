@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
+from lightning_spec.decoding.trees import tree_probs
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
 from lightning_spec.drafters.block import DraftLayer, RMSNorm, TargetShape, init_weights
 from lightning_spec.drafters.eagle3 import default_target_layers
@@ -362,7 +363,7 @@ class SpecBlockDrafter(Drafter):
         hidden = self.block(state, anchor)  # (K, H)
         logits = self.head(hidden)  # (K, Vd)
         classes = self.rank_logits(hidden, logits).argmax(-1)  # (K,)
-        q = logits.softmax(-1) if sampling.greedy else sampling.probs(logits)
+        q = tree_probs(logits, sampling)  # (K, Vd)
         depth = min(tree.depth or self.block_size, self.block_size)
         index, parents = rank_tree(q[:depth], classes[:depth], tree.nodes)
         device = anchor.device
