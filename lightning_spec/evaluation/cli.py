@@ -163,7 +163,8 @@ def run_online(
         for d in loaded:
             d.check_tree()
     for d in [None, *loaded]:  # warm-up: first calls pay one-off costs that are not decoding speed
-        decode_prompts(model, d, prompts[:1], sampling, min(8, max_new_tokens), seed=seed, tree=tree if d else None)
+        decode_prompts(model, d, prompts[:1], sampling, min(8, max_new_tokens), seed=seed,
+                       tree=tree if d is not None else None)
 
     # per prompt: plain, then every drafter (interleaved, so a load change on the machine hits all alike)
     n = len(prompts)
