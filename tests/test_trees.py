@@ -9,8 +9,10 @@
   greedy tree decoding equals the independent argmax loop with a trained drafter, and sampled tree decoding is
   distributed as the target (χ² against the enumerated joint);
 - after a tree round the drafter's state is that of a fresh prefill of the committed tokens;
-- best-first trees are scored offline exactly (the rounds of every real run, sampled ones included); dynamic trees
-  are refused offline, the families with no builder everywhere, and bad tree settings, each in one sentence.
+- best-first trees are scored offline exactly (the rounds of every real run, sampled ones included); trees grown
+  from the drafter's own drafts (dynamic, D²SD, SpecBlock) are replayed offline under greedy decoding, exactly the
+  engine's rounds, and refused under sampling; the families with no builder are refused everywhere, and bad tree
+  settings, each in one sentence.
 """
 
 import itertools
@@ -26,11 +28,12 @@ from test_lossless_sampling import NEW, PROMPT, assert_matches, exact_joint
 from lightning_spec import SamplingConfig, TreeConfig, generate, offline_rounds
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
 from lightning_spec.drafters import Anchors
+from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 BEST_FIRST = ["dflash", "medusa"]  # per-slot distributions: best-first trees, scored offline exactly
-DYNAMIC = ["eagle3", "mtp"]  # autoregressive: EAGLE-2's dynamic trees, online only
-OWN_TREES = ["d2sd", "specblock"]  # a tree builder of the family's own (tests/test_drafter_<family>.py), online only
+DYNAMIC = ["eagle3", "mtp"]  # autoregressive: EAGLE-2's dynamic trees, replayed offline under greedy
+OWN_TREES = ["d2sd", "specblock"]  # a tree builder of the family's own (tests/test_drafter_<family>.py), replayed
 CHAIN_ONLY = sorted(set(FAMILIES) - set(BEST_FIRST) - set(DYNAMIC) - set(OWN_TREES))
 
 
@@ -224,11 +227,54 @@ def test_offline_tree_rounds_equal_the_engines_on_every_output(best_first_family
     assert chain.tolist() != real  # the tree is scored, not the chain
 
 
-@pytest.mark.parametrize("family,says", [("eagle3", "evaluate --mode online"), ("dspark", "decode it as a chain")])
-def test_offline_trees_are_refused_where_they_cannot_be_scored_exactly(diverse_target, family, says):
+# steps at which each family's tree and chain need different rounds on these prompts (fully trained, both accept
+# every slot), so the test also tells a scored tree from a scored chain
+PARTLY_TRAINED = {"eagle3": 10, "mtp": 5, "d2sd": 20, "specblock": 10}
+
+
+@pytest.mark.parametrize("family", DYNAMIC + OWN_TREES)
+def test_offline_greedy_tree_rounds_replay_the_engines(family, diverse_target, prompts):
+    """Trees grown from the drafter's own drafts: the offline replay (``replay_tree_rounds``) gives every greedy
+    run's rounds exactly, and the tree is scored, not the chain."""
+    drafter = trained(family, diverse_target, prompts, k=3, steps=PARTLY_TRAINED[family])
+    tree = TreeConfig(nodes=8, top_k=3)
+    pairs, real = [], []
+    for prompt in prompts:
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+        pairs.append((prompt, out.tokens))
+        real.append(float(out.rounds))
+    assert sum(real) < sum(len(tokens) for _, tokens in pairs)  # drafts were accepted
+    assert offline_rounds(diverse_target, drafter, pairs, GREEDY, tree=tree).tolist() == real
+    chain = [float(generate(diverse_target, p, MAX_NEW, drafter=drafter).rounds) for p in prompts]
+    assert offline_rounds(diverse_target, drafter, pairs, GREEDY).tolist() == chain != real
+
+
+def test_the_replay_scores_best_first_trees_as_the_exact_evaluator_does(diverse_target, prompts):
+    """Replaying a best-first tree's rounds gives the exact evaluator's rounds and per-depth acceptance: two
+    independent routes to the same figures (the replay is what dynamic trees are scored with)."""
+    drafter = trained("dflash", diverse_target, prompts, k=3)
+    tree = TreeConfig(nodes=6, top_k=2)
+    responses = [argmax_reference(diverse_target, p, MAX_NEW) for p in prompts]
+    exact = offline_report(diverse_target, drafter, list(zip(prompts, responses)), GREEDY, tree=tree, batch_size=1)
+    rounds, reached, accepted = [], 0, 0
+    for prompt, response in zip(prompts, responses):
+        ids = torch.tensor([prompt + response])
+        features = diverse_target(ids, layers=drafter.target_layers, logits=False).features
+        r, re, ac = replay_tree_rounds(drafter, ids, features, [prompt], [response], tree)
+        rounds.append(float(r[0]))
+        reached, accepted = reached + re, accepted + ac
+    assert rounds == exact.rounds.tolist()
+    torch.testing.assert_close(reached, exact.slot_reached)
+    torch.testing.assert_close(accepted, exact.slot_accepted)
+    assert float(accepted[0]) > 0
+
+
+@pytest.mark.parametrize("family,sampling,says", [("eagle3", T1, "greedy decoding only"),
+                                                  ("dspark", GREEDY, "decode it as a chain")])
+def test_offline_trees_are_refused_where_they_cannot_be_scored_exactly(diverse_target, family, sampling, says):
     drafter = build(family, diverse_target, k=3)
     with pytest.raises(ValueError, match=says):
-        offline_rounds(diverse_target, drafter, [([1, 2], [3, 4])], GREEDY, tree={"nodes": 4})
+        offline_rounds(diverse_target, drafter, [([1, 2], [3, 4])], sampling, tree={"nodes": 4})
 
 
 def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_target, capsys):

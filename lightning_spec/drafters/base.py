@@ -372,6 +372,13 @@ class Drafter(nn.Module):
     def dynamic_trees(self) -> bool:
         return type(self).tree_start is not Drafter.tree_start
 
+    @property
+    def best_first_trees(self) -> bool:
+        """True when ``propose_tree`` is the best-first tree over ``position_logits``: a function of one anchor's
+        slot distributions, which the offline evaluator scores exactly under sampling too (``rounds.tree_accept``).
+        Other trees (dynamic, or a family's own) are replayed offline under greedy decoding."""
+        return self.parallel_slots and type(self).propose_tree is Drafter.propose_tree
+
     @torch.no_grad()
     def propose_tree(
         self, state: Any, anchor: Tensor, sampling: SamplingConfig, tree: Any, generator=None
@@ -401,20 +408,12 @@ class Drafter(nn.Module):
         device = anchor.device
         return TreeProposal(tokens=self.vocab.to_target(index.to(device)), parents=parents.to(device))
 
-    def check_tree(self, offline: bool = False) -> None:
-        """Refuse, in one sentence, a tree this family cannot grow (or, ``offline``, cannot be scored exactly)."""
-        name = type(self).__name__
-        if self.parallel_slots:
-            return
-        if not self.dynamic_trees:
+    def check_tree(self) -> None:
+        """Refuse, in one sentence, a tree this family cannot grow."""
+        if not self.parallel_slots and not self.dynamic_trees:
             raise ValueError(
-                f"{name} drafts each slot from the tokens drafted before it and has no tree builder; decode it as "
-                "a chain (tree=None)."
-            )
-        if offline:
-            raise ValueError(
-                f"{name} grows its tree from drafts off the output's path, which the offline evaluator cannot score "
-                "exactly; measure it with real decoding (evaluate --mode online)."
+                f"{type(self).__name__} drafts each slot from the tokens drafted before it and has no tree builder; "
+                "decode it as a chain (tree=None)."
             )
 
     def extend(self, state: Any, features: Tensor, path: list[int]) -> None:

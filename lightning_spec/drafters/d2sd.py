@@ -41,8 +41,8 @@ catnanami/D2-SD ``generation/d3_generator.py``; tested in tests/test_drafter_d2s
 - ``TreeConfig``: ``nodes`` caps the draft nodes (the trunk first, then the branches by decreasing r(i), a branch
   cut where the budget ends); ``depth`` truncates every path at that slot (boundaries i < depth only);
   ``top_k`` is not used (the tree's width is ``branches``).
-- Offline scoring of the tree is refused (its branches are drafted from draft tokens off the output's path); use
-  ``evaluate --mode online``.
+- Offline, the tree is scored on greedy rollouts by replaying each round (``evaluation.offline.replay_tree_rounds``):
+  its branches are drafted from draft tokens off the output's path, which only the drafter itself can give.
 """
 
 from __future__ import annotations
@@ -267,10 +267,5 @@ class VPDrafter(BlockDrafter):
         device = anchor.device
         return TreeProposal(tokens=self.vocab.to_target(index.to(device)), parents=parents.to(device))
 
-    def check_tree(self, offline: bool = False) -> None:
-        if offline:
-            raise ValueError(
-                f"{type(self).__name__}'s D²SD tree re-drafts its branches from draft tokens off the output's path, "
-                "which the offline evaluator cannot score exactly; measure it with real decoding "
-                "(evaluate --mode online)."
-            )
+    def check_tree(self) -> None:
+        """D²SD grows its own tree (re-drafted branches), so it takes any ``tree`` setting."""

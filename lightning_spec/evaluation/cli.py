@@ -380,9 +380,9 @@ def evaluate(
         target_dtype: float32 on CPU, bfloat16 on GPUs.
         device: where the target and drafters run.
         progress: show progress bars.
-        tree: decode (online) or score (offline, exactly) rounds that verify a best-first token tree instead of a
-            chain, e.g. --tree '{nodes: 16, top_k: 4}'; for the families with per-slot distributions (DFlash,
-            Medusa).
+        tree: decode (online) or score (offline, exactly) rounds that verify a token tree instead of a chain, e.g.
+            --tree '{nodes: 16, top_k: 4}', built by each family's tree builder; offline, best-first trees (DFlash,
+            Medusa) are scored under any sampling, the others (EAGLE-3, MTP, D²SD, SpecBlock) on greedy rollouts.
     """
     tree = TreeConfig.coerce(tree)
     if not drafters:

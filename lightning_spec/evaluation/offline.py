@@ -22,6 +22,9 @@ Conventions, the engine's exactly (``decoding/engine.py``):
   anchors), whose slot distributions are, by the drafter contract, those ``propose`` draws from when the earlier
   slots were accepted; slots a variable-length drafter does not submit (``DraftOutput.drafted``) are never
   accepted, and the next slot is the round's bonus.
+- Trees (``tree=``): a best-first tree is a function of one anchor's slot distributions and is scored from the
+  same forward (``rounds.tree_accept``); a tree grown from the drafter's own drafts (dynamic, D²SD, SpecBlock) is
+  replayed round by round along greedy rollouts (``replay_tree_rounds``).
 """
 
 from __future__ import annotations
@@ -126,6 +129,10 @@ def _score_batch(
     table = target_table(out.last_hidden, target.lm_head, ids, mask, sampling, drafter.vocab,
                          target.eos_token_ids, costs=False, max_elems=max_elems)
     t1 = time.perf_counter()
+    if tree is not None and not drafter.best_first_trees:  # a tree grown from its own drafts: replay rounds
+        rounds, reached, accepted = replay_tree_rounds(drafter, ids, out.features, prompts, responses, tree)
+        seconds["drafter"] = seconds.get("drafter", 0.0) + time.perf_counter() - t1
+        return rounds, reached, accepted
     batch = {"input_ids": ids, "loss_mask": mask}
     chunk = max(1, min(max(1, anchors_per_forward // n), max_elems // max(1, n * k * drafter.vocab.ids.numel())))
     stats = every_anchor(lambda anchors: drafter(batch, out.features, anchors), mask, table, k, sampling, chunk,
@@ -142,6 +149,61 @@ def _score_batch(
     seconds["drafter"] = seconds.get("drafter", 0.0) + t2 - t1
     seconds["dp"] = seconds.get("dp", 0.0) + time.perf_counter() - t2
     return rounds.cpu(), reached.cpu(), accepted.cpu()
+
+
+@torch.no_grad()
+def replay_tree_rounds(
+    drafter: Any,
+    ids: Tensor,  # (N, S) prompt + response per row, right-padded
+    features: Tensor,  # (N, S, F) the target's features of ``ids`` (teacher-forced)
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    tree: TreeConfig,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy rounds of trees that a drafter grows from its own drafts (EAGLE-2's dynamic trees, D²SD's re-drafts,
+    SpecBlock's rank-sized trees), replayed along greedy rollouts: τ(x) (N,), and per depth the rounds that
+    reached it and accepted it, (K,), (K,).
+
+    Under greedy decoding a round is a function of the committed prefix: the drafter's state is built from the
+    target's features of the committed tokens, its tree from that state, and the target accepts the longest root
+    path whose tokens are the rollout's next tokens (the target's argmax on a greedy rollout; the first matching
+    child in draft order, ``TreeProposal.accept``). So the engine's rounds are replayed with the drafter alone: the
+    same ``begin`` / ``propose_tree`` / ``extend`` calls as ``generate``, the committed nodes' features read from
+    one teacher-forced target forward instead of each round's verify forward. Offline rounds are then the
+    engine's rounds exactly (up to floating-point differences between the two forwards), one drafter call per
+    round instead of a target forward."""
+    greedy = SamplingConfig()
+    k = drafter.block_size
+    rounds = torch.zeros(len(prompts), dtype=torch.float64)
+    reached = torch.zeros(k, dtype=torch.float64)
+    accepted = torch.zeros(k, dtype=torch.float64)
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        seq = prompt + response
+        a = len(prompt) - 1  # the anchor's index in seq: the engine prefills the prompt without its last token
+        state = drafter.begin(features[row : row + 1, :a], ids[row : row + 1, :a])
+        while True:
+            anchor = ids[row, a : a + 1]  # (1,)
+            proposal = drafter.propose_tree(state, anchor, greedy, tree)
+            kids = proposal.children()
+            tokens = proposal.tokens.tolist()
+            path = [0]
+            while a + len(path) < len(seq):  # the next token exists: follow the first child that drafted it
+                child = next((c for c in kids[path[-1]] if tokens[c - 1] == seq[a + len(path)]), None)
+                if child is None:
+                    break
+                path.append(child)
+            rounds[row] += 1
+            depth = len(path) - 1  # accepted drafts
+            left = len(seq) - 1 - a  # response tokens still to commit, the slot's own included
+            reached[: min(depth + 1, left, k)] += 1  # slots this round verified with their ancestors accepted
+            accepted[: min(depth, k)] += 1
+            a += depth + 1  # the accepted drafts and the target's next token
+            if a >= len(seq) - 1:  # the response's last token is committed: generation ended
+                break
+            feats = features.new_zeros(1, proposal.num_drafted + 1, features.shape[-1])  # (1, T, F)
+            feats[0, path] = features[row, a - depth - 1 : a]  # the committed nodes' features
+            drafter.extend(state, feats, path)
+    return rounds, reached, accepted
 
 
 def offline_report(
@@ -171,8 +233,9 @@ def offline_report(
         anchors_per_forward: anchors (over the batch) per drafter forward: memory, not results.
         max_elems: largest logits tensor materialised at once: memory, not results.
         progress: True shows a rich progress bar; a callable is called with the rollouts done per batch.
-        tree: score rounds that verify a best-first tree (``TreeConfig`` or a dict of its fields) instead of a
-            chain, as ``generate(..., tree=...)`` decodes; exact under greedy and sampling (``rounds.tree_accept``).
+        tree: score rounds that verify the drafter's tree (``TreeConfig`` or a dict of its fields) instead of a
+            chain, as ``generate(..., tree=...)`` decodes: exact under greedy and sampling for best-first trees
+            (``rounds.tree_accept``), under greedy only for the others (``replay_tree_rounds``).
     """
     from lightning_spec.target import load_target
 
@@ -185,7 +248,7 @@ def offline_report(
     drafter.use_target(target)
     tree = TreeConfig.coerce(tree)
     if tree is not None:
-        drafter.check_tree(offline=True)
+        drafter.check_tree()
     data = load_rollout_set(rollouts, vocab_size=target.vocab_size)
     recorded = rollout_sampling(data.meta)
     if sampling is None:
@@ -193,6 +256,12 @@ def offline_report(
             raise ValueError("offline evaluation needs sampling: the config the rollouts were drawn under.")
         sampling = recorded
     check_rollouts(data.meta, target, sampling, data.source)
+    if tree is not None and not drafter.best_first_trees and not sampling.greedy:
+        raise ValueError(
+            f"{type(drafter).__name__} grows its tree from its own drafts, which offline evaluation replays exactly "
+            "under greedy decoding only; score it on greedy rollouts (--temperature 0) or with real decoding "
+            "(evaluate --mode online)."
+        )
     data = spread(data, max_rollouts)
     if batch_size < 1 or anchors_per_forward < 1:
         raise ValueError(f"batch_size ({batch_size}) and anchors_per_forward ({anchors_per_forward}) must be >= 1.")
