@@ -9,7 +9,8 @@
 - the tree is the DFlash trunk plus the branches at the top-S boundaries, under the node and depth caps;
 - greedy tree decoding equals the argmax loop with a trained drafter (drafts accepted); sampled tree decoding is
   distributed as the target (χ²); chain decoding is held to the family guarantees in tests/test_families.py;
-- the loss trains; save/load keeps the config and the tree output; offline tree scoring under sampling is refused in one sentence.
+- the loss trains; save/load keeps the config and the tree output; offline tree scoring under sampling is refused
+  in one sentence.
 """
 
 import math
