@@ -82,7 +82,8 @@ class DraftModule(L.LightningModule):
         drafter: the draft model (e.g. ``lightning_spec.drafters.BlockDrafter``).
         objective: the training objective (``lightning_spec.objectives.Objective`` and its parts).
         target: packaged name (``smollm2-135m-instruct``, ``tiny-random``), HF hub id or local folder.
-        target_dtype: dtype of the frozen target: ``float32`` on CPU, ``bfloat16`` on GPUs.
+        target_dtype: dtype of the frozen target: ``float32`` on CPU, ``bfloat16`` on GPUs, ``auto``: bf16 where the
+            device multiplies it natively (``target.resolve_dtype``).
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.

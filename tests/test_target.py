@@ -1,11 +1,13 @@
-"""Target: the GQA attention shortcut load_target installs must give exactly transformers' outputs."""
+"""Target: the GQA attention shortcut load_target installs must give exactly transformers' outputs; the target dtype
+(``auto``: bf16 where the CPU has native bf16 matrix instructions) and its one-sentence error."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_spec import load_target
 from lightning_spec.assets import resolve_target_folder
-from lightning_spec.target import Target
+from lightning_spec.target import Target, resolve_dtype
 
 
 def reference_target() -> Target:
@@ -36,3 +38,17 @@ def test_shared_kv_attention_matches_transformers_sdpa():
     va, vb = fast(ids[:1, 16:21], cache=ca, layers=[1]), ref(ids[:1, 16:21], cache=cb, layers=[1])
     torch.testing.assert_close(va.logits, vb.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(va.features, vb.features, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("caps,want", [({"avx512_bf16": True}, torch.bfloat16), ({"amx_bf16": True}, torch.bfloat16),
+                                       ({"avx512_bf16": False, "amx_bf16": False}, torch.float32)])
+def test_auto_dtype_is_bf16_where_the_cpu_multiplies_it_natively(monkeypatch, caps, want):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    assert resolve_dtype("auto", "cpu") == want
+    assert load_target("tiny-random", dtype="auto").lm_head.weight.dtype == want
+
+
+def test_target_dtype_is_checked_in_one_sentence():
+    assert resolve_dtype("bfloat16") == torch.bfloat16 and resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="target_dtype must be float32, bfloat16, float16 or auto, got 'fp32'"):
+        load_target("tiny-random", dtype="fp32")

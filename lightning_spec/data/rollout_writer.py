@@ -359,7 +359,7 @@ def rollouts(
         seed: seeds each rollout (with its prompt id and sample index) and the prompt selection.
         batch_size: rollouts decoded together with left padding (speed only: every rollout draws from its own
             seeded generator, so the tokens do not depend on the batch).
-        target_dtype: dtype of the target: float32 on CPU, bfloat16 on GPUs.
+        target_dtype: dtype of the target: float32 on CPU, bfloat16 on GPUs, auto: bf16 where native.
         device: where the target runs (cpu, cuda, cuda:1, ...).
         progress: show the progress bar.
     """

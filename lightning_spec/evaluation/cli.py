@@ -377,7 +377,7 @@ def evaluate(
         mlflow: log one MLflow run per arm.
         tracking_uri: MLflow tracking URI.
         experiment_name: MLflow experiment.
-        target_dtype: float32 on CPU, bfloat16 on GPUs.
+        target_dtype: float32 (CPU default), bfloat16 (GPUs), or auto: bf16 where the device multiplies it natively.
         device: where the target and drafters run.
         progress: show progress bars.
         tree: decode (online) or score (offline, exactly) rounds that verify a token tree instead of a chain, e.g.
