@@ -311,6 +311,51 @@ def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_ta
     assert result["tree"]["nodes"] == 4 and result["arms"]["drafter0"]["tokens"] > 0
 
 
+def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, monkeypatch, tiny_target, capsys):
+    """``--trees``: one setting per drafter, so one checkpoint scored as a chain and as a tree is a paired comparison;
+    each arm's rounds are those of its own setting, and online each arm decodes with its own (its speedup has a
+    paired interval). Both ``--tree`` and ``--trees``, or a count that does not match, are one sentence."""
+    import json
+    import sys
+
+    from test_offline import saved_drafters
+
+    from lightning_spec.cli import main
+    from lightning_spec.data import prompt_ids
+    from lightning_spec.data.rollout_writer import generate_rollouts
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    (path,) = saved_drafters(tiny_target, tmp_path, seeds=(0,))
+    prompts = [{"id": f"p{i}", "domain": "chat", "subdomain": "",
+                "prompt_ids": prompt_ids(tiny_target.tokenizer, [{"role": "user", "content": text}])}
+               for i, text in enumerate(["hello", "2+2?", "a poem"])]
+    generate_rollouts(tiny_target, prompts, GREEDY, 1, 10, tmp_path / "g", seed=0, batch_size=4, progress=False)
+    arms = ["--drafters", f"[{path}, {path}]", "--names", "[chain, tree]", "--trees", "[null, {nodes: 6, top_k: 3}]",
+            "--n_resamples", "50", "--progress", "false"]
+    main(["evaluate", "--mode", "offline", "--rollouts", "g", "--output", "off.json", *arms])
+    out = capsys.readouterr().out
+    assert "tree 6/3" in out and "chain" in out
+    result = json.loads((tmp_path / "off.json").read_text())
+    assert result["tree"] is None and result["arms"]["tree"]["tree"] == {"nodes": 6, "top_k": 3, "depth": None}
+    tree = offline_rounds(tiny_target, path, tmp_path / "g", tree=TreeConfig(nodes=6, top_k=3)).tolist()
+    chain = offline_rounds(tiny_target, path, tmp_path / "g").tolist()
+    assert result["arms"]["tree"]["rounds"] == pytest.approx(tree)
+    assert result["arms"]["chain"]["rounds"] == pytest.approx(chain)
+    main(["evaluate", "--mode", "online", "--sources", "[mt-bench]", "--prompts_per_source", "2",
+          "--max_new_tokens", "6", "--output", "on.json", *arms])
+    result = json.loads((tmp_path / "on.json").read_text())
+    for name in ("chain", "tree"):
+        lo, hi = result["arms"][name]["speedup_ci"]
+        assert lo <= result["arms"][name]["speedup"] <= hi
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--mode", "offline", "--rollouts", "g", "--tree", "{nodes: 4}", *arms])
+    assert "not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--mode", "offline", "--rollouts", "g", "--drafters", f"[{path}]", "--trees", "[null, null]"])
+    assert "one per drafter" in capsys.readouterr().err
+
+
 def test_decode_validation_takes_a_tree_from_yaml(tmp_path, monkeypatch):
     """``SpecDecodeValidation(tree=...)`` from a YAML overlay: every speculative decode of the fit is a tree decode."""
     import sys

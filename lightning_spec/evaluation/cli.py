@@ -26,7 +26,7 @@ import torch
 from lightning_spec.data.rollouts import check_rollouts, load_rollout_set, rollout_sampling, spread
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.evaluation.offline import OfflineReport, offline_report
-from lightning_spec.evaluation.paired import Comparison, compare, compare_reports
+from lightning_spec.evaluation.paired import Comparison, bootstrap_mal, compare, compare_reports, percentile_interval
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 
@@ -75,7 +75,7 @@ def run_offline(
     target_dtype: str,
     device: str,
     progress: bool,
-    tree: TreeConfig | None = None,
+    trees: list[TreeConfig | None],
 ) -> tuple[dict[str, Any], Comparison]:
     from lightning_spec.checkpoint import load_drafter
     from lightning_spec.target import load_target
@@ -90,7 +90,7 @@ def run_offline(
     check_rollouts(data.meta, model, sampling, data.source)
     data = spread(data, max_rollouts)
     reports: dict[str, list[OfflineReport]] = {}
-    for path, name in zip(drafters, names):
+    for path, name, tree in zip(drafters, names, trees):
         drafter = load_drafter(path, target=model)
         reports.setdefault(name, []).append(
             offline_report(model, drafter, data, sampling, batch_size=batch_size, progress=progress, tree=tree)
@@ -110,13 +110,14 @@ def run_offline(
             "accept_rate": (accepted / reached.clamp_min(1e-12)).tolist(),
             "seconds": sum(r.seconds.get("total", 0.0) for r in reps),
             "rounds": mean_rounds.tolist(),
+            "tree": _arm_tree(trees, names, name),
         }
     return {
         "mode": "offline",
         "target": spec,
         "target_fingerprint": model.fingerprint,
         "sampling": sampling.to_dict(),
-        "tree": dataclasses.asdict(tree) if tree else None,
+        "tree": _common_tree(trees),
         "rollouts": rollouts,
         "rows": {
             "prompt_id": first.prompt_keys,
@@ -145,7 +146,7 @@ def run_online(
     target_dtype: str,
     device: str,
     progress: bool,
-    tree: TreeConfig | None = None,
+    trees: list[TreeConfig | None],
 ) -> tuple[dict[str, Any], Comparison]:
     from lightning_spec.checkpoint import load_drafter
     from lightning_spec.data.prompts import select_prompts
@@ -159,12 +160,12 @@ def run_online(
         raise ValueError(f"--target {spec} has no tokenizer; online evaluation builds chat prompts with it.")
     prompts = select_prompts(model.tokenizer, [as_source(s) for s in sources], prompts_per_source, seed)
     loaded = [load_drafter(p, target=model) for p in drafters]
-    if tree is not None:
-        for d in loaded:
+    for d, tree in zip(loaded, trees):
+        if tree is not None:
             d.check_tree()
-    for d in [None, *loaded]:  # warm-up: first calls pay one-off costs that are not decoding speed
-        decode_prompts(model, d, prompts[:1], sampling, min(8, max_new_tokens), seed=seed,
-                       tree=tree if d is not None else None)
+    plan = [(None, None), *zip(loaded, trees)]  # plain decoding, then every drafter with its tree (None: a chain)
+    for d, tree in plan:  # warm-up: first calls pay one-off costs that are not decoding speed
+        decode_prompts(model, d, prompts[:1], sampling, min(8, max_new_tokens), seed=seed, tree=tree)
 
     # per prompt: plain, then every drafter (interleaved, so a load change on the machine hits all alike)
     n = len(prompts)
@@ -175,9 +176,8 @@ def run_online(
     slots = [np.zeros((2, d.block_size)) for d in loaded]
     with progress_bar(f"online decoding ({len(loaded)} drafters + plain)", n, progress) as bar:
         for i, prompt in enumerate(prompts):
-            for j, d in enumerate([None, *loaded]):
-                rep = decode_prompts(model, d, [prompt], sampling, max_new_tokens, seed=seed + i,
-                                     tree=tree if d is not None else None)
+            for j, (d, tree) in enumerate(plan):
+                rep = decode_prompts(model, d, [prompt], sampling, max_new_tokens, seed=seed + i, tree=tree)
                 tok[j, i], rnd[j, i], sec[j, i] = rep.tokens, rep.rounds, rep.seconds
                 draft_sec[j, i] = rep.draft_seconds
                 if d is not None:
@@ -197,6 +197,12 @@ def run_online(
     for a in comparison.arms:
         a.checkpoint_mal = [float(tok[j].sum() / max(rnd[j].sum(), 1e-12)) for j in idx[a.name]]
     plain_tps = tok[0].sum() / max(sec[0].sum(), 1e-9)
+    # tokens/s of every arm and of plain decoding per bootstrap resample of the prompts (the MAL bootstrap's ratio of
+    # sums, with seconds for rounds): the speedup's interval is paired, a load change hits both sides of a prompt
+    per_arm_tok = np.stack([tok[0]] + [tok[idx[name]].mean(0) for name in arm_list])  # (1 + A, R)
+    per_arm_sec = np.stack([sec[0]] + [sec[idx[name]].mean(0) for name in arm_list])
+    tps_boot = bootstrap_mal(per_arm_tok, per_arm_sec, keys, domains, n_resamples, seed)  # (B, 1 + A)
+    speedup_boot = tps_boot[:, 1:] / tps_boot[:, :1]  # (B, A)
     arms = {}
     for name in arm_list:
         j = idx[name]
@@ -211,15 +217,17 @@ def run_online(
             "seconds": float(sec[j].sum()),
             "tokens_per_s": float(tps),
             "speedup": float(tps / plain_tps),
+            "speedup_ci": list(percentile_interval(speedup_boot[:, arm_list.index(name)], confidence)),
             "draft_ms_per_round": float(1000 * draft_sec[j].sum() / max(rnd[j].sum(), 1)),
             "parameters": int(sum(p.numel() for p in loaded[j[0] - 1].parameters())),
+            "tree": _arm_tree(trees, names, name),
         }
     return {
         "mode": "online",
         "target": spec,
         "target_fingerprint": model.fingerprint,
         "sampling": sampling.to_dict(),
-        "tree": dataclasses.asdict(tree) if tree else None,
+        "tree": _common_tree(trees),
         "sources": [str(s) for s in sources],
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -231,6 +239,21 @@ def run_online(
 
 
 # ---------------------------------------------------------------------------------------------- reporting
+def _arm_tree(trees: list[TreeConfig | None], names: list[str], name: str) -> dict[str, Any] | None:
+    """The tree setting of an arm (its first checkpoint's), as a dict; None for a chain."""
+    tree = trees[names.index(name)]
+    return dataclasses.asdict(tree) if tree else None
+
+
+def _common_tree(trees: list[TreeConfig | None]) -> dict[str, Any] | None:
+    """The one tree setting every drafter decodes with, or None (chains, or per-arm settings: see each arm)."""
+    return dataclasses.asdict(trees[0]) if trees[0] is not None and len(set(trees)) == 1 else None
+
+
+def _tree_label(tree: dict[str, Any] | None) -> str:
+    return "chain" if tree is None else "tree {nodes}/{top_k}".format(**tree)
+
+
 def _ci(ci: tuple[float, float] | list[float]) -> str:
     return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
 
@@ -270,16 +293,22 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     summary = Table()
     for col in ["drafter", "MAL", f"{pct} CI", "ΔMAL", f"{pct} CI of Δ", "p"]:
         summary.add_column(col, justify="left" if col == "drafter" else "right")
+    per_arm = result.get("tree") is None and any(arm.get("tree") for arm in result["arms"].values())
+    if per_arm:
+        summary.add_column("decoding", justify="right")
     if mode == "online":
         summary.add_column("tokens/s", justify="right")
         summary.add_column("speedup", justify="right")
+        summary.add_column(f"{pct} CI", justify="right")
     for a in comparison.arms:
         base = a.name == comparison.baseline
         row = [a.name, f"{a.mal:.3f}", _ci(a.mal_ci), "-" if base else f"{a.delta:+.3f}",
                "-" if base else _ci(a.delta_ci), "-" if base else _p(a.p_value, comparison.n_resamples)]
+        arm = result["arms"][a.name]
+        if per_arm:
+            row.append(_tree_label(arm.get("tree")))
         if mode == "online":
-            arm = result["arms"][a.name]
-            row += [f"{arm['tokens_per_s']:.1f}", f"{arm['speedup']:.2f}x"]
+            row += [f"{arm['tokens_per_s']:.1f}", f"{arm['speedup']:.2f}x", _ci(arm["speedup_ci"])]
         summary.add_row(*row)
     console.print(summary)
     if mode == "online":
@@ -351,6 +380,7 @@ def evaluate(
     device: str = "cpu",
     progress: bool = True,
     tree: TreeConfig | None = None,
+    trees: list[TreeConfig | None] | None = None,
 ) -> dict[str, Any]:
     """Score drafters offline on target rollouts (exact expected rounds) or online by real decoding.
 
@@ -383,6 +413,9 @@ def evaluate(
         tree: decode (online) or score (offline, exactly) rounds that verify a token tree instead of a chain, e.g.
             --tree '{nodes: 16, top_k: 4}', built by each family's tree builder; offline, best-first trees (DFlash,
             Medusa) are scored under any sampling, the others (EAGLE-3, MTP, D²SD, SpecBlock) on greedy rollouts.
+        trees: one tree setting per drafter instead of ``tree`` (null: a chain), e.g. the same checkpoint twice as
+            a chain and as a tree: --drafters '[a.ckpt, a.ckpt]' --names '[chain, tree]'
+            --trees '[null, {nodes: 16, top_k: 4}]' (a paired comparison of the two).
     """
     tree = TreeConfig.coerce(tree)
     if not drafters:
@@ -390,20 +423,26 @@ def evaluate(
     if n_resamples < 1 or not 0 < confidence < 1:
         raise ValueError(f"--n_resamples ({n_resamples}) must be >= 1 and --confidence ({confidence}) in (0, 1).")
     labels = arm_names(drafters, names)
+    if trees is not None and tree is not None:
+        raise ValueError("pass --tree (one setting for every drafter) or --trees (one per drafter), not both.")
+    if trees is not None and len(trees) != len(drafters):
+        raise ValueError(f"--trees has {len(trees)} settings for {len(drafters)} drafters; give one per drafter "
+                         "(null for a chain).")
+    per_drafter = [TreeConfig.coerce(t) for t in trees] if trees is not None else [tree] * len(drafters)
     sampling = _sampling(temperature, top_p, top_k)
     if mode == "offline":
         if rollouts is None:
             raise ValueError("--mode offline needs --rollouts: a folder made by `lightning-spec rollouts`.")
         result, comparison = run_offline(
             rollouts, drafters, labels, baseline, target, sampling, max_rollouts, batch_size, n_resamples,
-            confidence, seed, target_dtype, device, progress, tree,
+            confidence, seed, target_dtype, device, progress, per_drafter,
         )
     elif mode == "online":
         if prompts_per_source < 1 or max_new_tokens < 1:
             raise ValueError("--prompts_per_source and --max_new_tokens must be >= 1.")
         result, comparison = run_online(
             target, drafters, labels, baseline, sampling or SamplingConfig(), sources, prompts_per_source,
-            max_new_tokens, n_resamples, confidence, seed, target_dtype, device, progress, tree,
+            max_new_tokens, n_resamples, confidence, seed, target_dtype, device, progress, per_drafter,
         )
     else:
         raise ValueError(f"--mode must be offline or online, got {mode!r}.")
