@@ -321,12 +321,38 @@ def test_offline_tree_scoring_under_sampling_is_refused_in_one_sentence(diverse_
         offline_rounds(diverse_target, drafter, [([1, 2], [3, 4])], SamplingConfig(temperature=1.0), tree={"nodes": 4})
 
 
+def test_distinct_branches_replace_the_trunk_token_at_their_boundary(diverse_target):
+    """``distinct_branches``: branch i's slot i + 1 is the best token other than the trunk's d_{i+1}, so every branch
+    adds a sibling of the trunk at depth i + 1 (none merges into the trunk there), and its later slots are the
+    re-draft's as before."""
+    drafter = vp(diverse_target, k=4, seed=3, branches=4, distinct_branches=True)
+    n = 7
+    state, ids, _ = a_state(drafter, diverse_target, n)
+    anchor = ids[0, n : n + 1]
+    q = drafter.position_logits(state, anchor).softmax(-1)  # (K, Vd)
+    trunk = q.argmax(-1)
+    redraft = drafter.branch_logits(state, anchor, trunk, torch.arange(4)).softmax(-1)  # (4, K, Vd) boundaries 0..3
+    got = set(paths_of(drafter.propose_tree(state, anchor, GREEDY, TreeConfig(nodes=64))))
+    for i in range(4):
+        alternative = redraft[i, i].clone()
+        alternative[trunk[i]] = -1
+        later = tuple(redraft[i, i + 1 :].argmax(-1).tolist())
+        branch = tuple(trunk[:i].tolist()) + (int(alternative.argmax()),) + later
+        assert branch in got and branch[i] != int(trunk[i])
+    assert len(got) == 4 + sum(4 - i for i in range(4))  # the trunk and four branches, no node shared past a boundary
+
+
 # ---------------------------------------------------------------------------------------- decoding guarantees
 
 
 @pytest.mark.parametrize("tree", [TreeConfig(nodes=12), TreeConfig(nodes=5, depth=2)])
-def test_greedy_tree_decoding_equals_the_argmax_loop(accepted_drafter, diverse_target, prompts, tree):
-    assert_greedy_tree_is_the_argmax_loop(accepted_drafter, diverse_target, prompts, tree)
+@pytest.mark.parametrize("distinct", [False, True], ids=["paper", "distinct"])
+def test_greedy_tree_decoding_equals_the_argmax_loop(accepted_drafter, diverse_target, prompts, tree, distinct):
+    accepted_drafter.distinct_branches = distinct
+    try:
+        assert_greedy_tree_is_the_argmax_loop(accepted_drafter, diverse_target, prompts, tree)
+    finally:
+        accepted_drafter.distinct_branches = False
 
 
 @pytest.fixture(scope="module")
@@ -342,13 +368,15 @@ def test_sampled_tree_decoding_is_lossless(family, small_target):
 
 
 def test_save_and_load_round_trip(accepted_drafter, diverse_target, prompts, tmp_path):
-    accepted_drafter.branches = 2  # a non-default setting must come back
+    accepted_drafter.branches = 2  # non-default settings must come back
+    accepted_drafter.distinct_branches = True
     try:
         folder = save_drafter(accepted_drafter, tmp_path / "drafter", "random")
         loaded = load_drafter(folder, target=diverse_target)
         assert type(loaded) is VPDrafter
         assert loaded.config_dict() == accepted_drafter.config_dict()
         assert loaded.config_dict()["branches"] == 2 and loaded.config_dict()["prefix_beta"] == 0.8
+        assert loaded.distinct_branches is True
         for (key, a), (_, b) in zip(loaded.state_dict().items(), accepted_drafter.state_dict().items()):
             assert torch.equal(a, b), key
         tree = TreeConfig(nodes=8)
@@ -358,3 +386,4 @@ def test_save_and_load_round_trip(accepted_drafter, diverse_target, prompts, tmp
             ).tokens
     finally:
         accepted_drafter.branches = 4
+        accepted_drafter.distinct_branches = False

@@ -37,7 +37,9 @@ catnanami/D2-SD ``generation/d3_generator.py``; tested in tests/test_drafter_d2s
   paper drafts greedily as well). A branch whose tokens coincide with nodes already in the tree merges into them
   (the tree is a trie of the K+1 paths), so duplicate siblings are never verified twice. A branch's first slot may
   repeat the trunk's token there (the authors' loop does not exclude it); it then merges and its later slots
-  become alternatives under the trunk's node.
+  become alternatives under the trunk's node. ``distinct_branches=True`` (ours, off by default) makes slot i + 1
+  of branch i the best token other than d_{i+1}: at this scale (slot-1 acceptance ~0.2) r(i) puts the likely
+  rejection at slot 1, where a re-draft from the same distribution proposes d_1 again (the README's reproduction).
 - ``TreeConfig``: ``nodes`` caps the draft nodes (the trunk first, then the branches by decreasing r(i), a branch
   cut where the budget ends); ``depth`` truncates every path at that slot (boundaries i < depth only);
   ``top_k`` is not used (the tree's width is ``branches``).
@@ -111,6 +113,9 @@ class VPDrafter(BlockDrafter):
         prefix_beta: β in (0, 1] of the training prefix length, Pr(l = j) ∝ β^j, j = 0..K-1 (1 = uniform; smaller
             trains mostly short prefixes, which the rejection boundary most often needs).
         branches: re-drafted branches per tree round (the paper's K = 4), >= 0 (0: the tree is the DFlash draft).
+        distinct_branches: a branch's first re-drafted slot takes the best token other than the trunk's there
+            (not in the paper: its branches may repeat the trunk's token at the very slot they are meant to
+            replace, and then merge into the trunk; see the module docstring).
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class VPDrafter(BlockDrafter):
         init_from_target: bool = False,
         prefix_beta: float = 0.8,
         branches: int = 4,
+        distinct_branches: bool = False,
     ) -> None:
         super().__init__(
             block_size=block_size, num_layers=num_layers, target_layers=target_layers, num_anchors=num_anchors,
@@ -137,6 +143,7 @@ class VPDrafter(BlockDrafter):
             raise ValueError(f"drafter.branches must be an int >= 0 (re-drafted branches per tree), got {branches!r}.")
         self.prefix_beta = prefix_beta
         self.branches = branches
+        self.distinct_branches = bool(distinct_branches)
         self._known: tuple[Tensor, Tensor] | None = None  # set only inside ``known_prefix``
 
     # ------------------------------------------------------------------------------------- the known prefix
@@ -259,7 +266,11 @@ class VPDrafter(BlockDrafter):
         paths = [trunk[:depth].tolist()]
         if chosen.numel():
             branch = self.branch_logits(state, anchor, self.vocab.to_target(trunk), chosen)  # (S, K, Vd)
-            redraft = tree_probs(branch, sampling).argmax(-1)  # (S, K)
+            q_branch = tree_probs(branch, sampling)  # (S, K, Vd)
+            if self.distinct_branches:  # slot i + 1 of branch i: anything but the trunk's d_{i+1}, which it replaces
+                rows = torch.arange(chosen.numel(), device=q_branch.device)
+                q_branch[rows, chosen, trunk[chosen]] = -1.0
+            redraft = q_branch.argmax(-1)  # (S, K)
             trunk_ids = trunk.tolist()
             for i, row in zip(chosen.tolist(), redraft.tolist()):
                 paths.append(trunk_ids[:i] + row[i:depth])  # d_1..d_i, then the re-drafted slots i+1..D
