@@ -412,6 +412,12 @@ def every_anchor(
         keep = positions < s
         anchors = Anchors(torch.where(keep, positions, torch.zeros_like(positions)), keep)
         out = draft_fn(anchors)
+        if tuple(out.labels.shape[1:]) != (positions.shape[1], k):
+            raise ValueError(
+                f"the drafter's forward gave slots of shape {tuple(out.labels.shape[1:])} for {positions.shape[1]} "
+                f"anchors, not one chain of block_size={k} per anchor, which EDR and the offline evaluator read (a "
+                "SpecBlockDrafter with blocks > 1 trains one row per block); train it with an objective without EDR."
+            )
         if tree is not None:
             a, c = tree_accept(out, draft_sampling, tree).to(accept.device), None  # (N, C, K)
         else:

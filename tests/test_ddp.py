@@ -97,7 +97,8 @@ FAMILY_DRAFTERS = {
     "medusa": {"class_path": "lightning_spec.drafters.MedusaDrafter", "init_args": {"block_size": 3}},
     "mtp": {"class_path": "lightning_spec.drafters.MTPDrafter", "init_args": {"block_size": 3}},
     "d2sd": {"class_path": "lightning_spec.drafters.VPDrafter", "init_args": {"block_size": 3}},
-    "specblock": {"class_path": "lightning_spec.drafters.SpecBlockDrafter", "init_args": {"block_size": 3}},
+    "specblock": {"class_path": "lightning_spec.drafters.SpecBlockDrafter",
+                  "init_args": {"block_size": 4, "blocks": 2}},  # two blocks: the per-example M draws under DDP
 }
 
 

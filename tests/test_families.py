@@ -44,7 +44,7 @@ FAMILIES = {
     "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
     "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
     "d2sd": lambda k: VPDrafter(block_size=k, num_layers=1, num_anchors=64),
-    "specblock": lambda k: SpecBlockDrafter(block_size=k, num_layers=2, num_anchors=64, rank_width=32),
+    "specblock": lambda k: SpecBlockDrafter(block_size=2 * k, blocks=2, num_layers=2, num_anchors=64, rank_width=32),
 }
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 
