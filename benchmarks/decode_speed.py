@@ -240,6 +240,7 @@ def main() -> None:
     parser.add_argument("--drafter", help="a fit checkpoint (.ckpt) or exported folder; default: untrained")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32", help="the target's dtype (the drafter keeps its weights)")
+    parser.add_argument("--prepack", action="store_true", help="prepack the target's decoder linears (Target.prepack)")
     parser.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts (round-robin over categories)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, help="K; default 8 untrained, the checkpoint's otherwise")
@@ -248,7 +249,7 @@ def main() -> None:
     parser.add_argument("--cache-len", type=int, default=200, help="warm-cache length for the forward timings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--breakdown", action="store_true", help="also split 1 vs K+1 token forwards by part")
-    parser.add_argument("--tree", help="NODES,TOP_K[,DEPTH]: also decode with a best-first tree (DFlash, Medusa)")
+    parser.add_argument("--tree", help="NODES,TOP_K[,DEPTH]: also decode with the drafter's tree builder")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                         help="also time transformers' generate: plain, prompt lookup, assisted")
     parser.add_argument("--assistant-layers", type=int, default=2, help="decoder layers of the assisted peer")
@@ -257,7 +258,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = load_target(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype, prepack=args.prepack)
     prompts = mt_bench_prompts(target, args.prompts, args.seed)
     if args.drafter:
         drafter = load_drafter(args.drafter, target=target)

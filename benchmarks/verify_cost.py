@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/verify_cost.py                         # SmolLM2, fp32 and bf16, T = 1..65
     .venv/bin/python benchmarks/verify_cost.py --dtypes float32 --threads 2
+    .venv/bin/python benchmarks/verify_cost.py --prepack                # + each dtype with prepacked linears
 
 Against a warm KV cache of ``--cache-len`` real tokens (MT-Bench prompts), ``Target.forward`` (our shared-KV SDPA
 path, the one ``generate`` uses) runs T = 1, 2, 9, 17, 33, 65 query tokens: causally (a chain of T - 1 drafts after
@@ -9,7 +10,9 @@ the anchor) and under a tree mask of the same size (a best-first tree's ancestor
 cache cropped back after every run. All sizes and dtypes are interleaved repeat by repeat, so a change of load
 hits every figure alike; medians in ms and each one's ratio to the 1-token forward of its dtype. Also times
 plain greedy decoding per dtype (``generate`` without a drafter, same prompts) and says how often bf16's greedy
-output equals fp32's: the fastest plain decoding on this CPU is what speculative decoding has to beat.
+output equals fp32's: the fastest plain decoding on this CPU is what speculative decoding has to beat. With
+``--prepack`` every dtype also runs as a target whose decoder linears are oneDNN-prepacked (``Target.prepack``,
+rows labelled ``<dtype>+pp``).
 """
 
 from __future__ import annotations
@@ -47,11 +50,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--prompts", type=int, default=4, help="prompts for the plain-decoding comparison")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--prepack", action="store_true", help="also time each dtype with prepacked linears")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     targets = {d: load_target(args.target, dtype=d) for d in args.dtypes}
+    if args.prepack:
+        targets.update({f"{d}+pp": load_target(args.target, dtype=d, prepack=True) for d in args.dtypes})
     first = next(iter(targets.values()))
     prompts = mt_bench_prompts(first, max(args.prompts, 1), 0)
     flat = [t for p in prompts for t in p]
@@ -89,14 +95,14 @@ def main() -> None:
 
     print(f"\nverify_cost  target={args.target}  {cpu_name()}  threads={torch.get_num_threads()}  "
           f"torch {torch.__version__}  warm cache {ctx.shape[1]} tokens, median of {args.repeats} (ms)")
-    print(f"  {'dtype':<10}{'T':>4}{'chain ms':>10}{'x 1-token':>11}{'tree ms':>10}{'x 1-token':>11}")
+    print(f"  {'dtype':<13}{'T':>4}{'chain ms':>10}{'x 1-token':>11}{'tree ms':>10}{'x 1-token':>11}")
     for dtype in targets:
         one = ms[(dtype, "chain", 1)]
         for t in SIZES:
             c = ms[(dtype, "chain", t)]
             tr = ms.get((dtype, "tree", t))
             tree_cols = f"{tr:>10.1f}{tr / one:>10.2f}x" if tr is not None else f"{'':>10}{'':>11}"
-            print(f"  {dtype:<10}{t:>4}{c:>10.1f}{c / one:>10.2f}x{tree_cols}")
+            print(f"  {dtype:<13}{t:>4}{c:>10.1f}{c / one:>10.2f}x{tree_cols}")
 
     print(f"\n  plain greedy decoding, {len(prompts)} MT-Bench prompts x {args.max_new_tokens} tokens, interleaved")
     tokens = {d: 0 for d in targets}
@@ -114,7 +120,7 @@ def main() -> None:
     for d in targets:
         tps = tokens[d] / seconds[d]
         same = sum(a == b for a, b in zip(outputs[d], outputs[args.dtypes[0]]))
-        print(f"  {d:<10}{tps:>8.2f} tokens/s  {tps / best:.2f}x the fastest   "
+        print(f"  {d:<13}{tps:>8.2f} tokens/s  {tps / best:.2f}x the fastest   "
               f"greedy output = {args.dtypes[0]}'s on {same}/{len(prompts)} prompts")
 
 
