@@ -280,7 +280,7 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     table.add_column("domain")
     names = [a.name for a in comparison.arms]
     for name in names:
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", min_width=len(name))
     for d, arms in comparison.by_domain.items():
         table.add_row(d, *[f"{a.mal:.3f}" for a in arms])
     table.add_row("all", *[f"{a.mal:.3f}" for a in comparison.arms])
@@ -292,7 +292,8 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
                                         if comparison.prompts < 20 else ""))
     summary = Table()
     for col in ["drafter", "MAL", f"{pct} CI", "ΔMAL", f"{pct} CI of Δ", "p"]:
-        summary.add_column(col, justify="left" if col == "drafter" else "right")
+        width = max(map(len, names)) if col == "drafter" else None  # names in full, the figures wrap instead
+        summary.add_column(col, justify="left" if col == "drafter" else "right", min_width=width)
     per_arm = result.get("tree") is None and any(arm.get("tree") for arm in result["arms"].values())
     if per_arm:
         summary.add_column("decoding", justify="right")
