@@ -267,7 +267,9 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file or sys.stdout)
+    out = file or sys.stdout
+    tty = getattr(out, "isatty", lambda: False)()
+    console = Console(file=out, width=None if tty else 160)  # a log file gets whole rows, not 80 columns
     mode = result["mode"]
     s = result["sampling"]
     how = "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g} top_p={s['top_p']:g} top_k={s['top_k']}"
