@@ -401,6 +401,7 @@ def test_evaluate_offline_cli_writes_json_and_mlflow(in_tmp, tiny_target, rollou
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("lightning_spec_evaluate").experiment_id])
     assert sorted(r.data.tags["lightning_spec.arm"] for r in runs) == ["base", "other"]
+    assert all(r.data.params["decoding"] == "chain" for r in runs)  # a tree arm says "tree N/K"
     assert all("offline/mal" in r.data.metrics for r in runs)
     assert any("offline/delta_mal" in r.data.metrics for r in runs)
 

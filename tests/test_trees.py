@@ -343,11 +343,18 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
     assert result["arms"]["tree"]["rounds"] == pytest.approx(tree)
     assert result["arms"]["chain"]["rounds"] == pytest.approx(chain)
     main(["evaluate", "--mode", "online", "--sources", "[mt-bench]", "--prompts_per_source", "2",
-          "--max_new_tokens", "6", "--output", "on.json", *arms])
+          "--max_new_tokens", "6", "--output", "on.json", "--mlflow", "true", *arms])
     result = json.loads((tmp_path / "on.json").read_text())
     for name in ("chain", "tree"):
         lo, hi = result["arms"][name]["speedup_ci"]
         assert lo <= result["arms"][name]["speedup"] <= hi
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("lightning_spec_evaluate").experiment_id])
+    decoding = {r.data.tags["lightning_spec.arm"]: r.data.params["decoding"] for r in runs}
+    assert decoding == {"chain": "chain", "tree": "tree 6/3"}
+    assert all(r.data.metrics["online/speedup_lo"] <= r.data.metrics["online/speedup"] for r in runs)
     with pytest.raises(SystemExit):
         main(["evaluate", "--mode", "offline", "--rollouts", "g", "--tree", "{nodes: 4}", *arms])
     assert "not both" in capsys.readouterr().err

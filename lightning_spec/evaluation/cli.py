@@ -338,9 +338,11 @@ def log_mlflow(result: dict[str, Any], comparison: Comparison, tracking_uri: str
             metrics.update({f"{mode}/delta_mal": a.delta, f"{mode}/delta_mal_lo": a.delta_ci[0],
                             f"{mode}/delta_mal_hi": a.delta_ci[1], f"{mode}/delta_p": a.p_value})
         if mode == "online":
-            metrics.update({"online/tokens_per_s": arm["tokens_per_s"], "online/speedup": arm["speedup"]})
+            metrics.update({"online/tokens_per_s": arm["tokens_per_s"], "online/speedup": arm["speedup"],
+                            "online/speedup_lo": arm["speedup_ci"][0], "online/speedup_hi": arm["speedup_ci"][1]})
         params = {
             "mode": mode, "target": result["target"], "target_fingerprint": result["target_fingerprint"],
+            "decoding": _tree_label(arm.get("tree")),
             **{f"sampling.{k}": v for k, v in result["sampling"].items()},
             "checkpoints": ",".join(arm["checkpoints"])[:500], "rows": comparison.rows,
             "prompts": comparison.prompts, "baseline": comparison.baseline,
