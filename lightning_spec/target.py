@@ -289,7 +289,7 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
 def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") -> torch.dtype:
     """A torch dtype from ``float32``/``bfloat16``/``float16``/a ``torch.dtype``, or ``auto``: bfloat16 where the
     device has native bf16 matrix units (``native_bf16``), float32 elsewhere. On a 2-core AMD EPYC (Zen 5,
-    AVX512-BF16) plain greedy decoding of SmolLM2-135M in bf16 ran 1.8-1.9x fp32's tokens/s
+    AVX512-BF16) plain greedy decoding of SmolLM2-135M in bf16 ran 1.7-1.9x fp32's tokens/s
     (``benchmarks/verify_cost.py``); bf16 rounds the 1-token and the verify forwards differently, so greedy
     speculative output can differ from plain output there (fp32 keeps the exact guarantee)."""
     if isinstance(dtype, torch.dtype):
