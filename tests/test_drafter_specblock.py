@@ -34,7 +34,7 @@ from test_trees import assert_greedy_tree_is_the_argmax_loop, tree_empirical
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import save_drafter
 from lightning_spec.drafters import Anchors, DraftOutput, SpecBlockDrafter
-from lightning_spec.drafters.specblock import block_tree, rank_features, rank_labels, rank_tree
+from lightning_spec.drafters.specblock_rank import block_tree, rank_features, rank_labels, rank_tree
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, Geometric, Mixture, Objective, PositionProduct, RankOrdinal, ValidPrefix
 from lightning_spec.objectives.rank import ordinal_targets

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
-from lightning_spec.drafters.specblock import rank_labels  # the drafter owns the bucket boundaries
+from lightning_spec.drafters.specblock_rank import rank_labels  # the drafter owns the bucket boundaries
 from lightning_spec.objectives.losses import Loss
 from lightning_spec.objectives.weights import _prefix_support
 
