@@ -145,9 +145,10 @@ def test_the_training_forward_is_what_propose_drafts(diverse_target, n):
     feats = features_of(diverse_target, d, ids)
     out = d({"input_ids": ids, "loss_mask": batch["loss_mask"][:1]}, feats, Anchors.all(torch.tensor([[n]])))
     state = d.begin(feats[:, :n], ids[:, :n])
-    torch.testing.assert_close(d.head(d.block(state, ids[0, n : n + 1])), out.logits[0, 0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(d.rank_logits(d.block(state, ids[0, n : n + 1]), out.logits[0, 0]),
-                               out.materialize().aux["rank"][0, 0], atol=1e-5, rtol=1e-5)
+    block = d.first_block(state, ids[0, n : n + 1]).normed[0]  # (K, H)
+    torch.testing.assert_close(d.head(block), out.logits[0, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(d.rank_logits(block, out.logits[0, 0]), out.materialize().aux["rank"][0, 0], atol=1e-5,
+                               rtol=1e-5)
     # the same cache grown by extend: a round commits the anchor and two accepted drafts
     if n >= 3:
         state = d.begin(feats[:, : n - 3], ids[:, : n - 3])
@@ -156,8 +157,8 @@ def test_the_training_forward_is_what_propose_drafts(diverse_target, n):
         verified = torch.cat([feats[:, n - 3 : n], feats[:, :1]], 1)  # (1, 4, F): the last node is rejected
         d.extend(state, verified, [0, 1, 2])
         assert state.length == n
-        torch.testing.assert_close(d.head(d.block(state, ids[0, n : n + 1])), out.logits[0, 0], atol=1e-5,
-                                   rtol=1e-5)
+        block = d.first_block(state, ids[0, n : n + 1]).normed[0]
+        torch.testing.assert_close(d.head(block), out.logits[0, 0], atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ rank head and loss
@@ -349,7 +350,7 @@ def test_the_tree_follows_the_rank_head(diverse_target):
     ids = a_batch(diverse_target)["input_ids"][:1]
     state = d.begin(feats[:, :6], ids[:, :6])
     anchor = ids[0, 6:7]
-    hidden = d.block(state, anchor)
+    hidden = d.first_block(state, anchor).normed[0]
     logits = d.head(hidden)
     for forced, want_width in [(0, [1, 1, 1]), (1, [4, 4, 4])]:
         with torch.no_grad():

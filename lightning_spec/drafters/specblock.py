@@ -446,11 +446,6 @@ class SpecBlockDrafter(Drafter):
                             torch.cat([rows.visible[which], before], 1))
 
     @torch.no_grad()
-    def block(self, state: SpecBlockState, anchor: Tensor) -> Tensor:
-        """The anchor's block 1 on the committed cache: normed states (K, H) of its slots."""
-        return self.first_block(state, anchor).normed[0]
-
-    @torch.no_grad()
     def propose(self, state: SpecBlockState, anchor: Tensor, sampling: SamplingConfig, generator=None) -> ChainProposal:
         """The chain of blocks 1..B, B x K slots: each block's slots drawn at once (no slot of a block reads another's
         drafted token), block b + 1 started on the token drafted at block b's last slot."""
