@@ -146,6 +146,50 @@ def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, wha
     return drafter.eval()
 
 
+def read_drafter_state(path: str | Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(record, drafter state dict) of a ``.ckpt`` or an exported folder, read without running code."""
+    path = Path(path)
+    if path.is_dir():
+        meta = _read_folder_meta(path, what)
+        try:
+            state = torch.load(path / "drafter.pt", map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+            raise ValueError(f"{what} '{path / 'drafter.pt'}' is not a readable weights file ({err}).") from None
+        return meta, state
+    ckpt = read_checkpoint(path, what)
+    state = {k[len("drafter.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
+    return ckpt[CKPT_KEY], state
+
+
+def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) -> dict[str, Any]:
+    """Start a fit from a trained drafter (``model.init_from``): its weights only, not its optimizer, schedule or
+    step. The file must hold the same drafter class with weights of the same shapes, trained for the same target
+    weights. Returns the parent record a checkpoint of this fit stores (``parent``: path, class, its own parent)."""
+    what = "model.init_from"
+    meta, state = read_drafter_state(path, what)
+    ours = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
+    if meta["drafter_class"] != ours:
+        raise ValueError(
+            f"{what} '{path}' holds a {meta['drafter_class']} but model.drafter is a {ours}; set model.drafter to the "
+            "class (and sizes) the file was trained with."
+        )
+    if meta.get("target_fingerprint") not in (None, target_fingerprint):
+        raise ValueError(
+            f"{what} '{path}' was trained for target '{meta.get('target')}' (weights fingerprint "
+            f"{meta.get('target_fingerprint')}), not for model.target (fingerprint {target_fingerprint}); start from "
+            "a drafter of this target."
+        )
+    try:
+        drafter.load_state_dict(state)
+    except RuntimeError as err:
+        first = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
+        raise ValueError(
+            f"{what} '{path}' does not fit model.drafter ({first}); give model.drafter the init_args it was trained "
+            f"with: {meta['drafter_config']}."
+        ) from None
+    return {"path": str(path), "drafter_class": meta["drafter_class"], "parent": meta.get("parent")}
+
+
 def load_drafter(path: str | Path, target: Any = None) -> Drafter:
     """Rebuild a drafter from ``path`` (a ``.ckpt`` from ``fit`` or a folder from ``save_drafter``).
 
@@ -153,18 +197,9 @@ def load_drafter(path: str | Path, target: Any = None) -> Drafter:
     weights the drafter was trained for (same fingerprint), so ``load_target(name)`` then ``load_drafter(path)``
     holds one copy of the target; when none is loaded, the recorded target is loaded. ``generate`` also accepts a
     drafter bound to another copy of the same weights."""
-    path = Path(path)
     what = "load_drafter path"
-    if path.is_dir():
-        meta = _read_folder_meta(path, what)
-        try:
-            state = torch.load(path / "drafter.pt", map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
-            raise ValueError(f"{what} '{path / 'drafter.pt'}' is not a readable weights file ({err}).") from None
-        return _bind(meta, state, target, what)
-    ckpt = read_checkpoint(path, what)
-    state = {k[len("drafter.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
-    return _bind(ckpt[CKPT_KEY], state, target, what)
+    meta, state = read_drafter_state(path, what)
+    return _bind(meta, state, target, what)
 
 
 def save_drafter(drafter: Drafter, folder: str | Path, target_spec: str | None = None) -> Path:

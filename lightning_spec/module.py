@@ -19,6 +19,7 @@ Checkpoints hold the drafter only: the frozen target's weights are stripped on s
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -32,7 +33,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 
 from lightning_spec.assets import cache_dir
-from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record
+from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record, init_weights
 from lightning_spec.drafters.base import Drafter, DraftOutput
 from lightning_spec.feature_cache import FeatureCache, cache_key
 from lightning_spec.metrics import RatioOfSums
@@ -95,6 +96,10 @@ class DraftModule(L.LightningModule):
         loss_chunk: compute the objective this many anchors at a time, each chunk's draft and target logits
             recomputed in the backward pass: memory grows with loss_chunk x K x Vd instead of anchors x K x Vd,
             for one more head forward per step (``benchmarks/objective_memory.py``). None: all anchors at once.
+        init_from: start from a trained drafter, a ``fit`` checkpoint or an exported folder: its weights only (this
+            fit has its own optimizer, schedule and steps), so "SFT, then X" is two YAMLs. Checkpoints of this fit
+            record it as their ``parent``. An objective that regularises towards a reference drafter (GRPO's KL)
+            gets a frozen copy of these starting weights.
     """
 
     def __init__(
@@ -110,6 +115,7 @@ class DraftModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         feature_cache: Literal["memory", "disk", "off"] = "memory",
         loss_chunk: int | None = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         ignore = ["drafter", "objective"] + ([] if isinstance(target, str) else ["target"])
@@ -125,6 +131,12 @@ class DraftModule(L.LightningModule):
         self.drafter = drafter
         self.drafter.bind(self.target)
         self.objective = objective if objective is not None else Objective()
+        self._parent = None if init_from is None else init_weights(self.drafter, init_from, self.target.fingerprint)
+        # a frozen copy of the starting drafter for objectives that need it (GRPO's KL to the reference); in a list,
+        # so it is neither a submodule nor in checkpoints
+        self._reference: list[Drafter] = []
+        if getattr(self.objective, "needs_reference", False):
+            self._reference.append(copy.deepcopy(self.drafter).eval().requires_grad_(False))
         # Record what was trained, so MLflow can compare runs by block size, loss, gamma... (the objects
         # themselves are not hyperparameters: the drafter is a module, the objective a tree of parts).
         self.save_hyperparameters(
@@ -220,6 +232,22 @@ class DraftModule(L.LightningModule):
         draft.target_head = self._target_head
 
     @torch.no_grad()
+    def attach_reference(self, draft: DraftOutput, batch: dict[str, Tensor], features: Tensor, anchors) -> None:
+        """The reference drafter's logits (N, A, K, Vd) at the same anchors (``draft.reference_logits``): the same
+        chosen anchors, or the same seeded draw (``anchor_seed``) when the drafter samples them."""
+        reference = self._reference[0]
+        if reference.vocab.ids.device != draft.valid.device:
+            reference.to(draft.valid.device)
+        reference.bind(self.target)
+        ref = reference(batch, features, anchors)
+        if not torch.equal(ref.anchors, draft.anchors):
+            raise RuntimeError(
+                "The reference drafter drew other anchors than the trained one; the objective's reference KL needs "
+                "seeded anchors (batches with an 'index') or anchors chosen by the objective."
+            )
+        draft.reference_logits = ref.materialize().logits.detach()  # (N, A, K, Vd)
+
+    @torch.no_grad()
     def _target_head(self, hidden: Tensor) -> Tensor:
         return self.drafter.head(hidden)  # (..., Vd) target logits over the draft vocabulary, no gradient
 
@@ -238,6 +266,7 @@ class DraftModule(L.LightningModule):
         features, last = self.target_features(batch, use_cache)
         draft_fn = lambda anchors: self.drafter(batch, features, anchors)  # noqa: E731
         chosen = self.objective.select_anchors(batch, draft_fn, self.target_info(last))  # EDR chooses; else None
+        anchors = None
         if chosen is None:
             draft = self.drafter(batch, features)
         else:
@@ -246,6 +275,8 @@ class DraftModule(L.LightningModule):
             draft.extra = extra
         if self.objective.needs_target:
             self.attach_target(draft, last)
+        if self._reference:
+            self.attach_reference(draft, batch, features, anchors)
         draft.progress = self.training_progress()
         return draft, self.objective(draft, chunk=self.hparams.loss_chunk)
 
@@ -387,7 +418,7 @@ class DraftModule(L.LightningModule):
     # ---------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
-        checkpoint[CKPT_KEY] = drafter_record(self.drafter, self.target_spec)
+        checkpoint[CKPT_KEY] = {**drafter_record(self.drafter, self.target_spec), "parent": self._parent}
         checkpoint["anchor_seed"] = self._anchor_seed
         if getattr(self, "_clock", None) is not None:
             checkpoint["training_clock"] = self._clock.state_dict()

@@ -145,6 +145,8 @@ class DraftOutput:
         extra: the objective's scratch space (what its ``select_anchors`` computed for its parts). Entries with a
             ``chunk(index)`` method are per-anchor and sliced with the chunk.
         progress: the share 0..1 of training done (the module sets it; parts with a schedule read it).
+        reference_logits: (N, A, K, Vd) a frozen reference drafter's logits at the same anchors (the module sets
+            them for objectives with ``needs_reference``, e.g. GRPO's KL to its starting drafter).
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class DraftOutput:
         drafted: Tensor | None = None,
         extra: dict[str, Any] | None = None,
         progress: float | None = None,
+        reference_logits: Tensor | None = None,
     ) -> None:
         if logits is None and (hidden is None or head is None):
             raise ValueError("DraftOutput needs logits, or hidden and head.")
@@ -173,6 +176,7 @@ class DraftOutput:
         self.drafted = drafted
         self.extra = extra
         self.progress = progress
+        self.reference_logits = reference_logits
 
     @property
     def logits(self) -> Tensor:
@@ -233,6 +237,7 @@ class DraftOutput:
         return DraftOutput(
             logits, take(self.labels), take(self.valid), take(self.anchors), hidden=hidden, target_logits=target,
             aux=aux, drafted=take(self.drafted), extra=extra, progress=self.progress,
+            reference_logits=take(self.reference_logits),
         )
 
 
