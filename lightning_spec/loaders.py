@@ -26,13 +26,34 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         input_ids[row, :length] = e["input_ids"]
         attention_mask[row, :length] = 1
         loss_mask[row, :length] = e["loss_mask"]
-    return {
+    batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         "domain_id": torch.tensor([e["domain_id"] for e in examples], dtype=torch.long),  # (N,)
         "index": torch.tensor([e["index"] for e in examples], dtype=torch.long),  # (N,)
     }
+    if "round_starts" in examples[0]:  # on-policy rollouts (data/replay.py): their rounds, padded
+        batch.update(collate_rounds(examples))
+    return batch
+
+
+def collate_rounds(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """The per-round fields of on-policy examples (``data/replay.py``) padded to the batch's most rounds R:
+    ``round_starts`` (N, R) with -1 padding, ``rejected`` (N, R, K) -1, ``rejected_logp`` (N, R, K) 0, and
+    ``drawn_step`` (N,)."""
+    n, r = len(examples), max(len(e["round_starts"]) for e in examples)
+    k = examples[0]["rejected"].shape[-1]
+    starts = torch.full((n, r), -1, dtype=torch.long)  # (N, R)
+    rejected = torch.full((n, r, k), -1, dtype=torch.long)  # (N, R, K)
+    logp = torch.zeros((n, r, k))  # (N, R, K)
+    for row, e in enumerate(examples):
+        m = len(e["round_starts"])
+        starts[row, :m] = e["round_starts"]
+        rejected[row, :m] = e["rejected"]
+        logp[row, :m] = e["rejected_logp"]
+    steps = torch.tensor([e["drawn_step"] for e in examples], dtype=torch.long)  # (N,)
+    return {"round_starts": starts, "rejected": rejected, "rejected_logp": logp, "drawn_step": steps}
 
 
 class DomainSampler(DistributedSampler):

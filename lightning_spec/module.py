@@ -172,7 +172,13 @@ class DraftModule(L.LightningModule):
             )
         if stage == "fit" and not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens
             self.drafter.vocab.set_from_counts(dm.token_counts(self.target.vocab_size))
-        if stage == "fit" and self.hparams.feature_cache != "off" and hasattr(dm, "fingerprint"):
+        on_policy = getattr(dm, "on_policy", False)  # the data is a replay buffer (callbacks/on_policy.py)
+        if stage == "fit" and getattr(self.objective, "needs_rollouts", False) and not on_policy:
+            raise ValueError(
+                f"model.objective {type(self.objective).__name__} trains on the rounds of on-policy rollouts; add "
+                "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."
+            )
+        if stage == "fit" and self.hparams.feature_cache != "off" and hasattr(dm, "fingerprint") and not on_policy:
             key = cache_key(self.target.fingerprint, self.drafter.target_layers, dm.fingerprint)
             directory = cache_dir() / "features" if self.hparams.feature_cache == "disk" else None
             self._features = FeatureCache(key, directory)
@@ -319,6 +325,9 @@ class DraftModule(L.LightningModule):
         self.log("train/loss", (num / den.clamp_min(1e-12)).float(), prog_bar=True, batch_size=n)
         for name, value in terms.metrics.items():  # objective-specific scalars, e.g. train/edr_expected_rounds
             self.log(f"train/{name}", value, batch_size=n, sync_dist=True)  # DDP: the mean over ranks
+        if "drawn_step" in batch:  # on-policy data: optimizer steps since the drafter that decoded it
+            staleness = (self.global_step - batch["drawn_step"]).float().mean()
+            self.log("train/staleness", staleness, batch_size=n, sync_dist=True)
         self.log("train/acc/t1", acc[0].float(), batch_size=n)
         self.log(f"train/acc/t{k}", acc[-1].float(), batch_size=n)
         return terms.num  # divided by the global Σ den in on_before_optimizer_step

@@ -95,6 +95,30 @@ class Probe(Callback):
             spec_validation.decode_prompts, self._decode = self._decode, None
 
 
+class BufferProbe(Callback):
+    """Writes, per rank, the on-policy replay buffer at the end of the fit and the examples and rollout steps of
+    every training batch to ``<out>/buffer<r>.json`` (tests/test_on_policy_ddp.py)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+        self.batches: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches.append({"step": trainer.global_step, "index": batch["index"].tolist(),
+                             "drawn_step": batch["drawn_step"].tolist()})
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_spec.callbacks import OnPolicyRollouts
+
+        (rollouts,) = [c for c in trainer.callbacks if isinstance(c, OnPolicyRollouts)]
+        buffer = [{"index": e["index"], "input_ids": e["input_ids"].tolist(), "rounds": e["round_starts"].tolist()}
+                  for e in rollouts.buffer]
+        self.out.mkdir(parents=True, exist_ok=True)
+        record = {"world_size": trainer.world_size, "buffer": buffer, "batches": self.batches,
+                  "history": rollouts.history}
+        (self.out / f"buffer{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
 class KillAt(Callback):
     """SIGKILLs the process when training step ``step + 1`` is about to start: steps 1..step are done, with their
     checkpoints and logged metrics, and nothing is flushed or finalised (a machine that dies)."""

@@ -38,6 +38,11 @@ class Generation:
     verify_seconds: float = 0.0  # time inside the target verify forwards
     block_size: int = 0  # K, the most a round drafts (0 for plain decoding)
     draft_lengths: list[int] = field(default_factory=list)  # draft tokens submitted per round (<= K)
+    # with trace=True, per round: the drafted chain (target ids) and the target's log-probability of each drafted
+    # token in the verification forward (under ``sampling``; greedy: the plain softmax), what on-policy training
+    # replays (the rejected drafts of a round are drafts[r][accept_lengths[r]:])
+    drafts: list[list[int]] = field(default_factory=list)
+    draft_logp: list[list[float]] = field(default_factory=list)
 
     @property
     def mal(self) -> float:
@@ -79,18 +84,22 @@ def generate(
     drafter: Any = None,
     seed: int | None = None,
     tree: TreeConfig | dict | None = None,
+    trace: bool = False,
 ) -> Generation:
     """Decode one prompt with the target, speculatively when a drafter is given.
 
     ``input_ids``: one prompt (list of ints, 1-D or (1, S) tensor, or a tokenizer's output); ``sampling``: a
     ``SamplingConfig`` or a dict of its fields (None: greedy); ``drafter=None`` decodes plainly with the same code
     path; ``seed`` makes sampled decoding reproducible; ``tree`` (a ``TreeConfig`` or a dict of its fields) verifies
-    a token tree per round instead of a chain (``decoding/trees.py``). Stops after ``max_new_tokens`` or the
-    target's EOS."""
+    a token tree per round instead of a chain (``decoding/trees.py``); ``trace`` records every round's drafted chain
+    and the target's log-probabilities of it (``Generation.drafts``, ``draft_logp``). Stops after ``max_new_tokens``
+    or the target's EOS."""
     sampling = SamplingConfig.coerce(sampling)
     tree = TreeConfig.coerce(tree)
     if tree is not None and drafter is None:
         raise ValueError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
+    if tree is not None and trace:
+        raise ValueError("generate(trace=True) records chains; decode with tree=None to trace the drafts.")
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
     device = target.device
@@ -119,6 +128,8 @@ def generate(
     tokens: list[int] = []
     accept_lengths: list[int] = []
     draft_lengths: list[int] = []
+    drafts: list[list[int]] = []
+    draft_logp: list[list[float]] = []
     t_draft = t_verify = 0.0
     while len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
@@ -147,6 +158,12 @@ def generate(
         tokens.extend(new)
         accept_lengths.append(min(accepted, len(new)))
         draft_lengths.append(proposal.num_drafted)
+        if trace:  # logits[i] predicts node i + 1: the drafted tokens are nodes 1..k
+            k_r = proposal.num_drafted
+            logits = out.logits[0, :k_r].float()  # (k, V)
+            logp = logits.log_softmax(-1) if sampling.greedy else sampling.logprobs(logits)
+            drafts.append(nodes[1 : k_r + 1].tolist())
+            draft_logp.append(logp.gather(-1, nodes[1 : k_r + 1, None])[:, 0].tolist())
         if new[-1] in eos or len(tokens) >= max_new_tokens:
             break
         # keep the anchor and the accepted drafts in the caches; the committed next token is the new anchor
@@ -163,4 +180,6 @@ def generate(
         verify_seconds=t_verify,
         block_size=k,
         draft_lengths=draft_lengths,
+        drafts=drafts,
+        draft_logp=draft_logp,
     )

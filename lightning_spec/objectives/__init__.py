@@ -7,9 +7,11 @@ Block-position weights b: Uniform, ExpDecay, Geometric, AUFSupport, ValidPrefix,
 EALWeight, EDRReach, PositionProduct (a product of weights), VPDecay (D²SD's variable prefix). Anchor weights a:
 AnchorUniform, EDROccupancy. Aux-head losses: ConfidenceBCE (DSpark), RankOrdinal (SpecBlock's rank head).
 Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, and Mixture (weighted sums).
+On-policy: DraftOPD (replays the rounds of the live drafter's rollouts).
 """
 
 from lightning_spec.objectives.confidence import ConfidenceBCE
+from lightning_spec.objectives.draft_opd import DraftOPD
 from lightning_spec.objectives.edr import EDR, EDRCost, EDROccupancy, EDRReach
 from lightning_spec.objectives.losses import (
     CE,
@@ -45,9 +47,9 @@ from lightning_spec.objectives.weights import (
 )
 
 __all__ = [
-    "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "ConfidenceBCE", "DPACE", "E2E", "E2EWeight",
-    "EAL", "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "Geometric", "JSD", "KL", "LK",
-    "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct", "PositionWeight",
+    "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "ConfidenceBCE", "DPACE", "DraftOPD", "E2E",
+    "E2EWeight", "EAL", "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "Geometric", "JSD", "KL",
+    "LK", "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct", "PositionWeight",
     "RankOrdinal", "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform", "ValidPrefix", "VPDecay",
     "WTV", "WTVWeight",
 ]
