@@ -6,13 +6,14 @@ Losses ℓ: CE, KL, ReverseKL, TV, JSD, LK, LKAlpha, BernoulliKL, TVMinusOne (E2
 Block-position weights b: Uniform, ExpDecay, Geometric, AUFSupport, ValidPrefix, DPACE, E2EWeight, WTVWeight,
 EALWeight, EDRReach, PositionProduct (a product of weights), VPDecay (D²SD's variable prefix). Anchor weights a:
 AnchorUniform, EDROccupancy. Aux-head losses: ConfidenceBCE (DSpark), RankOrdinal (SpecBlock's rank head).
-Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, and Mixture (weighted sums).
-On-policy: DraftOPD (replays the rounds of the live drafter's rollouts).
+Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, Mixture (weighted sums), and GRPO
+(policy gradient on simulated acceptance). On-policy: DraftOPD (replays the rounds of the live drafter's rollouts).
 """
 
 from lightning_spec.objectives.confidence import ConfidenceBCE
 from lightning_spec.objectives.draft_opd import DraftOPD
 from lightning_spec.objectives.edr import EDR, EDRCost, EDROccupancy, EDRReach
+from lightning_spec.objectives.grpo import GRPO
 from lightning_spec.objectives.losses import (
     CE,
     JSD,
@@ -48,8 +49,8 @@ from lightning_spec.objectives.weights import (
 
 __all__ = [
     "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "ConfidenceBCE", "DPACE", "DraftOPD", "E2E",
-    "E2EWeight", "EAL", "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "Geometric", "JSD", "KL",
-    "LK", "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct", "PositionWeight",
-    "RankOrdinal", "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform", "ValidPrefix", "VPDecay",
-    "WTV", "WTVWeight",
+    "E2EWeight", "EAL", "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "GRPO", "Geometric",
+    "JSD", "KL", "LK", "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct",
+    "PositionWeight", "RankOrdinal", "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform",
+    "ValidPrefix", "VPDecay", "WTV", "WTVWeight",
 ]
