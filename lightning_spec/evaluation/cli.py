@@ -147,10 +147,15 @@ def run_online(
     device: str,
     progress: bool,
     trees: list[TreeConfig | None],
+    adapt: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], Comparison]:
+    """Real decoding of the prompts by plain decoding and every drafter, interleaved prompt by prompt. ``adapt``
+    (``CostAwareAdapter`` settings) adds an arm ``<name>+adapt`` per drafter: its own copy, adapted while it
+    decodes the prompts in order (``adaptation.py``), its update time counted in its seconds."""
     from lightning_spec.checkpoint import load_drafter
     from lightning_spec.data.prompts import select_prompts
     from lightning_spec.data.sources import as_source
+    from lightning_spec.evaluation.adaptation import CostAwareAdapter, decode_adapting
     from lightning_spec.evaluation.benchmark import decode_prompts
     from lightning_spec.target import load_target
 
@@ -166,6 +171,14 @@ def run_online(
     plan = [(None, None), *zip(loaded, trees)]  # plain decoding, then every drafter with its tree (None: a chain)
     for d, tree in plan:  # warm-up: first calls pay one-off costs that are not decoding speed
         decode_prompts(model, d, prompts[:1], sampling, min(8, max_new_tokens), seed=seed, tree=tree)
+    if adapt is not None:  # a second, adapting copy of every drafter (warmed up without adapting)
+        adapters = [CostAwareAdapter(load_drafter(p, target=model), model, tree=tree, seed=seed, **adapt)
+                    for p, tree in zip(drafters, trees)]
+        for a in adapters:
+            decode_prompts(model, a.drafter, prompts[:1], sampling, min(8, max_new_tokens), seed=seed, tree=a.tree)
+        loaded, trees = loaded + adapters, trees + [a.tree for a in adapters]
+        names, drafters = names + [f"{n}+adapt" for n in names], drafters + drafters
+        plan = [(None, None), *zip(loaded, trees)]
 
     # per prompt: plain, then every drafter (interleaved, so a load change on the machine hits all alike)
     n = len(prompts)
@@ -177,7 +190,10 @@ def run_online(
     with progress_bar(f"online decoding ({len(loaded)} drafters + plain)", n, progress) as bar:
         for i, prompt in enumerate(prompts):
             for j, (d, tree) in enumerate(plan):
-                rep = decode_prompts(model, d, [prompt], sampling, max_new_tokens, seed=seed + i, tree=tree)
+                if isinstance(d, CostAwareAdapter):  # an adapting drafter: this prompt is its next window
+                    rep = decode_adapting(d, [prompt], sampling, max_new_tokens, seed=seed + i)
+                else:
+                    rep = decode_prompts(model, d, [prompt], sampling, max_new_tokens, seed=seed + i, tree=tree)
                 tok[j, i], rnd[j, i], sec[j, i] = rep.tokens, rep.rounds, rep.seconds
                 draft_sec[j, i] = rep.draft_seconds
                 if d is not None:
@@ -219,9 +235,12 @@ def run_online(
             "speedup": float(tps / plain_tps),
             "speedup_ci": list(percentile_interval(speedup_boot[:, arm_list.index(name)], confidence)),
             "draft_ms_per_round": float(1000 * draft_sec[j].sum() / max(rnd[j].sum(), 1)),
-            "parameters": int(sum(p.numel() for p in loaded[j[0] - 1].parameters())),
+            "parameters": int(sum(p.numel() for p in _module(loaded[j[0] - 1]).parameters())),
             "tree": _arm_tree(trees, names, name),
         }
+        adapters = [loaded[i - 1] for i in j if isinstance(loaded[i - 1], CostAwareAdapter)]
+        if adapters:
+            arms[name]["adaptation"] = [a.summary() for a in adapters]
     return {
         "mode": "online",
         "target": spec,
@@ -236,6 +255,13 @@ def run_online(
         "arms": arms,
         "comparison": comparison.to_dict(),
     }, comparison
+
+
+def _module(decoder: Any) -> Any:
+    """The drafter module of an arm: the drafter itself, or an adapter's drafter."""
+    from lightning_spec.evaluation.adaptation import CostAwareAdapter
+
+    return decoder.drafter if isinstance(decoder, CostAwareAdapter) else decoder
 
 
 # ---------------------------------------------------------------------------------------------- reporting
@@ -316,6 +342,11 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     console.print(summary)
     if mode == "online":
         console.print(f"plain decoding: {result['plain']['tokens_per_s']:.1f} tokens/s (same prompts, same process)")
+        for name, arm in result["arms"].items():
+            for a in arm.get("adaptation", []):  # an adapting arm: what it spent its update time on
+                applied = ", ".join(f"{s} {v['updates']}" for s, v in a["arms"].items())
+                console.print(f"{name}: updates over {a['windows']} prompts: {applied or 'no scope'}; "
+                              f"{a['adapter_seconds']:.2f} s adapting (inside its tokens/s)")
     seeds = [a for a in comparison.arms if len(a.checkpoint_mal) > 1]
     for a in seeds:
         console.print(f"{a.name}: MAL per checkpoint {', '.join(f'{m:.3f}' for m in a.checkpoint_mal)}")
@@ -386,6 +417,13 @@ def evaluate(
     progress: bool = True,
     tree: TreeConfig | None = None,
     trees: list[TreeConfig | None] | None = None,
+    adapt: bool = False,
+    adapt_scopes: list[str] = ["head", "last", "all"],  # noqa: B006 (never mutated; a list shows in --help)
+    adapt_lr: float = 1e-4,
+    adapt_steps: int = 2,
+    adapt_horizon: int = 4096,
+    adapt_exploration: float = 0.1,
+    adapt_force: str | None = None,
 ) -> dict[str, Any]:
     """Score drafters offline on target rollouts (exact expected rounds) or online by real decoding.
 
@@ -421,6 +459,17 @@ def evaluate(
         trees: one tree setting per drafter instead of ``tree`` (null: a chain), e.g. the same checkpoint twice as
             a chain and as a tree: --drafters '[a.ckpt, a.ckpt]' --names '[chain, tree]'
             --trees '[null, {nodes: 16, top_k: 4}]' (a paired comparison of the two).
+        adapt: online: also decode with an adapting copy of every drafter, arm '<name>+adapt': after each prompt
+            it may update itself on the verified tokens when the expected time saved beats the update's
+            measured cost (a UCB bandit over update scopes; SpecBlock, arXiv 2605.07243). Its seconds include
+            the updates.
+        adapt_scopes: the update scopes the adapter chooses among: head (the drafter's output norm / heads),
+            last (last decoder layer + final norm), all.
+        adapt_lr: the adapter's learning rate (AdamW).
+        adapt_steps: optimizer steps per update.
+        adapt_horizon: tokens over which an update's MAL gain is expected to pay (the saving it is weighed by).
+        adapt_exploration: the UCB constant, in MAL units.
+        adapt_force: apply this scope after every prompt whatever the saving ('none': never update).
     """
     tree = TreeConfig.coerce(tree)
     if not drafters:
@@ -435,6 +484,8 @@ def evaluate(
                          "(null for a chain).")
     per_drafter = [TreeConfig.coerce(t) for t in trees] if trees is not None else [tree] * len(drafters)
     sampling = _sampling(temperature, top_p, top_k)
+    if adapt and mode != "online":
+        raise ValueError("--adapt true adapts drafters while they decode; use it with --mode online.")
     if mode == "offline":
         if rollouts is None:
             raise ValueError("--mode offline needs --rollouts: a folder made by `lightning-spec rollouts`.")
@@ -448,6 +499,8 @@ def evaluate(
         result, comparison = run_online(
             target, drafters, labels, baseline, sampling or SamplingConfig(), sources, prompts_per_source,
             max_new_tokens, n_resamples, confidence, seed, target_dtype, device, progress, per_drafter,
+            adapt=dict(scopes=adapt_scopes, lr=adapt_lr, steps=adapt_steps, horizon_tokens=adapt_horizon,
+                       exploration=adapt_exploration, force=adapt_force) if adapt else None,
         )
     else:
         raise ValueError(f"--mode must be offline or online, got {mode!r}.")
