@@ -161,10 +161,23 @@ def read_drafter_state(path: str | Path, what: str) -> tuple[dict[str, Any], dic
     return ckpt[CKPT_KEY], state
 
 
+# Heads a fit may add to a trained drafter (``init_from``): init argument -> the state-dict prefix of its weights.
+# AdaFlash fits its length head on top of a trained DFlash drafter (Qian et al. 2026, arXiv 2607.19223).
+ADDABLE_HEADS = {"length_head": "length."}
+
+
+def added_heads(drafter: Drafter, recorded: dict[str, Any]) -> tuple[str, ...]:
+    """State-dict prefixes of the heads ``drafter`` has on and a file's drafter (its ``recorded`` config) had off:
+    their weights are the only keys ``init_weights`` lets a file lack."""
+    ours = drafter.config_dict()
+    return tuple(prefix for arg, prefix in ADDABLE_HEADS.items() if ours.get(arg) and not recorded.get(arg))
+
+
 def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) -> dict[str, Any]:
     """Start a fit from a trained drafter (``model.init_from``): its weights only, not its optimizer, schedule or
     step. The file must hold the same drafter class with weights of the same shapes, trained for the same target
-    weights. Returns the parent record a checkpoint of this fit stores (``parent``: path, class, its own parent)."""
+    weights. Returns the parent record a checkpoint of this fit stores (``parent``: path, class, its own parent).
+    A head the file's drafter had off (``ADDABLE_HEADS``) may be on in ``drafter``: it keeps its fresh weights."""
     what = "model.init_from"
     meta, state = read_drafter_state(path, what)
     ours = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
@@ -179,8 +192,12 @@ def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) ->
             f"{meta.get('target_fingerprint')}), not for model.target (fingerprint {target_fingerprint}); start from "
             "a drafter of this target."
         )
+    added = added_heads(drafter, meta["drafter_config"])
     try:
-        drafter.load_state_dict(state)
+        loaded = drafter.load_state_dict(state, strict=not added)
+        stray = [k for k in loaded.missing_keys if not k.startswith(added)] + list(loaded.unexpected_keys)
+        if stray:
+            raise RuntimeError(f"Error(s) in loading state_dict:\n\tMissing or unexpected key(s): {stray}.")
     except RuntimeError as err:
         first = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
         raise ValueError(

@@ -423,7 +423,8 @@ def every_anchor(
         else:
             a, c = slot_statistics(out.logits, table, anchors.positions, draft_sampling, costs)  # (N, C, K)
         submitted = torch.ones_like(a, dtype=torch.bool)
-        if out.drafted is not None:  # slots after the drafted prefix are not proposed: never accepted
+        if out.drafted is not None and tree is None:  # a chain's slots after the drafted prefix are never proposed
+            # (a tree is grown from every slot's distribution: a length head or prefix scheduler cuts chains only)
             submitted = slot <= out.drafted[..., None]
         r, p = rows.expand_as(positions)[keep], anchors.positions[keep]
         accept[r, p] = (a * submitted)[keep].double()

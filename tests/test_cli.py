@@ -65,7 +65,8 @@ def test_every_experiment_yaml_parses(path, in_tmp, capsys, monkeypatch):
 
 
 DRAFTER_OVERLAYS = sorted((ROOT / "experiments" / "drafters").glob("*.yaml"))
-OVERLAYS = [path for path in EXPERIMENTS if len(config_files(path)) > 1] + DRAFTER_OVERLAYS
+REGIME_OVERLAYS = sorted((ROOT / "experiments" / "regimes").glob("*.yaml"))
+OVERLAYS = [path for path in EXPERIMENTS if len(config_files(path)) > 1] + DRAFTER_OVERLAYS + REGIME_OVERLAYS
 
 
 def test_every_drafter_family_has_an_overlay():
@@ -74,6 +75,17 @@ def test_every_drafter_family_has_an_overlay():
     assert {p.stem for p in DRAFTER_OVERLAYS} >= {"eagle3", "dspark", "dfly", "domino", "medusa", "mtp"}
     for path in DRAFTER_OVERLAYS:
         assert config_files(path)[0] == ROOT / "experiments" / "quickstart.yaml", path.name
+
+
+def test_every_training_regime_is_a_second_stage_overlay():
+    """issue 13: each regime is ``fit -c experiments/quickstart.yaml -c experiments/regimes/<r>.yaml``, started from
+    a first stage's checkpoint (``--model.init_from``), its header saying how long it takes on the CPU."""
+    wanted = {"sft_then_opd", "adaflash", "eal_then_grpo", "wtv_then_grpo", "edr_finetune"}
+    assert {p.stem for p in REGIME_OVERLAYS} >= wanted
+    for path in REGIME_OVERLAYS:
+        header = path.read_text().split("\n# lightning-spec fit", 1)
+        assert config_files(path)[0] == ROOT / "experiments" / "quickstart.yaml", path.name
+        assert "--model.init_from" in header[1].splitlines()[0] and "CPU time" in path.read_text(), path.name
 
 
 def test_the_long_and_reweighting_runs_are_overlays():

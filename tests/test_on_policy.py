@@ -140,11 +140,12 @@ def test_k3_is_an_unbiased_reverse_kl():
 
 
 # ------------------------------------------------------------------------------------- the rollout callback
-def on_policy_fit(files, tmp_path, steps=4, objective=None, callbacks=(), ckpt_path=None, **rollouts):
+def on_policy_fit(files, tmp_path, steps=4, objective=None, callbacks=(), ckpt_path=None, drafter_args=None,
+                  **rollouts):
     dm = SpecDataModule(target="tiny-random", train_sources=[files["train"]], eval_sources=[files["eval"]],
                         train_limit=None, max_length=64, batch_size=2, val_fraction=0.2)
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_size=3, num_layers=1, num_anchors=8)
+    drafter = BlockDrafter(block_size=3, num_layers=1, num_anchors=8, **(drafter_args or {}))
     module = DraftModule(drafter, objective or DraftOPD(), target="tiny-random", lr=1e-2)
     cb = OnPolicyRollouts(**{**dict(buffer_size=4, refresh_every=2, rollouts_per_refresh=2, max_new_tokens=12),
                              **rollouts})
@@ -193,6 +194,22 @@ def test_whole_buffer_refresh_and_random_anchor_ablation(data_files, tmp_path): 
         refresh_every=2)
     assert [s for s, _ in cb.history] == [0, 2] and sorted(e["index"] for e in cb.buffer) == [4, 5, 6, 7]
     assert trainer.global_step == 4
+
+
+def test_adaflash_regime_runs_on_policy_with_its_length_head(data_files, tmp_path):  # noqa: F811
+    """experiments/regimes/adaflash.yaml on the tiny target: whole-buffer refreshes, AdaFlash's loss and the length
+    head's MSE as one mixture; the head trains, and the drafter decodes the next buffer with it."""
+    from lightning_spec.objectives import AdaFlashLoss, ExpDecay, LengthMSE, Mixture, Uniform
+
+    parts = [Objective(AdaFlashLoss(), ExpDecay(2.0)), Objective(LengthMSE(), Uniform(), normalize="anchors")]
+    objective = Mixture(parts, [1.0, 1.0])
+    torch.manual_seed(0)
+    module, cb, _, seen, trainer = on_policy_fit(data_files, tmp_path, steps=4, objective=objective,
+                                                 rollouts_per_refresh=None, drafter_args={"length_head": True})
+    assert trainer.global_step == 4 and [s for s, _ in cb.history] == [0, 2]
+    assert {"train/mixture/0", "train/mixture/1"} <= set(trainer.callback_metrics)
+    assert math.isfinite(float(trainer.callback_metrics["train/loss"]))
+    assert module.drafter.length_head and any(p.grad is not None for p in module.drafter.length.parameters())
 
 
 def test_a_resumed_run_keeps_its_buffer(data_files, tmp_path):  # noqa: F811

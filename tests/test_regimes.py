@@ -78,3 +78,20 @@ def test_the_reference_drafter_is_the_frozen_start_at_the_same_anchors(trained):
     assert not any(k.startswith("_reference") for k in child.state_dict())
     assert all(not p.requires_grad for p in child._reference[0].parameters())
     L.seed_everything(0)
+
+
+def test_edr_finetune_regime_starts_from_a_trained_drafter(trained, data_files, tmp_path):  # noqa: F811
+    """experiments/regimes/edr_finetune.yaml on the tiny target: one epoch of EDR from a first stage's weights."""
+    from lightning_spec.objectives import EDR
+    from lightning_spec.sampling import SamplingConfig
+
+    _, path, _ = trained
+    dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
+                        train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
+    module = DraftModule(drafter_like(), EDR(SamplingConfig(temperature=1.0), max_anchors=4), target="tiny-random",
+                         init_from=str(path), lr=1e-4, min_lr_ratio=1.0)
+    trainer = quiet_trainer(max_epochs=1)
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == len(dm.train_dataloader()) >= 2
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert "train/edr_expected_rounds" in trainer.callback_metrics

@@ -10,6 +10,9 @@ Reads top to bottom:
 4. Slot t = 1..K predicts x_{n+t} through the target's frozen LM head, optionally restricted to a reduced
    draft vocabulary (as EAGLE-3's, Li et al. 2025, arXiv 2503.01840; the d2t / t2d maps of
    its SpecForge and vLLM speculators checkpoints, target id = draft id + d2t[draft id]).
+5. Optional adaptive length head (AdaFlash, Qian et al. 2026, arXiv 2607.19223, its "two_model" head): from the
+   block's detached slot states it predicts how much of the block will be accepted, and a chain round submits
+   only k = clamp(round(pred * K * length_rate), length_min, K) of the K drafted tokens (``LengthHead``).
 
 Naming: ``block_size`` = K = draft proposals per round, everywhere in this package (README "Conventions").
 DFlash papers count the anchor in their block, so their B = 16 is ``block_size: 15`` here.
@@ -183,6 +186,29 @@ def block_attention(
     return out.view(n, hq, q_len, d)
 
 
+class LengthHead(nn.Module):
+    """AdaFlash's adaptive length head (Qian et al. 2026, arXiv 2607.19223; the "two_model" head with
+    ``thresh_head_direct_len``): the states h_1..h_K (..., K, H) of a block's slots -> pred (...,) in [0, 1],
+
+        f = [mean_k h_k ; h_K],  x = SiLU(W_1 f + b_1),  x = x + SiLU(W_2 x + b_2),  pred = σ(w_3ᵀ x + b_3),
+
+    trained (``objectives.LengthMSE``) towards (accepted length + 1) / K. The drafter feeds it detached states, so
+    its loss trains the head only. AdaFlash pools the whole block, the anchor position included; here the K slots.
+    """
+
+    def __init__(self, hidden: int, width: int = 256) -> None:
+        super().__init__()
+        self.down = nn.Linear(2 * hidden, width)  # W_1 (AdaFlash's bottleneck: 256)
+        self.res = nn.Linear(width, width)  # W_2
+        self.out = nn.Linear(width, 1)  # w_3
+
+    def forward(self, slots: Tensor) -> Tensor:
+        feat = torch.cat([slots.mean(-2), slots[..., -1, :]], -1)  # (..., 2H)
+        x = F.silu(self.down(feat))  # (..., W)
+        x = x + F.silu(self.res(x))
+        return torch.sigmoid(self.out(x))[..., 0]  # (...,)
+
+
 @dataclass
 class BlockDraftState:
     """Decoding context: per-layer keys/values of the fused features of committed positions 0..length-1."""
@@ -213,6 +239,14 @@ class BlockDrafter(Drafter):
             layers, whose output the frozen final norm and LM head expect) instead of random; needs the
             target's layer shapes (the default ``intermediate_size``). Measured on the quickstart setting: MAL
             -0.029 after 500 steps, so it is off by default (README, "What moves MAL").
+        length_head: add AdaFlash's adaptive length head (``LengthHead``, arXiv 2607.19223): the training forward
+            gives its prediction as ``aux["length"]`` (N, A) and the cut as ``drafted``; a chain round submits
+            k = clamp(round(pred * K * length_rate), length_min, K) tokens. Train it with
+            ``objectives.LengthMSE``. Its weights exist only when on (checkpoints without it load unchanged).
+            The attribute ``use_length_head`` (True when the head exists) switches the cut off at run time, to
+            decode the same drafter with and without it; trees ignore the head (``position_logits`` is unchanged).
+        length_rate: the scale of the cut (AdaFlash: 1.3; > 1 drafts past the predicted length).
+        length_min: the fewest tokens a cut round submits, 0..block_size.
     """
 
     def __init__(
@@ -225,12 +259,19 @@ class BlockDrafter(Drafter):
         intermediate_size: int | None = None,
         context_shortcut: bool = False,
         init_from_target: bool = False,
+        length_head: bool = False,
+        length_rate: float = 1.3,
+        length_min: int = 1,
     ) -> None:
         super().__init__()
         if block_size < 1:
             raise ValueError(f"drafter.block_size must be >= 1, got {block_size}.")
         if num_layers < 1:
             raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}.")
+        if not length_rate > 0:
+            raise ValueError(f"drafter.length_rate must be > 0 (the cut's scale, AdaFlash: 1.3), got {length_rate}.")
+        if not 0 <= length_min <= block_size:
+            raise ValueError(f"drafter.length_min must be in 0..block_size={block_size}, got {length_min}.")
         self.block_size = block_size
         self.num_layers = num_layers
         self.target_layers = list(target_layers) if target_layers is not None else []
@@ -239,6 +280,11 @@ class BlockDrafter(Drafter):
         self.intermediate_size = intermediate_size
         self.context_shortcut = context_shortcut
         self.init_from_target = init_from_target
+        self.length_head = length_head
+        self.length_rate = length_rate
+        self.length_min = length_min
+        self.length: LengthHead | None = None  # built in bind when length_head
+        self.use_length_head = length_head  # run-time switch: False decodes full blocks (not saved)
         self.vocab = DraftVocab(draft_vocab_size)
         self.built = False
 
@@ -262,6 +308,12 @@ class BlockDrafter(Drafter):
         self.shortcut = nn.Linear(2 * hidden, hidden, bias=False) if self.context_shortcut else None
         self.vocab.build(target.vocab_size)
         self._init_weights(target)
+        if self.length_head:  # after the backbone's init: the same seed gives the same backbone with or without it
+            self.length = LengthHead(hidden)
+            with torch.no_grad():  # N(0, 0.02) as every matrix here, zero biases: pred ≈ σ(0) = 0.5 at the start
+                for layer in (self.length.down, self.length.res, self.length.out):
+                    nn.init.normal_(layer.weight, std=0.02)
+                    nn.init.zeros_(layer.bias)
         self.to(target.device)
         self.built = True
 
@@ -338,11 +390,28 @@ class BlockDrafter(Drafter):
         anchors = anchors if anchors is not None else self.sample_anchors(batch)
         hidden = self.backbone(batch["input_ids"], features, anchors.positions)[:, :, 1:]  # (N, A, K, H) the slots
         labels, valid = self.labels(batch, anchors)  # (N, A, K)
+        aux, drafted = {}, None
+        if self.length is not None:
+            aux["length"] = self.length(hidden.detach())  # (N, A): its loss trains the head only
+            if self.use_length_head:
+                drafted = self.length_cut(aux["length"].detach())  # (N, A) the slots ``propose`` submits there
         return DraftOutput(labels=labels, valid=valid, anchors=anchors.positions, hidden=hidden,
-                           head=self._slot_logits)
+                           head=self._slot_logits, aux=aux, drafted=drafted)
 
     def _slot_logits(self, hidden: Tensor, index: Tensor) -> Tensor:
         return self.head(hidden)  # (N, a, K, Vd): the frozen target head over the draft vocabulary
+
+    def length_cut(self, pred: Tensor) -> Tensor:
+        """AdaFlash's cut: the length head's pred (...,) -> k = clamp(round(pred * K * length_rate), length_min, K),
+        the tokens a chain round submits (...,) long. The training forward and ``propose`` both call this. A NaN
+        prediction (a diverged head) submits the whole block, as without the head."""
+        k = torch.round(pred.float() * (self.block_size * self.length_rate)).nan_to_num(nan=float(self.block_size))
+        return k.clamp(self.length_min, self.block_size).long()
+
+    @property
+    def cuts_blocks(self) -> bool:
+        """True when chain rounds submit the length head's cut (the head exists and ``use_length_head``)."""
+        return self.length is not None and self.use_length_head
 
     # ------------------------------------------------------------------------------------------- decoding
     @torch.no_grad()
@@ -398,10 +467,17 @@ class BlockDrafter(Drafter):
     def propose(
         self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None
     ) -> ChainProposal:
-        logits = self.position_logits(state, anchor)  # (K, Vd)
+        if self.cuts_blocks:  # the length head decides k before any token is drawn: verification stays lossless
+            hidden = self.block_hidden(state, anchor)[0, 1:]  # (K, H) the slots
+            k = int(self.length_cut(self.length(hidden)))
+            if k == 0:
+                return ChainProposal.empty(anchor.device)
+            logits = self.head(hidden[:k])  # (k, Vd): the head of the submitted slots only
+        else:
+            logits = self.position_logits(state, anchor)  # (K, Vd)
         if sampling.greedy:
             return ChainProposal(tokens=self.vocab.to_target(logits.argmax(-1)))
-        q = sampling.probs(logits)  # (K, Vd)
+        q = sampling.probs(logits)  # (k, Vd), k = K without the cut
         return ChainProposal(tokens=self.vocab.to_target(sampling.sample(q, generator)), probs=self.vocab.scatter(q))
 
 

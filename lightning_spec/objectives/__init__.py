@@ -5,11 +5,13 @@ No Lightning in here.
 Losses ℓ: CE, KL, ReverseKL, TV, JSD, LK, LKAlpha, BernoulliKL, TVMinusOne (E2E/WTV), NegProb (EAL), EDRCost.
 Block-position weights b: Uniform, ExpDecay, Geometric, AUFSupport, ValidPrefix, DPACE, E2EWeight, WTVWeight,
 EALWeight, EDRReach, PositionProduct (a product of weights), VPDecay (D²SD's variable prefix). Anchor weights a:
-AnchorUniform, EDROccupancy. Aux-head losses: ConfidenceBCE (DSpark), RankOrdinal (SpecBlock's rank head).
+AnchorUniform, EDROccupancy. Aux-head losses: ConfidenceBCE (DSpark), RankOrdinal (SpecBlock's rank head),
+LengthMSE (AdaFlash's length head). AdaFlashLoss: AdaFlash's CE on the target argmax + reverse KL.
 Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, Mixture (weighted sums), and GRPO
 (policy gradient on simulated acceptance). On-policy: DraftOPD (replays the rounds of the live drafter's rollouts).
 """
 
+from lightning_spec.objectives.adaflash import AdaFlashLoss, LengthMSE
 from lightning_spec.objectives.confidence import ConfidenceBCE
 from lightning_spec.objectives.draft_opd import DraftOPD
 from lightning_spec.objectives.edr import EDR, EDRCost, EDROccupancy, EDRReach
@@ -53,4 +55,5 @@ __all__ = [
     "JSD", "KL", "LK", "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct",
     "PositionWeight", "RankOrdinal", "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform",
     "ValidPrefix", "VPDecay", "WTV", "WTVWeight",
+    "AdaFlashLoss", "LengthMSE",
 ]
