@@ -284,6 +284,7 @@ class DraftModule(L.LightningModule):
         if self._reference:
             self.attach_reference(draft, batch, features, anchors)
         draft.progress = self.training_progress()
+        draft.seeds = batch.get("anchor_seed")  # (N,) per-example seeds for parts that draw (GRPO)
         return draft, self.objective(draft, chunk=self.hparams.loss_chunk)
 
     def training_progress(self) -> float:

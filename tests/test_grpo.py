@@ -221,24 +221,20 @@ def test_chunks_give_the_same_value_metrics_and_gradient():
 
 
 def test_draws_follow_the_examples_anchor_seed_not_the_batch():
-    """Through the module's hooks: select_anchors sees the batch's anchor_seed; a row's draws are the same alone or
+    """The module puts the batch's anchor_seed on the draft (``draft.seeds``); a row's draws are the same alone or
     next to another row, and another seed draws others."""
     obj = GRPO(group_size=4)
     draft, _ = make_draft()
-    obj.select_anchors({"anchor_seed": torch.tensor([11, 22])}, None, None)
-    obj(draft)
+    draft.seeds = torch.tensor([11, 22])
     both = obj.uniforms(draft)
     alone, _ = make_draft(n=1)
-    alone.anchors = draft.anchors[1:]
-    obj.select_anchors({"anchor_seed": torch.tensor([22])}, None, None)
-    obj(alone)
+    alone.anchors, alone.seeds = draft.anchors[1:], torch.tensor([22])
     assert torch.equal(obj.uniforms(alone)[0], both[1])
     other, _ = make_draft(n=1)
-    other.anchors = draft.anchors[1:]
-    obj.select_anchors({"anchor_seed": torch.tensor([23])}, None, None)
-    obj(other)
+    other.anchors, other.seeds = draft.anchors[1:], torch.tensor([23])
     assert not torch.equal(obj.uniforms(other)[0], both[1])
     assert not torch.equal(both[0, 0], both[0, 1])  # anchors of one row draw apart
+    assert torch.equal(draft.chunk(torch.tensor([0])).seeds, draft.seeds)  # per example: whole in every chunk
 
 
 def test_user_errors_name_the_field():

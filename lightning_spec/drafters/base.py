@@ -147,6 +147,8 @@ class DraftOutput:
         progress: the share 0..1 of training done (the module sets it; parts with a schedule read it).
         reference_logits: (N, A, K, Vd) a frozen reference drafter's logits at the same anchors (the module sets
             them for objectives with ``needs_reference``, e.g. GRPO's KL to its starting drafter).
+        seeds: (N,) the batch's per-example seeds (the module's ``anchor_seed``: a function of the example, not of
+            its batch), for parts that draw their own randomness per example (GRPO's drafts); None without them.
     """
 
     def __init__(
@@ -166,6 +168,7 @@ class DraftOutput:
         extra: dict[str, Any] | None = None,
         progress: float | None = None,
         reference_logits: Tensor | None = None,
+        seeds: Tensor | None = None,
     ) -> None:
         if logits is None and (hidden is None or head is None):
             raise ValueError("DraftOutput needs logits, or hidden and head.")
@@ -177,6 +180,7 @@ class DraftOutput:
         self.extra = extra
         self.progress = progress
         self.reference_logits = reference_logits
+        self.seeds = seeds
 
     @property
     def logits(self) -> Tensor:
@@ -237,7 +241,7 @@ class DraftOutput:
         return DraftOutput(
             logits, take(self.labels), take(self.valid), take(self.anchors), hidden=hidden, target_logits=target,
             aux=aux, drafted=take(self.drafted), extra=extra, progress=self.progress,
-            reference_logits=take(self.reference_logits),
+            reference_logits=take(self.reference_logits), seeds=self.seeds,
         )
 
 

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from lightning_spec.decoding.verify import acceptance_probability
 from lightning_spec.drafters.base import DraftOutput, seeded_rand
-from lightning_spec.objectives.objective import DraftFn, LossTerms, Objective, TargetInfo
+from lightning_spec.objectives.objective import Objective
 from lightning_spec.sampling import SamplingConfig
 
 GRPO_SALT = 0x6A09E667F3BCC908  # mixed into the draw seeds, so they differ from the anchors' (same anchor_seed)
@@ -182,7 +182,6 @@ class GRPO(Objective):
         self.kl_weight = kl_weight
         self.bonus = bonus
         self.seed_salt = seed_salt
-        self._batch_seeds: Tensor | None = None  # the batch's anchor_seed, from select_anchors to __call__
 
     @property
     def parts(self) -> tuple[Any, ...]:
@@ -192,19 +191,6 @@ class GRPO(Objective):
     def temperature(self) -> float:
         """The temperature of the drafts and of the KL."""
         return self.draft_temperature if self.sampling.greedy else self.sampling.temperature
-
-    # ---------------------------------------------------------------------------------- module hooks
-    def select_anchors(self, batch: dict[str, Tensor], draft_fn: DraftFn, target: TargetInfo) -> None:
-        """The drafter samples the anchors; GRPO only keeps the batch's ``anchor_seed`` (N,) for its draws (this is
-        the one hook that sees the batch)."""
-        self._batch_seeds = batch.get("anchor_seed")
-        return None
-
-    def __call__(self, draft: DraftOutput, chunk: int | None = None) -> LossTerms:
-        seeds, self._batch_seeds = self._batch_seeds, None
-        if seeds is not None and len(seeds) == draft.valid.shape[0]:
-            draft.extra = {**(draft.extra or {}), "grpo_seeds": seeds}  # a tensor: passed whole to every chunk
-        return super().__call__(draft, chunk)
 
     # ------------------------------------------------------------------------------------------ terms
     def draft_logprobs(self, logits: Tensor) -> Tensor:
@@ -218,8 +204,8 @@ class GRPO(Objective):
         """(N, A, 2, G, K) float64 uniforms on the logits' device: [..., 0, :, :] draw the tokens, [..., 1, :, :]
         decide the acceptances."""
         n, a, k = draft.valid.shape
-        rows = (draft.extra or {}).get("grpo_seeds")
-        if rows is None:  # no anchor_seed (a batch without 'index'): seeded by the row in this batch
+        rows = draft.seeds  # (N,) the module's per-example anchor_seed
+        if rows is None or len(rows) != n:  # a batch without 'index': seeded by the row in this batch
             rows = torch.arange(n)
         seeds = anchor_draw_seeds(rows.cpu(), draft.anchors.cpu(), self.seed_salt)
         u = seeded_rand(seeds, 2 * self.group_size * k, dtype=torch.float64)  # (N·A, 2·G·K)
