@@ -11,6 +11,7 @@ transformers the entry of the *last* layer is already passed through the final n
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import inspect
 import os
@@ -252,6 +253,7 @@ def live_target(fingerprint: str | None) -> Target | None:
     drafter to the user's own target instead of loading a second copy)."""
     if fingerprint is None:
         return None
+    gc.collect()  # a dropped target kept only by a reference cycle (a finished Trainer's module) is not the user's
     return next((t for t in list(_LIVE) if t.fingerprint == fingerprint), None)
 
 
