@@ -49,7 +49,6 @@ from lightning_spec.decoding.engine import Generation, generate
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.evaluation.benchmark import DecodeReport
 from lightning_spec.evaluation.offline import replay_tree_rounds
-from lightning_spec.metrics import slot_counts
 from lightning_spec.objectives import CE, Objective
 from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
@@ -446,15 +445,5 @@ def decode_adapting(
     report = DecodeReport(torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64))
     for i, prompt in enumerate(prompts):
         gen = adapter.generate(prompt["prompt_ids"], max_new_tokens, sampling, seed=prompt.get("seed", seed + i))
-        sums = report.by_domain.setdefault(prompt["domain"], [0, 0])
-        sums[0] += len(gen.tokens)
-        sums[1] += gen.rounds
-        accepted, reached = slot_counts(gen.accept_lengths, k, None if adapter.tree else gen.draft_lengths)
-        report.slot_accepted += accepted
-        report.slot_reached += reached
-        report.tokens += len(gen.tokens)
-        report.rounds += gen.rounds
-        report.seconds += gen.seconds
-        report.draft_seconds += gen.draft_seconds
-        report.verify_seconds += gen.verify_seconds
+        report.add(gen, prompt["domain"], tree=adapter.tree is not None)
     return report

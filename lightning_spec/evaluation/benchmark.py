@@ -36,6 +36,22 @@ class DecodeReport:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
+    def add(self, gen: Any, domain: str, tree: bool = False) -> None:
+        """Add one speculative ``Generation`` of a prompt of ``domain``; with ``tree``, slot k counts depth k (a
+        tree's nodes are not its depth: every round of a tree reaches depth 1..K while its path lasts)."""
+        sums = self.by_domain.setdefault(domain, [0, 0])
+        sums[0] += len(gen.tokens)
+        sums[1] += gen.rounds
+        drafted = None if tree else gen.draft_lengths
+        accepted, reached = slot_counts(gen.accept_lengths, len(self.slot_accepted), drafted)
+        self.slot_accepted += accepted
+        self.slot_reached += reached
+        self.tokens += len(gen.tokens)
+        self.rounds += gen.rounds
+        self.seconds += gen.seconds
+        self.draft_seconds += gen.draft_seconds
+        self.verify_seconds += gen.verify_seconds
+
     def domain_sums(self) -> dict[str, tuple[float, float]]:
         """{domain: (Σ tokens, Σ rounds)}, domains sorted."""
         return {d: (float(t), float(r)) for d, (t, r) in sorted(self.by_domain.items())}
@@ -90,18 +106,7 @@ def decode_prompts(
         prompt_seed = prompt.get("seed", seed + i)
         gen = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=drafter, seed=prompt_seed,
                        tree=tree)
-        sums = report.by_domain.setdefault(prompt["domain"], [0, 0])
-        sums[0] += len(gen.tokens)
-        sums[1] += gen.rounds
-        # a tree's nodes are not its depth: every round of a tree reaches depth 1..K while its path lasts
-        accepted, reached = slot_counts(gen.accept_lengths, block_size, None if tree else gen.draft_lengths)
-        report.slot_accepted += accepted
-        report.slot_reached += reached
-        report.tokens += len(gen.tokens)
-        report.rounds += gen.rounds
-        report.seconds += gen.seconds
-        report.draft_seconds += gen.draft_seconds
-        report.verify_seconds += gen.verify_seconds
+        report.add(gen, prompt["domain"], tree=tree is not None)
         if measure_plain:
             plain = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=None, seed=prompt_seed)
             report.plain_tokens += len(plain.tokens)
