@@ -18,7 +18,7 @@ import yaml
 from overlays import QUICKSTART, ROOT, config_files, meant_config, printed_config, printed_of, restated
 from test_benchmarks import run as run_benchmark
 from test_decoding import argmax_reference, random_prompts
-from test_drafter_dspark import with_target
+from test_drafter_dspark import record_draft_lengths, with_target
 from test_lossless_sampling import PROMPT, assert_matches, empirical, exact_joint
 from test_module import data_files, quiet_trainer  # noqa: F401 (a fixture)
 from test_offline import enumerate_rounds
@@ -307,15 +307,7 @@ def test_sampled_offline_rounds_equal_brute_force_enumeration_with_cut_blocks(sm
 def test_sampling_is_lossless_with_the_head(make_random_llama, make_block_drafter):
     target = make_random_llama(vocab_size=8, hidden_size=16, init=0.5, seed=0)
     drafter = with_head(target, make_block_drafter, k=2, length_min=0, prefix=PROMPT)  # cuts vary after PROMPT
-    lengths = []
-    propose = drafter.propose
-
-    def recording(*args, **kwargs):
-        proposal = propose(*args, **kwargs)
-        lengths.append(proposal.num_drafted)
-        return proposal
-
-    drafter.propose = recording
+    lengths = record_draft_lengths(drafter)
     counts, _ = empirical(target, T1, drafter, runs=1000)
     assert_matches(counts, exact_joint(target, PROMPT, T1), target.vocab_size, 3, "length head")
     assert set(lengths) == {0, 1, 2}, sorted(set(lengths))

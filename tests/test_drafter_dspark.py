@@ -277,9 +277,8 @@ def test_calibration_is_saved_with_the_drafter_and_moves_the_cuts(cutting_drafte
         drafter.confidence_temperature.fill_(1.0)
 
 
-def test_sampling_is_lossless_with_cut_blocks(make_random_llama):
-    target = make_random_llama(vocab_size=8, hidden_size=16, init=0.5, seed=0)
-    drafter = token_dependent_confidence(dspark(target, k=2, verify_cost=CUTTING[:3]))
+def record_draft_lengths(drafter) -> list[int]:
+    """The list every later ``drafter.propose`` appends its proposal's draft length to."""
     lengths = []
     propose = drafter.propose
 
@@ -289,6 +288,13 @@ def test_sampling_is_lossless_with_cut_blocks(make_random_llama):
         return proposal
 
     drafter.propose = recording
+    return lengths
+
+
+def test_sampling_is_lossless_with_cut_blocks(make_random_llama):
+    target = make_random_llama(vocab_size=8, hidden_size=16, init=0.5, seed=0)
+    drafter = token_dependent_confidence(dspark(target, k=2, verify_cost=CUTTING[:3]))
+    lengths = record_draft_lengths(drafter)
     counts, _ = empirical(target, T1, drafter, runs=1000)
     assert_matches(counts, exact_joint(target, PROMPT, T1), target.vocab_size, 3, "dspark cut")
     assert len(set(lengths)) >= 2, sorted(set(lengths))  # blocks were cut at different slots
