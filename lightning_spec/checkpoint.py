@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lightning_spec.drafters.base import Drafter, init_arguments
+from lightning_spec.export import is_serving_folder, read_serving_folder
 from lightning_spec.target import live_target, load_target
 
 CKPT_KEY = "lightning_spec"
@@ -108,7 +109,7 @@ def recorded_target(path: str | Path, what: str = "checkpoint") -> str:
     """The target spec a checkpoint or exported folder was trained for."""
     path = Path(path)
     if path.is_dir():
-        return _read_folder_meta(path, what)["target"]
+        return read_drafter_state(path, what)[0]["target"]
     return read_checkpoint(path, what)[CKPT_KEY]["target"]
 
 
@@ -116,7 +117,8 @@ def _read_folder_meta(folder: Path, what: str) -> dict[str, Any]:
     meta_file = folder / "drafter.json"
     if not meta_file.is_file():
         raise ValueError(
-            f"{what} '{folder}' is a folder without drafter.json; pass a .ckpt or a folder from save_drafter."
+            f"{what} '{folder}' is a folder without drafter.json or a serving config.json; pass a .ckpt, a "
+            "save_drafter folder or an exported one."
         )
     try:
         meta = json.loads(meta_file.read_text())
@@ -128,11 +130,33 @@ def _read_folder_meta(folder: Path, what: str) -> dict[str, Any]:
     return meta
 
 
+def drafter_classes() -> dict[str, type[Drafter]]:
+    """Every lightning_spec drafter class by its dotted path: the only classes a saved file can have built."""
+    import lightning_spec.drafters  # noqa: F401 (imports every family file, so each class is a subclass below)
+
+    found, todo = {}, [Drafter]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__.startswith(f"{PACKAGE}.drafters."):
+                found[f"{sub.__module__}.{sub.__qualname__}"] = sub
+    return found
+
+
 def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, what: str) -> Drafter:
-    cls = _own_class(meta["drafter_class"], f"{what} drafter_class")
-    if not issubclass(cls, Drafter):
-        raise ValueError(f"{what} drafter_class {meta['drafter_class']!r} is not a lightning_spec drafter.")
-    drafter: Drafter = cls(**meta["drafter_config"])
+    cls = drafter_classes().get(meta["drafter_class"]) if isinstance(meta["drafter_class"], str) else None
+    if cls is None:  # looked up, never imported: a file cannot pick code to run
+        raise ValueError(
+            f"{what} drafter_class {meta['drafter_class']!r} is not a lightning_spec drafter class; only those are "
+            "built from a saved file (a checkpoint cannot choose code to run)."
+        )
+    config = meta["drafter_config"]
+    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+        raise ValueError(f"{what} drafter_config must be a mapping of init arguments, got {type(config).__name__}.")
+    try:
+        drafter: Drafter = cls(**config)
+    except TypeError as err:
+        raise ValueError(f"{what} drafter_config does not fit {cls.__name__} ({err}).") from None
     if target is None:  # an equal target the user already loaded (same weights fingerprint), else the recorded one
         target = live_target(meta.get("target_fingerprint")) or meta["target"]
     target = load_target(target)
@@ -142,13 +166,22 @@ def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, wha
             f"target has {target.vocab_size}; load it with the target it was trained for ({meta['target']!r})."
         )
     drafter.bind(target)
-    drafter.load_state_dict(state)
+    try:
+        drafter.load_state_dict(state)
+    except RuntimeError as err:
+        first = next((ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()), str(err))
+        raise ValueError(
+            f"{what}: the weights do not fit a {cls.__name__} of {config} on this target ({first}); load it with the "
+            f"target it was trained for ({meta['target']!r})."
+        ) from None
     return drafter.eval()
 
 
 def read_drafter_state(path: str | Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(record, drafter state dict) of a ``.ckpt`` or an exported folder, read without running code."""
     path = Path(path)
+    if path.is_dir() and is_serving_folder(path):  # an exported serving layout (ours, speculators', SGLang's)
+        return read_serving_folder(path, what)
     if path.is_dir():
         meta = _read_folder_meta(path, what)
         try:

@@ -172,6 +172,7 @@ class DraftModule(L.LightningModule):
             )
         if stage == "fit" and not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens
             self.drafter.vocab.set_from_counts(dm.token_counts(self.target.vocab_size))
+            self.drafter.on_vocab_chosen()
         on_policy = getattr(dm, "on_policy", False)  # the data is a replay buffer (callbacks/on_policy.py)
         if stage == "fit" and getattr(self.objective, "needs_rollouts", False) and not on_policy:
             raise ValueError(

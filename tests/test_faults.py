@@ -74,14 +74,21 @@ def test_an_exported_folder_cannot_name_a_callable(saved_drafter, tmp_path, monk
     meta["drafter_class"] = "os.system"
     meta["drafter_config"] = {"command": "touch PWNED"}
     (folder / "drafter.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="not a lightning_spec class"):
+    with pytest.raises(ValueError, match="not a lightning_spec drafter class"):
         load_drafter(folder)
     meta["drafter_class"] = "lightning_spec.objectives.KL"  # ours, but not a drafter
     meta["drafter_config"] = {}
     (folder / "drafter.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="not a lightning_spec drafter"):
+    with pytest.raises(ValueError, match="not a lightning_spec drafter class"):
         load_drafter(folder)
     assert not (tmp_path / "PWNED").exists()
+    # a name is looked up among the drafter classes, never imported: a module of ours the file names stays unloaded
+    sys.modules.pop("lightning_spec.sweeps.plots", None)
+    meta["drafter_class"] = "lightning_spec.sweeps.plots.Anything"
+    (folder / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="not a lightning_spec drafter class"):
+        load_drafter(folder)
+    assert "lightning_spec.sweeps.plots" not in sys.modules
 
 
 # ============================================================ secrets, concurrent runs, MLflow and sweeps

@@ -298,6 +298,10 @@ class Drafter(nn.Module):
         """Draft logits over the draft vocabulary through the frozen target head: (..., H) -> (..., Vd)."""
         return self.vocab.logits(hidden, self.target.lm_head)
 
+    def on_vocab_chosen(self) -> None:
+        """Called once ``fit`` chose a reduced draft vocabulary (``vocab.set_from_counts``): a family whose weights
+        depend on it (an own LM head over those rows) sets them here."""
+
     # ------------------------------------------------------------------------------------------- training
     def sample_anchors(self, batch: dict[str, Tensor], generator: torch.Generator | None = None) -> Anchors:
         """Up to ``num_anchors`` anchors per sequence, uniformly without replacement among positions n whose next

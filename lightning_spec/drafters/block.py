@@ -99,12 +99,15 @@ def init_weights(module: nn.Module, depth: int, target: Any, head_norms: list[RM
 
 
 class DraftLayer(nn.Module):
-    """A Llama-style decoder layer of the target's shape whose keys/values also cover the injected context."""
+    """A Llama-style decoder layer of the target's shape whose keys/values also cover the injected context.
+    ``qk_norm``: Qwen3's per-head RMSNorm on queries and keys before the rotation (DFlash's released layers)."""
 
-    def __init__(self, shape: TargetShape) -> None:
+    def __init__(self, shape: TargetShape, qk_norm: bool = False) -> None:
         super().__init__()
         hidden, heads, kv_heads, head_dim = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_norm = RMSNorm(head_dim, shape.eps) if qk_norm else nn.Identity()  # on (N, heads, T, D)
+        self.k_norm = RMSNorm(head_dim, shape.eps) if qk_norm else nn.Identity()
         self.input_norm = RMSNorm(hidden, shape.eps)
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
@@ -118,12 +121,13 @@ class DraftLayer(nn.Module):
     def query(self, x: Tensor, pos: Tensor, theta: float) -> Tensor:
         """Rotated queries of ``x`` (N, T, H) (already input-normed) at positions ``pos`` (N, T): (N, heads, T, D)."""
         n, t, _ = x.shape
-        return rope(self.q_proj(x).view(n, t, self.heads, self.head_dim).transpose(1, 2), pos[:, None], theta)
+        q = self.q_norm(self.q_proj(x).view(n, t, self.heads, self.head_dim).transpose(1, 2))
+        return rope(q, pos[:, None], theta)
 
     def kv(self, x: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
         """Keys (rotated) and values of ``x`` (N, T, H) at positions ``pos`` (N, T): each (N, kv_heads, T, D)."""
         n, t, _ = x.shape
-        k = self.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2))
         v = self.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return rope(k, pos[:, None], theta), v
 
@@ -247,6 +251,12 @@ class BlockDrafter(Drafter):
             decode the same drafter with and without it; trees ignore the head (``position_logits`` is unchanged).
         length_rate: the scale of the cut (AdaFlash: 1.3; > 1 drafts past the predicted length).
         length_min: the fewest tokens a cut round submits, 0..block_size.
+        qk_norm: Qwen3's per-head RMSNorm on queries and keys, as DFlash's released drafters (and the layers
+            vLLM serves for DFlash); needed to export to the speculators / SGLang DFlash formats.
+        mask_token_id: None = one learned mask vector per slot (starts as DFlash, lets each slot know its offset);
+            a token id = DFlash's single mask token shared by every slot, its vector learned from that token's
+            target embedding (exported as the mask embedding vLLM substitutes for the id). The exported DFlash
+            formats need one shared mask, so export needs this set.
     """
 
     def __init__(
@@ -262,6 +272,8 @@ class BlockDrafter(Drafter):
         length_head: bool = False,
         length_rate: float = 1.3,
         length_min: int = 1,
+        qk_norm: bool = False,
+        mask_token_id: int | None = None,
     ) -> None:
         super().__init__()
         if block_size < 1:
@@ -283,6 +295,8 @@ class BlockDrafter(Drafter):
         self.length_head = length_head
         self.length_rate = length_rate
         self.length_min = length_min
+        self.qk_norm = qk_norm
+        self.mask_token_id = mask_token_id
         self.length: LengthHead | None = None  # built in bind when length_head
         self.use_length_head = length_head  # run-time switch: False decodes full blocks (not saved)
         self.vocab = DraftVocab(draft_vocab_size)
@@ -300,11 +314,18 @@ class BlockDrafter(Drafter):
         hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)
         self.ctx_norm = RMSNorm(hidden, shape.eps)
-        self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(self.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(shape, self.qk_norm) for _ in range(self.num_layers))
         self.norm = RMSNorm(hidden, shape.eps)
         # one learned mask vector per slot (DFlash shares one mask token; identical at init, so this starts
-        # as DFlash and lets the residual stream know which offset it predicts)
-        self.mask_embedding = nn.Parameter(torch.zeros(self.block_size, hidden))
+        # as DFlash and lets the residual stream know which offset it predicts), or DFlash's one shared vector
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
+            raise ValueError(
+                f"drafter.mask_token_id={self.mask_token_id} is not a token of the target "
+                f"(0..{target.vocab_size - 1}); "
+                "pick a token the data rarely uses, or null for one learned mask vector per slot."
+            )
+        shared = self.mask_token_id is not None
+        self.mask_embedding = nn.Parameter(torch.zeros(1 if shared else self.block_size, hidden))
         self.shortcut = nn.Linear(2 * hidden, hidden, bias=False) if self.context_shortcut else None
         self.vocab.build(target.vocab_size)
         self._init_weights(target)
@@ -320,7 +341,9 @@ class BlockDrafter(Drafter):
     @torch.no_grad()
     def _init_weights(self, target: Any) -> None:
         init_weights(self, self.num_layers, target, [self.norm])
-        self.mask_embedding.copy_(target.embed_tokens.weight.mean(0).expand_as(self.mask_embedding))
+        table = target.embed_tokens.weight
+        start = table.mean(0) if self.mask_token_id is None else table[self.mask_token_id]
+        self.mask_embedding.copy_(start.expand_as(self.mask_embedding))
         if self.init_from_target:
             self._copy_target_layers(target)
 
@@ -354,9 +377,10 @@ class BlockDrafter(Drafter):
         return [ctx] * len(self.layers), ctx
 
     def embed_block(self, anchor_tokens: Tensor) -> Tensor:
-        """(...,) anchor ids -> (..., K + 1, H): the anchor's frozen embedding, then K learned mask vectors."""
+        """(...,) anchor ids -> (..., K + 1, H): the anchor's frozen embedding, then K learned mask vectors (K copies
+        of the one shared vector with ``mask_token_id``)."""
         emb = self.target.embed_tokens(anchor_tokens).to(self.mask_embedding.dtype)  # (..., H)
-        masks = self.mask_embedding.expand(*anchor_tokens.shape, -1, -1)  # (..., K, H)
+        masks = self.mask_embedding.expand(*anchor_tokens.shape, self.block_size, -1)  # (..., K, H)
         return torch.cat([emb[..., None, :], masks], dim=-2)
 
     # ------------------------------------------------------------------------------------------- training

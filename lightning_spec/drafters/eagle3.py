@@ -166,6 +166,9 @@ class Eagle3Drafter(Drafter):
         draft_vocab_size: restrict the LM head to the most frequent target tokens of the training data (EAGLE-3's
             reduced vocabulary, d2t / t2d; None = the full target vocabulary).
         intermediate_size: MLP width; default the target's.
+        own_head: the LM head over the draft vocabulary is the drafter's own weights, trained, starting from the
+            target's rows (EAGLE-3's released drafters train theirs; needed to import one faithfully). Off: the
+            target's frozen head, as every family here.
     """
 
     def __init__(
@@ -175,6 +178,7 @@ class Eagle3Drafter(Drafter):
         num_anchors: int = 64,
         draft_vocab_size: int | None = None,
         intermediate_size: int | None = None,
+        own_head: bool = False,
     ) -> None:
         super().__init__()
         if block_size < 1:
@@ -186,6 +190,7 @@ class Eagle3Drafter(Drafter):
         self.num_anchors = num_anchors
         self.draft_vocab_size = draft_vocab_size
         self.intermediate_size = intermediate_size
+        self.own_head = own_head
         self.vocab = DraftVocab(draft_vocab_size)
         self.built = False
 
@@ -204,8 +209,23 @@ class Eagle3Drafter(Drafter):
         self.norm = RMSNorm(hidden, shape.eps)
         self.vocab.build(target.vocab_size)
         init_weights(self, 1, target, [self.norm])
+        if self.own_head:  # (Vd, H), rows of the target's head until the draft vocabulary is chosen
+            self.lm_head = nn.Parameter(torch.empty(self.vocab.ids.numel(), hidden))
+            self.on_vocab_chosen()
         self.to(target.device)
         self.built = True
+
+    @torch.no_grad()
+    def on_vocab_chosen(self) -> None:
+        """An own head starts from the target's rows of the draft vocabulary (called again once ``fit`` chose it)."""
+        if self.own_head:
+            self.lm_head.copy_(self.vocab.head_weight(self.target.lm_head).to(self.lm_head.dtype))
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Draft logits (..., H) -> (..., Vd): the own head when ``own_head``, else the target's frozen rows."""
+        if not self.own_head:
+            return super().head(hidden)
+        return hidden.to(self.lm_head.dtype) @ self.lm_head.t()
 
     def fuse(self, features: Tensor) -> Tensor:
         """(N, S, len(target_layers) * H) -> fused features g (N, S, H)."""

@@ -1,0 +1,152 @@
+"""Leave the framework: a trained drafter written in the folder layouts serving engines load, and read back.
+
+    export_drafter(drafter, out, format="speculators")   # config.json + model.safetensors (+ mask_embedding.pt)
+    read_serving_folder(folder)                          # -> (record, state dict) of our drafter class
+
+Formats (``FORMATS``): ``speculators`` (vLLM's speculators format, which vLLM serves directly: EAGLE-3 and DFlash)
+and ``sglang`` (SGLang's EAGLE-3 layout with ``midlayer.*`` names and ``hot_token_id``, and the DFlash release
+layout with ``dflash_config``). Each format module holds one codec per family it can express, keyed by our drafter
+class; a family without a codec is refused in one sentence naming the formats that have one, never written
+half-right. Every folder also gets ``lightning_spec.json`` (our class, init arguments, target and its weights
+fingerprint, lineage) so ``load_drafter`` rebuilds the drafter exactly; a folder another tool wrote (the
+speculators library, a release) has none, and its config.json is mapped instead.
+
+Reading a folder never runs code from it: tensors come from safetensors (or ``torch.load(weights_only=True)`` for
+``mask_embedding.pt``), the class is chosen from our own codecs by the folder's declared algorithm, and a
+``config.py`` / ``auto_map`` that speculators folders carry is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_spec.assets import resolve_target_folder
+from lightning_spec.drafters.base import Drafter
+from lightning_spec.export import sglang, speculators
+from lightning_spec.export.common import SIDECAR, Codec, read_json
+
+FORMATS: dict[str, Any] = {"speculators": speculators, "sglang": sglang}
+
+
+def codec_for(drafter: Drafter, fmt: str) -> Codec:
+    """The codec writing ``drafter``'s family in ``fmt``; a family the format cannot express is refused."""
+    if fmt not in FORMATS:
+        raise ValueError(f"export --format '{fmt}' is not one of {sorted(FORMATS)}.")
+    codec = FORMATS[fmt].CODECS.get(type(drafter))
+    if codec is None:
+        able = sorted(f for f, m in FORMATS.items() if type(drafter) in m.CODECS)
+        family = type(drafter).__name__
+        where = f"formats that can: {', '.join(able)}" if able else "no serving format here can express it"
+        known = sorted({c.__name__ for m in FORMATS.values() for c in m.CODECS})
+        raise ValueError(
+            f"A {family} cannot be written in the {fmt} format ({where}; the exportable families are "
+            f"{', '.join(known)})."
+        )
+    return codec
+
+
+def export_drafter(
+    drafter: Drafter, out: str | Path, fmt: str = "speculators", target_spec: str | None = None,
+    target_path: str | None = None, parent: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``drafter`` to the folder ``out`` in format ``fmt``; returns the folder.
+
+    ``target_spec``: the target name recorded for ``load_drafter`` (default the bound target's); ``target_path``:
+    the verifier path written into the serving config (default the target's local folder), the model vLLM or
+    SGLang serves next to the drafter."""
+    from lightning_spec.checkpoint import drafter_record
+
+    codec = codec_for(drafter, fmt)
+    codec.check(drafter)
+    if not bool(drafter.vocab.ready):
+        raise ValueError(
+            "The drafter's reduced draft vocabulary was never chosen (vocab.ready is False): export a drafter "
+            "after `fit` has set it from the data."
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = drafter.target
+    verifier = target_path or resolve_target_folder(target_spec or target.name)
+    config, tensors, extra = codec.write(drafter, verifier)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    for name, obj in extra.items():  # e.g. DFlash's mask_embedding.pt
+        torch.save(obj, out / name)
+    record = drafter_record(drafter, target_spec or target.name)
+    record.update(format=fmt, parent=parent)
+    (out / SIDECAR).write_text(json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def is_serving_folder(folder: Path) -> bool:
+    """True when ``folder`` holds a serving layout (a config.json this package can map), not save_drafter's."""
+    return (folder / "config.json").is_file() and not (folder / "drafter.json").is_file()
+
+
+def read_serving_folder(folder: str | Path, what: str = "path") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(record, our drafter's state dict) of a serving folder, ours or another tool's; no code from it runs."""
+    folder = Path(folder)
+    config = read_json(folder / "config.json", what)
+    codec = None
+    for module in FORMATS.values():
+        codec = module.codec_of_config(config)
+        if codec is not None:
+            break
+    if codec is None:
+        raise ValueError(
+            f"{what} '{folder}' holds a config.json of no layout this package reads (speculators EAGLE-3 / DFlash, "
+            "SGLang EAGLE-3 / DFlash); pass a .ckpt, a save_drafter folder or an exported one."
+        )
+    tensors = _read_safetensors(folder, what)
+    sidecar = read_json(folder / SIDECAR, what) if (folder / SIDECAR).is_file() else None
+    return codec.read(config, tensors, folder, sidecar, what)
+
+
+def _read_safetensors(folder: Path, what: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{what} '{folder}' has a config.json but no .safetensors weights.")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{what} '{f}' is not a readable safetensors file ({err}).") from None
+    return tensors
+
+
+def export(ckpt: str, out: str, format: str = "speculators", target_path: str | None = None) -> Path:  # noqa: A002
+    """Write a trained drafter in a layout a serving engine loads (vLLM: speculators; SGLang: sglang).
+
+    Args:
+        ckpt: a .ckpt written by `lightning-spec fit` (or an exported / save_drafter folder).
+        out: the folder to write: config.json, model.safetensors, lightning_spec.json (+ mask_embedding.pt).
+        format: speculators (EAGLE-3, DFlash; vLLM serves it) or sglang (EAGLE-3, DFlash layouts).
+        target_path: the verifier path written into the config (default: the target's local folder).
+    """
+    from lightning_spec.checkpoint import load_drafter, read_drafter_state
+
+    record, _ = read_drafter_state(ckpt, "export --ckpt")
+    drafter = load_drafter(ckpt)
+    parent = {"path": str(ckpt), "drafter_class": record["drafter_class"], "parent": record.get("parent")}
+    folder = export_drafter(drafter, out, format, record["target"], target_path, parent)
+    k = drafter.block_size
+    method = codec_for(drafter, format).algorithm  # vLLM's speculative method name
+    print(f"export: wrote {type(drafter).__name__} (K={k}) as {format} to {folder}")
+    if format == "speculators":
+        verifier = target_path or resolve_target_folder(record["target"])
+        print(f'serve: vllm.LLM(model="{verifier}", speculative_config={{"method": "{method}", "model": '
+              f'"{folder}", "num_speculative_tokens": {k}}})')
+    return folder
+
+
+__all__ = ["FORMATS", "codec_for", "export", "export_drafter", "is_serving_folder", "read_serving_folder"]

@@ -1,0 +1,48 @@
+"""Writes tests/data/speculators_eagle3_tiny/: an EAGLE-3 drafter built and saved by the speculators library
+itself (randomly initialised, speculators 0.9.0) for the packaged ``tiny-random`` target (2 layers, hidden 64,
+vocabulary 320), with a 64-token draft vocabulary. tests/test_export.py imports it as our Eagle3Drafter.
+
+Run in the serving venv, which has speculators (`make serve-setup`), with the tiny target's folder:
+
+    .venv-serve/bin/python tests/data/make_speculators_eagle3.py ~/.cache/lightning_spec/targets/tiny-random-*
+
+The folder is ~100 KB of random weights, not a trained model; its config.py (speculators' remote-code hook) is
+deleted, and the verifier path is replaced by the packaged name so the file names no machine's home folder.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from speculators.models.eagle3 import Eagle3DraftModel
+from transformers import AutoConfig
+
+OUT = Path(__file__).parent / "speculators_eagle3_tiny"
+
+
+def main(target: str) -> None:
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(target)
+    config.num_hidden_layers = 1  # the draft layer count, as speculators' trainer sets it
+    vocab, draft = config.vocab_size, 64
+    ids = torch.randperm(vocab)[:draft].sort().values  # a draft vocabulary that is not a prefix: d2t has work to do
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    d2t = ids - torch.arange(draft)
+    model = Eagle3DraftModel.from_training_args(
+        config, t2d=t2d, d2t=d2t, draft_vocab_size=draft, norm_before_residual=False,
+        verifier_name_or_path=target, target_layer_ids=[1, 2], ttt_steps=3,
+    )
+    for p in model.parameters():  # off the library's init (norms at 1, zero-free): weights that tell layers apart
+        p.data.normal_(0, 0.2) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
+    model.save_pretrained(OUT)
+    (OUT / "config.py").unlink(missing_ok=True)
+    cfg = json.loads((OUT / "config.json").read_text())
+    cfg.pop("auto_map", None)
+    cfg["speculators_config"]["verifier"]["name_or_path"] = "tiny-random"
+    (OUT / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
