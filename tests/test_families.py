@@ -36,13 +36,13 @@ from lightning_spec.objectives import CE, Objective
 
 FAMILIES = {
     "dflash": lambda k: BlockDrafter(block_size=k, num_layers=1, num_anchors=64),
+    # DFlash as served (qk norms, one shared mask token: what `lightning-spec export` writes for vLLM)
     "dflash_served": lambda k: BlockDrafter(block_size=k, num_layers=1, num_anchors=64, qk_norm=True, mask_token_id=1),
     "dfly": lambda k: DFlyDrafter(block_size=k, num_layers=1, num_anchors=64, hidden_correction=True),
     "dspark": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16),
     "dspark_rnn": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov="rnn", markov_rank=16),
     "domino": lambda k: DominoDrafter(block_size=k, num_layers=1, num_anchors=64, gru_size=16, correction_rank=32),
     "eagle3": lambda k: Eagle3Drafter(block_size=k, num_anchors=64),
-    "eagle3_own_head": lambda k: Eagle3Drafter(block_size=k, num_anchors=64, own_head=True),
     "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
     "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
     "d2sd": lambda k: VPDrafter(block_size=k, num_layers=1, num_anchors=64),

@@ -380,7 +380,8 @@ class BlockDrafter(Drafter):
         """(...,) anchor ids -> (..., K + 1, H): the anchor's frozen embedding, then K learned mask vectors (K copies
         of the one shared vector with ``mask_token_id``)."""
         emb = self.target.embed_tokens(anchor_tokens).to(self.mask_embedding.dtype)  # (..., H)
-        masks = self.mask_embedding.expand(*anchor_tokens.shape, self.block_size, -1)  # (..., K, H)
+        rows = -1 if self.mask_token_id is None else self.block_size  # the per-slot vectors, or K copies of one
+        masks = self.mask_embedding.expand(*anchor_tokens.shape, rows, -1)  # (..., K, H)
         return torch.cat([emb[..., None, :], masks], dim=-2)
 
     # ------------------------------------------------------------------------------------------- training
