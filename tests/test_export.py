@@ -121,9 +121,9 @@ def test_serving_fields_carry_the_conventions(exportable, diverse_target, tmp_pa
 def test_what_a_format_cannot_express_is_refused_in_one_sentence(diverse_target, tmp_path):
     dspark = DSparkDrafter(block_size=3, num_layers=1, markov_rank=8)
     dspark.bind(diverse_target)
-    with pytest.raises(ValueError, match=r"A DSparkDrafter cannot be written in the speculators format \(no serving "
-                                         r"format here can express it; the exportable families are BlockDrafter, "
-                                         r"Eagle3Drafter\)\."):
+    with pytest.raises(ValueError, match=r"A DSparkDrafter cannot be written in the speculators format \(this "
+                                         r"package has no codec for it in any format yet; the exportable families "
+                                         r"are BlockDrafter, Eagle3Drafter\)\."):
         export_drafter(dspark, tmp_path / "x")
     for options, field in (({"context_shortcut": True, "qk_norm": True, "mask_token_id": 1}, "context_shortcut"),
                            ({"qk_norm": True}, "mask_token_id"), ({"mask_token_id": 1}, "qk_norm"),

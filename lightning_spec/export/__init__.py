@@ -40,7 +40,7 @@ def codec_for(drafter: Drafter, fmt: str) -> Codec:
     if codec is None:
         able = sorted(f for f, m in FORMATS.items() if type(drafter) in m.CODECS)
         family = type(drafter).__name__
-        where = f"formats that can: {', '.join(able)}" if able else "no serving format here can express it"
+        where = f"formats that can: {', '.join(able)}" if able else "this package has no codec for it in any format yet"
         known = sorted({c.__name__ for m in FORMATS.values() for c in m.CODECS})
         raise ValueError(
             f"A {family} cannot be written in the {fmt} format ({where}; the exportable families are "
