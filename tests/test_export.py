@@ -205,3 +205,23 @@ def test_export_command_writes_a_folder_from_a_fit_checkpoint(diverse_target, tm
     assert config["speculators_config"]["verifier"]["name_or_path"] == "/models/t"
     sidecar = json.loads((tmp_path / "out" / "lightning_spec.json").read_text())
     assert sidecar["parent"]["path"] == str(tmp_path / "a.ckpt") and sidecar["format"] == "speculators"
+
+
+def test_a_tied_target_full_vocabulary_head_exports(tmp_path):
+    """A full-vocabulary EAGLE-3 head on a target with tied embeddings (SmolLM2's) is the embedding tensor itself:
+    safetensors refused to write it twice."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_spec.target import Target
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    target = Target(LlamaForCausalLM(config), name="tied")
+    drafter = Eagle3Drafter(block_size=2)
+    drafter.bind(target)
+    folder = export_drafter(drafter, tmp_path / "tied", "speculators")
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(tensors["lm_head.weight"], tensors["embed_tokens.weight"])
+    loaded = load_drafter(folder, target=target)
+    assert decode_all(target, loaded, [[1, 2, 3]]) == decode_all(target, drafter, [[1, 2, 3]])

@@ -75,7 +75,8 @@ def export_drafter(
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    # cloned: a tied target's full-vocabulary head and its embedding are one tensor, which safetensors refuses twice
+    save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, str(out / "model.safetensors"))
     for name, obj in extra.items():  # e.g. DFlash's mask_embedding.pt
         torch.save(obj, out / name)
     record = drafter_record(drafter, target_spec or target.name)
