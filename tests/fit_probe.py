@@ -25,13 +25,34 @@ TINY = ROOT / "experiments" / "tiny.yaml"
 def fit(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """``lightning-spec fit -c experiments/tiny.yaml *args`` run in ``cwd`` (its mlflow.db and runs/ land there),
     offline, one thread per process, with this folder importable."""
+    return fits_together([(cwd, args)], timeout)[0]
+
+
+def fits_together(jobs: list[tuple[Path, tuple[str, ...] | list[str]]], timeout: int = 300
+                  ) -> list[subprocess.CompletedProcess]:
+    """Several ``fit`` runs (cwd, args) started at once and awaited: a 1-process reference next to a 2-rank DDP run
+    keeps both cores busy instead of one (each process computes on one thread, so results do not change)."""
+    procs = [_start_fit(cwd, *args) for cwd, args in jobs]
+    done = []
+    for (cmd, proc) in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for _, p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    return done
+
+
+def _start_fit(cwd: Path, *args: str) -> tuple[list[str], subprocess.Popen]:
     cwd.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(p for p in [str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")] if p)
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
     cmd = [sys.executable, "-m", "lightning_spec", "fit", "-c", str(TINY), "--trainer.enable_progress_bar=false",
            *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return cmd, subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def callback(class_path: str, **init_args) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fit_probe import callback, fit, metric_history
+from fit_probe import callback, fits_together, metric_history
 
 STEPS = 5
 
@@ -24,10 +24,12 @@ def runs(tmp_path_factory):
     """One process with batch 4, and 2 DDP ranks with batch 2 each."""
     tmp = tmp_path_factory.mktemp("ddp")
     common = [f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=3"]
-    one = fit(tmp / "one", *common, "--data.batch_size=4", probe(tmp / "one" / "probe"))
+    one, two = fits_together([
+        (tmp / "one", [*common, "--data.batch_size=4", probe(tmp / "one" / "probe")]),
+        (tmp / "two", [*common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
+                       probe(tmp / "two" / "probe")]),
+    ])
     assert one.returncode == 0, one.stderr[-3000:]
-    two = fit(tmp / "two", *common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
-              probe(tmp / "two" / "probe"))
     assert two.returncode == 0, two.stderr[-3000:]
     return tmp / "one", tmp / "two"
 
@@ -131,10 +133,12 @@ def test_two_ranks_train_every_family_like_one_process(tmp_path, family):
               "--trainer.callbacks=[]", f"--model.drafter={json.dumps(FAMILY_DRAFTERS[family])}"]
     if family in FAMILY_OBJECTIVES:
         common.append(f"--model.objective={json.dumps(FAMILY_OBJECTIVES[family])}")
-    one = fit(tmp_path / "one", *common, "--data.batch_size=4", probe(tmp_path / "one" / "probe"))
+    one, two = fits_together([
+        (tmp_path / "one", [*common, "--data.batch_size=4", probe(tmp_path / "one" / "probe")]),
+        (tmp_path / "two", [*common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
+                            probe(tmp_path / "two" / "probe")]),
+    ])
     assert one.returncode == 0, one.stderr[-3000:]
-    two = fit(tmp_path / "two", *common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
-              probe(tmp_path / "two" / "probe"))
     assert two.returncode == 0, two.stderr[-3000:]
     (_, d1), (_, d2) = load(tmp_path / "one", 0), load(tmp_path / "two", 1)
     for key in d1["final"]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fit_probe import callback, fit, metric_history
+from fit_probe import callback, fits_together, metric_history
 
 STEPS = 5
 ROLLOUTS = callback("lightning_spec.callbacks.OnPolicyRollouts", buffer_size=8, refresh_every=2,
@@ -20,10 +20,12 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("opd_ddp")
     common = [f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0", "--data.max_length=160", ROLLOUTS,
               OBJECTIVE, "--model.feature_cache=off"]
-    one = fit(tmp / "one", *common, "--data.batch_size=4", callback("fit_probe.BufferProbe", out=str(tmp / "one")))
+    one, two = fits_together([
+        (tmp / "one", [*common, "--data.batch_size=4", callback("fit_probe.BufferProbe", out=str(tmp / "one"))]),
+        (tmp / "two", [*common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
+                       callback("fit_probe.BufferProbe", out=str(tmp / "two"))]),
+    ])
     assert one.returncode == 0, one.stderr[-3000:]
-    two = fit(tmp / "two", *common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
-              callback("fit_probe.BufferProbe", out=str(tmp / "two")))
     assert two.returncode == 0, two.stderr[-3000:]
     return tmp / "one", tmp / "two"
 
