@@ -19,23 +19,12 @@ from typing import Any
 
 import torch
 
-from lightning_spec.drafters.base import Drafter, init_arguments
+from lightning_spec.drafters.base import Drafter, drafter_record, init_arguments
 from lightning_spec.export import is_serving_folder, read_serving_folder
 from lightning_spec.target import live_target, load_target
 
 CKPT_KEY = "lightning_spec"
 PACKAGE = "lightning_spec"
-
-
-def drafter_record(drafter: Drafter, target_spec: str) -> dict[str, Any]:
-    """What a checkpoint stores next to the drafter's weights: how to rebuild it and for which target."""
-    return {
-        "drafter_class": f"{type(drafter).__module__}.{type(drafter).__qualname__}",
-        "drafter_config": drafter.config_dict(),
-        "target": target_spec,
-        "target_fingerprint": drafter.target.fingerprint,
-        "target_vocab_size": drafter.target.vocab_size,
-    }
 
 
 # ------------------------------------------------------------------------------------ describe <-> build

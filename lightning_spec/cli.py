@@ -122,7 +122,7 @@ EXTRA_COMMANDS: dict[str, str] = {
     "rollouts": "lightning_spec.data.rollout_writer:rollouts",
     "evaluate": "lightning_spec.evaluation.cli:evaluate",
     "sweep": "lightning_spec.sweeps:sweep",
-    "export": "lightning_spec.export:export",
+    "export": "lightning_spec.export.command:export",
 }
 
 

@@ -448,6 +448,18 @@ def _rename_old_vocab_keys(state_dict, prefix, *args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+def drafter_record(drafter: Drafter, target_spec: str) -> dict[str, Any]:
+    """What a checkpoint or an exported folder stores next to the drafter's weights: how to rebuild it (our class
+    and its init arguments) and for which target (name, weights fingerprint, vocabulary size)."""
+    return {
+        "drafter_class": f"{type(drafter).__module__}.{type(drafter).__qualname__}",
+        "drafter_config": drafter.config_dict(),
+        "target": target_spec,
+        "target_fingerprint": drafter.target.fingerprint,
+        "target_vocab_size": drafter.target.vocab_size,
+    }
+
+
 def init_arguments(obj: Any) -> dict[str, Any]:
     """The arguments of ``type(obj).__init__`` read back from the object (each stored under its own name).
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lightning_spec.assets import resolve_target_folder
-from lightning_spec.drafters.base import Drafter
+from lightning_spec.drafters.base import Drafter, drafter_record
 from lightning_spec.export import sglang, speculators
 from lightning_spec.export.common import SIDECAR, Codec, read_json
 
@@ -58,8 +58,6 @@ def export_drafter(
     ``target_spec``: the target name recorded for ``load_drafter`` (default the bound target's); ``target_path``:
     the verifier path written into the serving config (default the target's local folder), the model vLLM or
     SGLang serves next to the drafter."""
-    from lightning_spec.checkpoint import drafter_record
-
     codec = codec_for(drafter, fmt)
     codec.check(drafter)
     if not bool(drafter.vocab.ready):
@@ -125,29 +123,4 @@ def _read_safetensors(folder: Path, what: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def export(ckpt: str, out: str, format: str = "speculators", target_path: str | None = None) -> Path:  # noqa: A002
-    """Write a trained drafter in a layout a serving engine loads (vLLM: speculators; SGLang: sglang).
-
-    Args:
-        ckpt: a .ckpt written by `lightning-spec fit` (or an exported / save_drafter folder).
-        out: the folder to write: config.json, model.safetensors, lightning_spec.json (+ mask_embedding.pt).
-        format: speculators (EAGLE-3, DFlash; vLLM serves it) or sglang (EAGLE-3, DFlash layouts).
-        target_path: the verifier path written into the config (default: the target's local folder).
-    """
-    from lightning_spec.checkpoint import load_drafter, read_drafter_state
-
-    record, _ = read_drafter_state(ckpt, "export --ckpt")
-    drafter = load_drafter(ckpt)
-    parent = {"path": str(ckpt), "drafter_class": record["drafter_class"], "parent": record.get("parent")}
-    folder = export_drafter(drafter, out, format, record["target"], target_path, parent)
-    k = drafter.block_size
-    method = codec_for(drafter, format).algorithm  # vLLM's speculative method name
-    print(f"export: wrote {type(drafter).__name__} (K={k}) as {format} to {folder}")
-    if format == "speculators":
-        verifier = target_path or resolve_target_folder(record["target"])
-        print(f'serve: vllm.LLM(model="{verifier}", speculative_config={{"method": "{method}", "model": '
-              f'"{folder}", "num_speculative_tokens": {k}}})')
-    return folder
-
-
-__all__ = ["FORMATS", "codec_for", "export", "export_drafter", "is_serving_folder", "read_serving_folder"]
+__all__ = ["FORMATS", "codec_for", "export_drafter", "is_serving_folder", "read_serving_folder"]
