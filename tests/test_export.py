@@ -225,3 +225,15 @@ def test_a_tied_target_full_vocabulary_head_exports(tmp_path):
     assert torch.equal(tensors["lm_head.weight"], tensors["embed_tokens.weight"])
     loaded = load_drafter(folder, target=target)
     assert decode_all(target, loaded, [[1, 2, 3]]) == decode_all(target, drafter, [[1, 2, 3]])
+
+
+def test_an_own_head_starts_from_the_target_rows_of_the_chosen_vocabulary(diverse_target):
+    """``fit`` chooses a reduced vocabulary after ``bind``: the own head must follow the chosen rows."""
+    drafter = Eagle3Drafter(block_size=2, draft_vocab_size=16, own_head=True)
+    drafter.bind(diverse_target)
+    counts = torch.zeros(diverse_target.vocab_size)
+    counts[torch.arange(40, 56)] = 1.0  # not the ids 0..15 the head was built on
+    drafter.vocab.set_from_counts(counts)
+    drafter.on_vocab_chosen()
+    assert torch.equal(drafter.vocab.ids, torch.arange(40, 56))
+    assert torch.equal(drafter.lm_head.detach(), diverse_target.lm_head.weight[40:56].detach())
