@@ -29,13 +29,37 @@ from lightning_spec.export import export_drafter
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, Objective
 
-FIXTURE = Path(__file__).parent / "data" / "speculators_eagle3_tiny"  # written by the speculators library
+LAYOUT = Path(__file__).parent / "data" / "speculators_eagle3_tiny"  # what the speculators library wrote
 EXPORTABLE = {
     "eagle3": lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48),
     "eagle3_own_head": lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48, own_head=True),
     "dflash": lambda k: BlockDrafter(block_size=k, num_layers=2, num_anchors=64, draft_vocab_size=48, qk_norm=True,
                                      mask_token_id=5),
 }
+
+
+@pytest.fixture(scope="module")
+def speculators_folder(tmp_path_factory) -> Path:
+    """An EAGLE-3 folder in the layout speculators 0.9.0 wrote (tests/data: its config.json, and each tensor's name,
+    shape and dtype, the vocabulary maps' values): the float tensors, random in the library's file too, are drawn
+    here (seeded; norms near 1, matrices N(0, 0.2)) so that no weights are committed."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("speculators") / "eagle3"
+    folder.mkdir()
+    (folder / "config.json").write_text((LAYOUT / "config.json").read_text())
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, entry in json.loads((LAYOUT / "tensors.json").read_text()).items():
+        dtype = getattr(torch, entry["dtype"])
+        if "values" in entry:
+            tensors[name] = torch.tensor(entry["values"], dtype=dtype).reshape(entry["shape"])
+        elif len(entry["shape"]) == 1:
+            tensors[name] = (0.5 + torch.rand(entry["shape"], generator=gen)).to(dtype)
+        else:
+            tensors[name] = (0.2 * torch.randn(entry["shape"], generator=gen)).to(dtype)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +161,12 @@ def test_what_a_format_cannot_express_is_refused_in_one_sentence(diverse_target,
         export_drafter(block, tmp_path / "y", "gguf")
 
 
-def test_a_drafter_written_by_the_speculators_library_loads_as_ours(tiny_target):
-    drafter = load_drafter(FIXTURE, target=tiny_target)
+def test_a_drafter_written_by_the_speculators_library_loads_as_ours(speculators_folder, tiny_target):
+    drafter = load_drafter(speculators_folder, target=tiny_target)
     assert isinstance(drafter, Eagle3Drafter)
     assert drafter.config_dict() == {"block_size": 3, "target_layers": [0, 1], "num_anchors": 64,
                                      "draft_vocab_size": 64, "intermediate_size": 128, "own_head": True}
-    tensors = load_file(str(FIXTURE / "model.safetensors"))
+    tensors = load_file(str(speculators_folder / "model.safetensors"))
     assert torch.equal(drafter.lm_head.detach(), tensors["lm_head.weight"])  # its own trained head, kept
     assert torch.equal(drafter.layer.q_proj.weight.detach(), tensors["layers.0.self_attn.q_proj.weight"])
     assert torch.equal(drafter.vocab.ids, torch.arange(64) + tensors["d2t"])
@@ -150,15 +174,16 @@ def test_a_drafter_written_by_the_speculators_library_loads_as_ours(tiny_target)
     assert out.tokens == generate(tiny_target, [1, 5, 9, 14, 200, 7], 12).tokens  # lossless with a foreign drafter
 
 
-def test_a_speculators_drafter_fine_tunes_with_init_from(data_files, tmp_path):  # noqa: F811 (fixture)
+def test_a_speculators_drafter_fine_tunes_with_init_from(speculators_folder, data_files):  # noqa: F811 (fixture)
     """The EDR protocol fine-tunes released drafters: a speculators folder starts a fit like our own checkpoint."""
     dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
                         train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
     like = dict(block_size=3, target_layers=[0, 1], num_anchors=8, draft_vocab_size=64, intermediate_size=128,
                 own_head=True)
-    module = DraftModule(Eagle3Drafter(**like), Objective(KL()), target="tiny-random", init_from=str(FIXTURE))
+    module = DraftModule(Eagle3Drafter(**like), Objective(KL()), target="tiny-random",
+                         init_from=str(speculators_folder))
     start = {k: v.clone() for k, v in module.drafter.state_dict().items()}
-    assert torch.equal(start["lm_head"], load_file(str(FIXTURE / "model.safetensors"))["lm_head.weight"])
+    assert torch.equal(start["lm_head"], load_file(str(speculators_folder / "model.safetensors"))["lm_head.weight"])
     trainer = quiet_trainer(max_steps=2)
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 2
@@ -168,7 +193,7 @@ def test_a_speculators_drafter_fine_tunes_with_init_from(data_files, tmp_path): 
     assert not torch.equal(after["fc.weight"], start["fc.weight"])
     with pytest.raises(ValueError, match=r"model.init_from .* does not fit model.drafter .*own_head"):
         DraftModule(Eagle3Drafter(**{**like, "own_head": False}), Objective(KL()), target="tiny-random",
-                    init_from=str(FIXTURE))
+                    init_from=str(speculators_folder))
 
 
 def test_reading_a_serving_folder_runs_no_code_from_it(exportable, diverse_target, tmp_path, monkeypatch):

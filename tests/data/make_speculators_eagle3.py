@@ -1,13 +1,16 @@
-"""Writes tests/data/speculators_eagle3_tiny/: an EAGLE-3 drafter built and saved by the speculators library
-itself (randomly initialised, speculators 0.9.0) for the packaged ``tiny-random`` target (2 layers, hidden 64,
-vocabulary 320), with a 64-token draft vocabulary. tests/test_export.py imports it as our Eagle3Drafter.
+"""Writes tests/data/speculators_eagle3_tiny/: the layout of an EAGLE-3 drafter built and saved by the speculators
+library itself (speculators 0.9.0) for the packaged ``tiny-random`` target (2 layers, hidden 64, vocabulary 320),
+with a 64-token draft vocabulary: its config.json as the library wrote it, and ``tensors.json``, each tensor's name,
+shape and dtype in the library's model.safetensors (and the values of the integer and boolean ones: the vocabulary
+maps). No weights are committed: tests/test_export.py fills the float tensors with seeded random values (the
+library's were random too) and imports the folder as our Eagle3Drafter.
 
 Run in the serving venv, which has speculators (`make serve-setup`), with the tiny target's folder:
 
     .venv-serve/bin/python tests/data/make_speculators_eagle3.py ~/.cache/lightning_spec/targets/tiny-random-*
 
-The folder is ~100 KB of random weights, not a trained model; its config.py (speculators' remote-code hook) is
-deleted, and the verifier path is replaced by the packaged name so the file names no machine's home folder.
+Its config.py (speculators' remote-code hook) is deleted, and the verifier path is replaced by the packaged name so
+the file names no machine's home folder.
 """
 
 import json
@@ -15,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from speculators.models.eagle3 import Eagle3DraftModel
 from transformers import AutoConfig
 
@@ -34,10 +38,17 @@ def main(target: str) -> None:
         config, t2d=t2d, d2t=d2t, draft_vocab_size=draft, norm_before_residual=False,
         verifier_name_or_path=target, target_layer_ids=[1, 2], ttt_steps=3,
     )
-    for p in model.parameters():  # off the library's init (norms at 1, zero-free): weights that tell layers apart
-        p.data.normal_(0, 0.2) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
     model.save_pretrained(OUT)
     (OUT / "config.py").unlink(missing_ok=True)
+    weights = OUT / "model.safetensors"
+    manifest = {}
+    for name, t in load_file(str(weights)).items():
+        entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        if not t.is_floating_point():
+            entry["values"] = t.tolist()
+        manifest[name] = entry
+    (OUT / "tensors.json").write_text(json.dumps(manifest) + "\n")
+    weights.unlink()
     cfg = json.loads((OUT / "config.json").read_text())
     cfg.pop("auto_map", None)
     cfg["speculators_config"]["verifier"]["name_or_path"] = "tiny-random"
