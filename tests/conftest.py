@@ -142,12 +142,12 @@ class FixedDrafter(Drafter):
 def saved_drafter(tmp_path, tiny_target):
     """An untrained drafter for ``tiny-random`` saved as a fit checkpoint holds it (``.ckpt``) and as an exported
     folder: (drafter, ckpt path, folder)."""
-    from lightning_spec.checkpoint import CKPT_KEY, drafter_record, save_drafter
+    from fit_probe import fit_checkpoint
+
+    from lightning_spec.checkpoint import save_drafter
 
     drafter = block_drafter(tiny_target, block_size=3)
-    ckpt = tmp_path / "last.ckpt"
-    state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
-    torch.save({"state_dict": state, CKPT_KEY: drafter_record(drafter, "tiny-random")}, ckpt)
+    ckpt = fit_checkpoint(drafter, tmp_path / "last.ckpt", "tiny-random")
     return drafter, ckpt, save_drafter(drafter, tmp_path / "exported", "tiny-random")
 
 

@@ -1,5 +1,6 @@
-"""`lightning-spec fit` in a subprocess for tests/test_ddp.py and tests/test_resume.py, and the callbacks those
-subprocesses load by class path (``fit`` puts this folder on their PYTHONPATH). Not a test module.
+"""`lightning-spec fit` in a subprocess for tests/test_ddp.py and tests/test_resume.py, the callbacks those
+subprocesses load by class path (``fit`` puts this folder on their PYTHONPATH), and ``fit_checkpoint``, the smallest
+file a fit writes. Not a test module.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from lightning_spec.callbacks import SpecDecodeValidation
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"
+
+
+def fit_checkpoint(drafter, path: Path, target_spec: str) -> Path:
+    """``path``: what a ``fit`` checkpoint holds of ``drafter`` (its record and its weights under ``drafter.``)."""
+    from lightning_spec.checkpoint import CKPT_KEY, drafter_record
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
+    torch.save({"state_dict": state, CKPT_KEY: drafter_record(drafter, target_spec)}, path)
+    return path
 
 
 def fit(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:

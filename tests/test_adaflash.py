@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from fit_probe import fit_checkpoint
 from overlays import QUICKSTART, ROOT, config_files, meant_config, printed_config, printed_of, restated
 from test_benchmarks import run as run_benchmark
 from test_decoding import argmax_reference, random_prompts
@@ -24,7 +25,7 @@ from test_module import data_files, quiet_trainer  # noqa: F401 (a fixture)
 from test_offline import enumerate_rounds
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
-from lightning_spec.checkpoint import CKPT_KEY, drafter_record, init_weights, save_drafter
+from lightning_spec.checkpoint import init_weights, save_drafter
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import Anchors, BlockDrafter, DraftOutput
 from lightning_spec.module import DraftModule
@@ -345,9 +346,7 @@ def test_offline_tree_rounds_with_the_head_are_the_real_tree_rounds(small_target
 # ---------------------------------------------------------------------------------------- checkpoints, regime
 def test_a_drafter_with_the_head_round_trips(diverse_target, make_block_drafter, tmp_path):
     drafter = with_head(diverse_target, make_block_drafter, k=4, length_rate=1.1, length_min=2)
-    ckpt = tmp_path / "last.ckpt"
-    state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
-    torch.save({"state_dict": state, CKPT_KEY: drafter_record(drafter, diverse_target.name)}, ckpt)
+    ckpt = fit_checkpoint(drafter, tmp_path / "last.ckpt", diverse_target.name)
     prompt = random_prompts(diverse_target.vocab_size, lengths=(6,))[0]
     want = generate(diverse_target, prompt, 12, GREEDY, drafter=drafter)
     for path in (ckpt, save_drafter(drafter, tmp_path / "exported", diverse_target.name)):

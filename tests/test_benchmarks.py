@@ -37,13 +37,12 @@ def test_verify_cost_times_every_size_per_dtype():
 def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target):
     """The orchestration of `make serve-check` (export, our decoding, the offline evaluator, the table, the verdict),
     with tests/serve_standin.py in vLLM's place; the real engine runs in `make serve-check`."""
-    import torch
+    from fit_probe import fit_checkpoint
     from test_families import FAMILIES, trained
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from decode_speed import mt_bench_prompts
 
-    from lightning_spec.checkpoint import CKPT_KEY, drafter_record
     from lightning_spec.drafters import BlockDrafter, Eagle3Drafter
 
     prompts = mt_bench_prompts(tiny_target, 2, seed=0)  # the prompts serve_check.py decodes
@@ -54,8 +53,7 @@ def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target
             drafter = trained(f"serve_{name}", tiny_target, prompts, k=3)
         finally:
             del FAMILIES[f"serve_{name}"]
-        state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
-        torch.save({CKPT_KEY: drafter_record(drafter, "tiny-random"), "state_dict": state}, tmp_path / f"{name}.ckpt")
+        fit_checkpoint(drafter, tmp_path / f"{name}.ckpt", "tiny-random")
     out = run("serve_check.py", "--serve-python", sys.executable, "--serve-script",
               str(ROOT / "tests" / "serve_standin.py"), "--target", "tiny-random", "--work", str(tmp_path),
               "--prompts", "2", "--max-new-tokens", "8", "--threads", "1")

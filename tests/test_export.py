@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from fit_probe import fit_checkpoint
 from safetensors.torch import load_file
 from test_decoding import MAX_NEW
 from test_families import FAMILIES, trained
 from test_module import data_files, quiet_trainer  # noqa: F401 (fixture)
 
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
-from lightning_spec.checkpoint import CKPT_KEY, drafter_record
 from lightning_spec.cli import main
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import BlockDrafter, DSparkDrafter, Eagle3Drafter
@@ -220,8 +220,7 @@ def test_reading_a_serving_folder_runs_no_code_from_it(exportable, diverse_targe
 def test_export_command_writes_a_folder_from_a_fit_checkpoint(diverse_target, tmp_path, capsys):
     drafter = BlockDrafter(block_size=3, num_layers=1, qk_norm=True, mask_token_id=1)
     drafter.bind(diverse_target)
-    torch.save({CKPT_KEY: drafter_record(drafter, "random"),
-                "state_dict": {f"drafter.{k}": v for k, v in drafter.state_dict().items()}}, tmp_path / "a.ckpt")
+    fit_checkpoint(drafter, tmp_path / "a.ckpt", "random")
     # load_drafter binds the live target of the recorded weights (diverse_target), so "random" never loads
     main(["export", "--ckpt", str(tmp_path / "a.ckpt"), "--out", str(tmp_path / "out"), "--target_path", "/models/t"])
     out = capsys.readouterr().out

@@ -25,7 +25,8 @@ def test_the_readme_has_python_blocks():
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tiny_target):
     """A folder with what the README's earlier commands leave behind, for the tiny target."""
-    from lightning_spec.checkpoint import CKPT_KEY, drafter_record
+    from fit_probe import fit_checkpoint
+
     from lightning_spec.cli import run_cli
     from lightning_spec.data.rollout_writer import generate_rollouts
     from lightning_spec.drafters import BlockDrafter
@@ -45,10 +46,7 @@ def workspace(tmp_path_factory, tiny_target):
             torch.manual_seed(seed)
             drafter = BlockDrafter(block_size=3)
             drafter.bind(tiny_target)
-            state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
-            (folder / "runs" / name).mkdir(parents=True)
-            torch.save({"state_dict": state, CKPT_KEY: drafter_record(drafter, "tiny-random")},
-                       folder / "runs" / name / "last.ckpt")
+            fit_checkpoint(drafter, folder / "runs" / name / "last.ckpt", "tiny-random")
         prompts = [{"id": f"p{i}", "domain": d, "subdomain": d, "prompt_ids": [5 + i, 17, 40 + i, 9]}
                    for i, d in enumerate(["chat", "code", "math", "chat"])]
         generate_rollouts(tiny_target, prompts, SamplingConfig(temperature=1.0), n_per_prompt=2, max_new_tokens=12,
