@@ -97,8 +97,10 @@ def read_checkpoint(path: str | Path, what: str = "checkpoint") -> dict[str, Any
 def recorded_target(path: str | Path, what: str = "checkpoint") -> str:
     """The target spec a checkpoint or exported folder was trained for."""
     path = Path(path)
+    if path.is_dir() and is_serving_folder(path):
+        return read_serving_folder(path, what)[0]["target"]
     if path.is_dir():
-        return read_drafter_state(path, what)[0]["target"]
+        return _read_folder_meta(path, what)["target"]
     return read_checkpoint(path, what)[CKPT_KEY]["target"]
 
 

@@ -54,8 +54,7 @@ class SGLangEagle3Codec(Eagle3Codec):
             "speculators_config": {"proposal_methods": [{"speculative_tokens": config.get("speculative_num_steps", 7)}],
                                    "verifier": {"name_or_path": config.get("verifier", "")}},
         }
-        rec, state = super().read(as_speculators, tensors, folder, sidecar, what)
-        return {**rec, "format": "sglang"}, state
+        return super().read(as_speculators, tensors, folder, sidecar, what)
 
 
 class SGLangDFlashCodec(DFlashCodec):

@@ -126,7 +126,7 @@ class Eagle3Codec:
             "intermediate_size": int(layer.get("intermediate_size")) if layer.get("intermediate_size") else None,
             "own_head": True,  # a foreign drafter's head is its own (EAGLE-3 trains it)
         }
-        rec = record(Eagle3Drafter, ours, verifier_of(config), vocab_size, sidecar, "speculators")
+        rec = record(Eagle3Drafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
         if rec["drafter_config"].get("own_head"):
             state["lm_head"] = take(tensors, {"lm_head": "lm_head.weight"}, what)["lm_head"]
         return rec, state
@@ -216,6 +216,7 @@ class DFlashCodec:
 
 
 def config_format(config: dict) -> str:
+    """Which layout a config.json (or the speculators-shaped view of an SGLang one) came in: the record says."""
     return "speculators" if "speculators_model_type" in config else "sglang"
 
 
