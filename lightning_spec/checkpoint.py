@@ -158,7 +158,7 @@ def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, wha
         )
     drafter.bind(target)
     try:
-        drafter.load_state_dict(state)
+        drafter.load_state_dict(with_target_weights(meta, state, drafter))
     except RuntimeError as err:
         first = next((ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()), str(err))
         raise ValueError(
@@ -166,6 +166,13 @@ def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, wha
             f"target it was trained for ({meta['target']!r})."
         ) from None
     return drafter.eval()
+
+
+def with_target_weights(meta: dict[str, Any], state: dict[str, torch.Tensor], drafter: Drafter) -> dict[str, Any]:
+    """``state`` plus the weights a serving folder leaves to the target (``from_target``: e.g. DFlash's mask vector,
+    the target's embedding of the mask token, which ``bind`` starts it from), taken from the bound ``drafter``."""
+    ours = drafter.state_dict()
+    return {**{k: ours[k] for k in meta.get("from_target") or () if k in ours and k not in state}, **state}
 
 
 def read_drafter_state(path: str | Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -218,7 +225,7 @@ def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) ->
         )
     added = added_heads(drafter, meta["drafter_config"])
     try:
-        loaded = drafter.load_state_dict(state, strict=not added)
+        loaded = drafter.load_state_dict(with_target_weights(meta, state, drafter), strict=not added)
         stray = [k for k in loaded.missing_keys if not k.startswith(added)] + list(loaded.unexpected_keys)
         if stray:
             raise RuntimeError(f"Error(s) in loading state_dict:\n\tMissing or unexpected key(s): {stray}.")

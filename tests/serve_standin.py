@@ -16,6 +16,8 @@ job = json.load(open(args.job))
 target = load_target(job["target"])
 spec = job["speculative"]
 drafter = load_drafter(spec["model"], target=target) if spec else None
+if getattr(drafter, "prefix_scheduler", False):
+    drafter.prefix_scheduler = False  # DSpark: vLLM submits the whole block unless adaptive verification is on
 tokens, seconds, drafts, accepted = [], [], 0, 0
 for ids in job["prompts"]:
     start = time.perf_counter()

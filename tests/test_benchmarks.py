@@ -43,11 +43,13 @@ def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from decode_speed import mt_bench_prompts
 
-    from lightning_spec.drafters import BlockDrafter, Eagle3Drafter
+    from lightning_spec.drafters import BlockDrafter, DSparkDrafter, Eagle3Drafter
 
     prompts = mt_bench_prompts(tiny_target, 2, seed=0)  # the prompts serve_check.py decodes
     for name, make in (("eagle3", lambda k: Eagle3Drafter(block_size=k, num_anchors=64)),
-                       ("dflash", lambda k: BlockDrafter(block_size=k, num_anchors=64, qk_norm=True, mask_token_id=1))):
+                       ("dflash", lambda k: BlockDrafter(block_size=k, num_anchors=64, qk_norm=True, mask_token_id=1)),
+                       ("dspark", lambda k: DSparkDrafter(block_size=k, num_anchors=64, markov_rank=16, qk_norm=True,
+                                                          mask_token_id=1))):
         FAMILIES[f"serve_{name}"] = make
         try:  # accepted on the target's own continuations, so the MAL columns compare real acceptance
             drafter = trained(f"serve_{name}", tiny_target, prompts, k=3)
@@ -56,9 +58,9 @@ def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target
         fit_checkpoint(drafter, tmp_path / f"{name}.ckpt", "tiny-random")
     out = run("serve_check.py", "--serve-python", sys.executable, "--serve-script",
               str(ROOT / "tests" / "serve_standin.py"), "--target", "tiny-random", "--work", str(tmp_path),
-              "--prompts", "2", "--max-new-tokens", "8", "--threads", "1")
-    rows = [line for line in out.splitlines() if line.startswith(("| eagle3 |", "| dflash |"))]
-    assert len(rows) == 2 and all("| 2/2 / 2/2 |" in row for row in rows), out
+              "--prompts", "2", "--max-new-tokens", "8", "--threads", "1", "--families", "eagle3", "dflash", "dspark")
+    rows = [line for line in out.splitlines() if line.startswith(("| eagle3 |", "| dflash |", "| dspark |"))]
+    assert len(rows) == 3 and all("| 2/2 / 2/2 |" in row for row in rows), out
     assert "serve-check: PASSED" in out
     for row in rows:  # MAL vLLM (the stand-in's count) = ours = offline: one accounting on every side
         cells = [c.strip() for c in row.split("|")]

@@ -6,7 +6,8 @@ SGLang's layouts, and ``load_drafter`` reads such a folder back — ours, or one
 - the fields serving engines read carry their conventions (feature layer numbering, d2t, DFlash's block size and
   bidirectional block, EAGLE-3's un-normed residual);
 - families or options a format cannot express are refused in one sentence, nothing written;
-- a drafter the speculators library itself wrote loads as our Eagle3Drafter and fine-tunes with ``init_from``;
+- a drafter the speculators library itself wrote loads as our Eagle3Drafter and fine-tunes with ``init_from``; its
+  DSpark and MTP load as our DSparkDrafter and MTPDrafter and compute what the library's modules compute;
 - reading a folder never runs code from it.
 """
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from fit_probe import fit_checkpoint
 from safetensors.torch import load_file
+from speculators_layouts import build_folder, reference
 from test_decoding import MAX_NEW
 from test_families import FAMILIES, trained
 from test_module import data_files, quiet_trainer  # noqa: F401 (fixture)
@@ -24,42 +26,33 @@ from test_module import data_files, quiet_trainer  # noqa: F401 (fixture)
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
 from lightning_spec.cli import main
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters import BlockDrafter, DSparkDrafter, Eagle3Drafter
+from lightning_spec.drafters import Anchors, BlockDrafter, DSparkDrafter, Eagle3Drafter, MedusaDrafter, MTPDrafter
 from lightning_spec.export import export_drafter
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, Objective
 
-LAYOUT = Path(__file__).parent / "data" / "speculators_eagle3_tiny"  # what the speculators library wrote
-EXPORTABLE = {
-    "eagle3": lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48),
-    "eagle3_own_head": lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48, own_head=True),
-    "dflash": lambda k: BlockDrafter(block_size=k, num_layers=2, num_anchors=64, draft_vocab_size=48, qk_norm=True,
-                                     mask_token_id=5),
+EXPORTABLE = {  # name -> (drafter, the formats that hold it)
+    "eagle3": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48), ("speculators", "sglang")),
+    "eagle3_own_head": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48, own_head=True),
+                        ("speculators", "sglang")),
+    "dflash": (lambda k: BlockDrafter(block_size=k, num_layers=2, num_anchors=64, draft_vocab_size=48, qk_norm=True,
+                                      mask_token_id=5), ("speculators", "sglang")),
+    "dspark": (lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, draft_vocab_size=48, qk_norm=True,
+                                       mask_token_id=5, markov_rank=16), ("speculators",)),
+    "dspark_rnn": (lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, draft_vocab_size=48,
+                                           qk_norm=True, mask_token_id=5, markov="rnn", markov_rank=16),
+                   ("speculators",)),
+    "mtp": (lambda k: MTPDrafter(block_size=k, num_anchors=64, qk_norm=True, normed_chain=True), ("speculators",)),
 }
+ROUND_TRIPS = [(name, fmt) for name, (_, formats) in EXPORTABLE.items() for fmt in formats]
 
 
 @pytest.fixture(scope="module")
 def speculators_folder(tmp_path_factory) -> Path:
-    """An EAGLE-3 folder in the layout speculators 0.9.0 wrote (tests/data: its config.json, and each tensor's name,
-    shape and dtype, the vocabulary maps' values): the float tensors, random in the library's file too, are drawn
-    here (seeded; norms near 1, matrices N(0, 0.2)) so that no weights are committed."""
-    from safetensors.torch import save_file
-
-    folder = tmp_path_factory.mktemp("speculators") / "eagle3"
-    folder.mkdir()
-    (folder / "config.json").write_text((LAYOUT / "config.json").read_text())
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, entry in json.loads((LAYOUT / "tensors.json").read_text()).items():
-        dtype = getattr(torch, entry["dtype"])
-        if "values" in entry:
-            tensors[name] = torch.tensor(entry["values"], dtype=dtype).reshape(entry["shape"])
-        elif len(entry["shape"]) == 1:
-            tensors[name] = (0.5 + torch.rand(entry["shape"], generator=gen)).to(dtype)
-        else:
-            tensors[name] = (0.2 * torch.randn(entry["shape"], generator=gen)).to(dtype)
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder
+    """An EAGLE-3 folder in the layout speculators 0.9.0 wrote (tests/data/speculators_eagle3_tiny: its config.json
+    and each tensor's name, shape and dtype, the vocabulary maps' values); the float tensors, random in the
+    library's file too, are drawn (tests/speculators_layouts.py) so that no weights are committed."""
+    return build_folder("eagle3", tmp_path_factory.mktemp("speculators") / "eagle3")
 
 
 @pytest.fixture(scope="module")
@@ -69,29 +62,47 @@ def prompts(diverse_target):
     return random_prompts(diverse_target.vocab_size)
 
 
-@pytest.fixture(scope="module", params=list(EXPORTABLE))
-def exportable(request, diverse_target, prompts):
-    """(name, a drafter accepted in a good share of rounds, its draft vocabulary a reduced non-prefix set)."""
-    FAMILIES[f"export_{request.param}"] = EXPORTABLE[request.param]
-    counts = torch.zeros(diverse_target.vocab_size)
-    counts[torch.tensor([t for p in prompts for t in p])] += 1
-    counts += torch.rand(diverse_target.vocab_size, generator=torch.Generator().manual_seed(0))
-    try:
-        drafter = trained(f"export_{request.param}", diverse_target, prompts, k=3)
-    finally:
-        del FAMILIES[f"export_{request.param}"]
-    drafter.vocab.set_from_counts(counts)  # before training would be usual; any set works for the round trip
-    drafter.on_vocab_chosen()
-    return request.param, drafter
+@pytest.fixture(scope="module")
+def trained_exportable(diverse_target, prompts):
+    """name -> a drafter accepted in a good share of rounds, its draft vocabulary (where reduced) a non-prefix set,
+    DSpark's confidence temperatures calibrated-looking (not 1); trained once per module, on first use."""
+    cache = {}
+
+    def get(name: str):
+        if name in cache:
+            return cache[name]
+        FAMILIES[f"export_{name}"] = EXPORTABLE[name][0]
+        counts = torch.zeros(diverse_target.vocab_size)
+        counts[torch.tensor([t for p in prompts for t in p])] += 1
+        counts += torch.rand(diverse_target.vocab_size, generator=torch.Generator().manual_seed(0))
+        try:
+            drafter = trained(f"export_{name}", diverse_target, prompts, k=3)
+        finally:
+            del FAMILIES[f"export_{name}"]
+        if not drafter.vocab.full:
+            drafter.vocab.set_from_counts(counts)  # before training would be usual; any set works for a round trip
+            drafter.on_vocab_chosen()
+        if isinstance(drafter, DSparkDrafter):
+            drafter.confidence_temperature.copy_(torch.tensor([0.7, 1.3, 2.0]))
+        cache[name] = drafter
+        return drafter
+
+    return get
+
+
+@pytest.fixture(params=list(EXPORTABLE))
+def exportable(request, trained_exportable):
+    """(name, the trained drafter) for every exportable family and option set."""
+    return request.param, trained_exportable(request.param)
 
 
 def decode_all(target, drafter, prompts):
     return [generate(target, p, MAX_NEW, drafter=drafter).tokens for p in prompts]
 
 
-@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
-def test_export_round_trip_is_exact(exportable, fmt, diverse_target, prompts, tmp_path):
-    name, drafter = exportable
+@pytest.mark.parametrize("name,fmt", ROUND_TRIPS)
+def test_export_round_trip_is_exact(name, fmt, trained_exportable, diverse_target, prompts, tmp_path):
+    drafter = trained_exportable(name)
     folder = export_drafter(drafter, tmp_path / name, fmt, target_spec="random")
     assert {"config.json", "model.safetensors", "lightning_spec.json"} <= {p.name for p in folder.iterdir()}
     loaded = load_drafter(folder, target=diverse_target)
@@ -112,8 +123,9 @@ def test_export_round_trip_is_exact(exportable, fmt, diverse_target, prompts, tm
     assert decode_all(diverse_target, foreign, prompts) == tokens
 
 
-def test_serving_fields_carry_the_conventions(exportable, diverse_target, tmp_path):
-    name, drafter = exportable
+@pytest.mark.parametrize("name", [name for name in EXPORTABLE if name != "mtp"])  # MTP reads no aux layers, no d2t
+def test_serving_fields_carry_the_conventions(name, trained_exportable, diverse_target, tmp_path):
+    drafter = trained_exportable(name)
     config = json.loads((export_drafter(drafter, tmp_path / "s", "speculators") / "config.json").read_text())
     tensors = load_file(str(tmp_path / "s" / "model.safetensors"))
     # vLLM numbers an aux hidden state by the layer it enters: our layer outputs + 1
@@ -127,12 +139,14 @@ def test_serving_fields_carry_the_conventions(exportable, diverse_target, tmp_pa
     if name.startswith("eagle3"):
         assert config["norm_before_residual"] is False  # vLLM's default is true: the field must be written
         assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
-    else:
+    elif name == "dflash":
         assert config["block_size"] == drafter.block_size + 1 and config["sample_from_anchor"] is False
         assert config["sliding_window_non_causal"] is True  # vLLM reads false as "every layer causal"
         assert layer["model_type"] == "qwen3" and "layers.1.self_attn.q_norm.weight" in tensors
         mask = torch.load(tmp_path / "s" / "mask_embedding.pt", weights_only=True)
         assert mask["mask_token_id"] == 5 and torch.equal(mask["embedding"], drafter.mask_embedding[0].detach())
+    if not name.startswith(("eagle3", "dflash")):
+        return  # the families only the speculators format holds: test_dspark_and_mtp_fields_carry_the_conventions
     sglang = export_drafter(drafter, tmp_path / "g", "sglang")
     names = load_file(str(sglang / "model.safetensors"))
     if name.startswith("eagle3"):
@@ -142,13 +156,64 @@ def test_serving_fields_carry_the_conventions(exportable, diverse_target, tmp_pa
         assert dflash == {"mask_token_id": 5, "target_layer_ids": drafter.target_layers}
 
 
+@pytest.mark.parametrize("name", ["dspark", "dspark_rnn", "mtp"])
+def test_dspark_and_mtp_fields_carry_the_conventions(name, trained_exportable, diverse_target, tmp_path):
+    drafter = trained_exportable(name)
+    folder = export_drafter(drafter, tmp_path / "s", "speculators")
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    layer = config["transformer_layer_config"]
+    assert config["speculators_model_type"] == name[:6].rstrip("_") and layer["model_type"] == "qwen3"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == drafter.block_size
+    if name == "mtp":
+        h = diverse_target.hidden_size
+        proj = drafter.mtp[0].proj.weight.detach()  # ours over [state; embedding], the format's the other way
+        assert torch.equal(tensors["mtp_layers.0.input_proj.weight"], torch.cat([proj[:, h:], proj[:, :h]], 1))
+        assert layer["num_hidden_layers"] == diverse_target.num_layers  # the verifier's: its last state is read
+        assert "lm_head.weight" not in tensors and "embed_tokens.weight" not in tensors  # the target's, shared
+        return
+    k, vocab = drafter.block_size, diverse_target.vocab_size
+    assert config["block_size"] == k and config["sample_from_anchor"] is True  # the anchor's slot predicts
+    assert config["markov_head_type"] == drafter.markov and config["markov_rank"] == 16
+    w1 = tensors["markov_head.markov_w1.weight"]  # (V, r): a row per target token
+    ours = drafter.sequential.embed.weight.detach()  # (Vd + 1, r): a row per draft token, one for the rest
+    inside = torch.zeros(vocab, dtype=torch.bool)
+    inside[drafter.vocab.ids] = True
+    assert torch.equal(w1[drafter.vocab.ids], ours[:-1]) and bool((w1[~inside] == ours[-1]).all())
+    # vLLM's DSpark embeds the masks with the table's row of mask_token_id: the learned vector is that row
+    embed = tensors["embed_tokens.weight"]
+    assert torch.equal(embed[5], drafter.mask_embedding[0].detach())
+    assert torch.equal(embed[:5], diverse_target.embed_tokens.weight[:5].detach())
+    temps = json.loads((folder / "dspark_calibration.json").read_text())["confidence_temperature"]
+    assert temps == pytest.approx([0.7, 1.3, 2.0])
+    assert ("markov_head.joint_proj.weight" in tensors) == (name == "dspark_rnn")
+    assert tensors["confidence_head.proj.weight"].shape == (1, diverse_target.hidden_size + 16)
+
+
 def test_what_a_format_cannot_express_is_refused_in_one_sentence(diverse_target, tmp_path):
-    dspark = DSparkDrafter(block_size=3, num_layers=1, markov_rank=8)
-    dspark.bind(diverse_target)
-    with pytest.raises(ValueError, match=r"A DSparkDrafter cannot be written in the speculators format \(this "
+    medusa = MedusaDrafter(block_size=3)
+    medusa.bind(diverse_target)
+    with pytest.raises(ValueError, match=r"A MedusaDrafter cannot be written in the speculators format \(this "
                                          r"package has no codec for it in any format yet; the exportable families "
-                                         r"are BlockDrafter, Eagle3Drafter\)\."):
+                                         r"are BlockDrafter, DSparkDrafter, Eagle3Drafter, MTPDrafter\)\."):
+        export_drafter(medusa, tmp_path / "x")
+    dspark = DSparkDrafter(block_size=3, num_layers=1, markov_rank=8, qk_norm=True, mask_token_id=1)
+    dspark.bind(diverse_target)
+    with pytest.raises(ValueError, match=r"A DSparkDrafter cannot be written in the sglang format \(formats that "
+                                         r"can: speculators;"):
+        export_drafter(dspark, tmp_path / "x", "sglang")
+    dspark = DSparkDrafter(block_size=3, num_layers=1, markov_rank=8, mask_token_id=1)
+    dspark.bind(diverse_target)
+    with pytest.raises(ValueError, match=r"This DSparkDrafter cannot be written as DSpark: train it with "
+                                         r"drafter\.qk_norm: true .*dspark_export\.yaml"):
         export_drafter(dspark, tmp_path / "x")
+    for options, field in (({"num_modules": 2}, "num_modules"), ({"qk_norm": False}, "qk_norm"),
+                           ({"normed_chain": False}, "normed_chain"), ({"draft_vocab_size": 48}, "draft_vocab_size")):
+        mtp = MTPDrafter(block_size=3, **{"qk_norm": True, "normed_chain": True, **options})
+        mtp.bind(diverse_target)
+        with pytest.raises(ValueError, match=rf"cannot be written as speculators MTP: train it with drafter\.{field}"):
+            export_drafter(mtp, tmp_path / field)
+        assert not (tmp_path / field).exists()
     for options, field in (({"context_shortcut": True, "qk_norm": True, "mask_token_id": 1}, "context_shortcut"),
                            ({"qk_norm": True}, "mask_token_id"), ({"mask_token_id": 1}, "qk_norm"),
                            ({"qk_norm": True, "mask_token_id": 1, "length_head": True}, "length_head")):
@@ -196,6 +261,90 @@ def test_a_speculators_drafter_fine_tunes_with_init_from(speculators_folder, dat
                     init_from=str(speculators_folder))
 
 
+def test_a_speculators_dspark_loads_as_ours_and_computes_as_the_library(tmp_path, tiny_target):
+    """The library's DSpark (rnn head, full vocabulary; it ships no mask vector: the target's embedding of the mask
+    token is the mask) imports as our DSparkDrafter whose heads compute the library's numbers."""
+    folder = build_folder("dspark", tmp_path / "dspark")
+    drafter = load_drafter(folder, target=tiny_target)
+    assert isinstance(drafter, DSparkDrafter)
+    config = drafter.config_dict()
+    assert {k: config[k] for k in ("block_size", "target_layers", "markov", "markov_rank", "qk_norm", "mask_token_id",
+                                   "draft_vocab_size")} == {"block_size": 4, "target_layers": [0, 1], "markov": "rnn",
+                                                            "markov_rank": 8, "qk_norm": True, "mask_token_id": 5,
+                                                            "draft_vocab_size": None}
+    assert torch.equal(drafter.mask_embedding[0].detach(), tiny_target.embed_tokens.weight[5].detach())
+    ref = reference("dspark")
+    prev, hidden = torch.tensor(ref["prev"]), torch.tensor(ref["hidden"])  # (2, K), (2, K, H)
+    with torch.no_grad():
+        emb = drafter.sequential.embed(drafter.rows(prev))  # (2, K, r)
+        bias = drafter.sequential.out(drafter.sequential.unroll(emb, hidden))  # (2, K, V)
+        conf = drafter.conf_logit(hidden, emb)  # (2, K)
+    assert torch.allclose(bias[..., :16], torch.tensor(ref["bias_first16"]), atol=1e-5)
+    assert bias.argmax(-1).tolist() == ref["bias_argmax"]
+    assert torch.allclose(conf, torch.tensor(ref["confidence_logits"]), atol=1e-5)
+    prompt = [1, 5, 9, 14, 200, 7]
+    assert generate(tiny_target, prompt, 12, drafter=drafter).tokens == generate(tiny_target, prompt, 12).tokens
+    # a fine-tune starts from it (the EDR protocol), the mask vector again the target's embedding of token 5
+    module = DraftModule(DSparkDrafter(**config), Objective(KL()), target="tiny-random", init_from=str(folder))
+    assert torch.equal(module.drafter.sequential.rnn.weight, drafter.sequential.rnn.weight)
+    assert torch.equal(module.drafter.mask_embedding, drafter.mask_embedding)
+
+
+def test_a_speculators_mtp_loads_as_ours_and_computes_as_the_library(tmp_path, tiny_target):
+    """The library's MTP imports as our MTPDrafter; slot 1 gives the library's step-0 logits. Its inputs begin with
+    the zero state (tests/data/make_speculators_dspark_mtp.py): the library's entry t reads (h_t, x_{t+1}), ours at
+    position p reads (h_{p-1}, x_p) with h_{-1} = 0, so the shifted sequence makes the two the same entries."""
+    drafter = load_drafter(build_folder("mtp", tmp_path / "mtp"), target=tiny_target)
+    assert isinstance(drafter, MTPDrafter)
+    assert drafter.config_dict() == {"block_size": 3, "num_modules": 1, "num_anchors": 64, "draft_vocab_size": None,
+                                     "intermediate_size": 128, "qk_norm": True, "normed_chain": True}
+    ref = reference("mtp")
+    ids, hidden = torch.tensor(ref["input_ids"])[1:], torch.tensor(ref["hidden"])[1:]  # ours: x_p, h_p
+    t = len(ref["logits_argmax"])
+    anchors = Anchors(torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool))  # n = t: slot 1 reads h_{n-1}, x_n
+    with torch.no_grad():
+        out = drafter({"input_ids": ids[None], "loss_mask": torch.ones(1, ids.numel())}, hidden[None], anchors)
+        logits = out.logits[0, :, 0]  # (T, V): slot 1 of each anchor
+    assert torch.allclose(logits[:, :16], torch.tensor(ref["logits_first16"]), atol=1e-4)
+    assert torch.allclose(logits.logsumexp(-1), torch.tensor(ref["logsumexp"]), atol=1e-4)
+    assert logits.argmax(-1).tolist() == ref["logits_argmax"]
+    prompt = [1, 5, 9, 14, 200, 7]
+    assert generate(tiny_target, prompt, 12, drafter=drafter).tokens == generate(tiny_target, prompt, 12).tokens
+
+
+SERVE_PYTHON = Path(__file__).resolve().parents[1] / ".venv-serve" / "bin" / "python"
+
+
+def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
+    """Every family we write in the speculators format loads with the library's own classes: no weight missing or
+    unexpected, every shipped tensor held as written. Runs where the serving venv exists (`make serve-setup`)."""
+    import subprocess
+
+    if not SERVE_PYTHON.is_file():
+        pytest.skip("the serving venv (.venv-serve, `make serve-setup`) that has the speculators library is absent")
+    folders = {}
+    for name, (make, _) in EXPORTABLE.items():
+        torch.manual_seed(0)
+        drafter = make(3)
+        drafter.bind(tiny_target)
+        if not drafter.vocab.full:
+            drafter.vocab.set_from_counts(torch.rand(tiny_target.vocab_size))
+            drafter.on_vocab_chosen()
+        folders[name] = str(export_drafter(drafter, tmp_path / name, "speculators"))
+    run = subprocess.run([str(SERVE_PYTHON), str(Path(__file__).parent / "data" / "speculators_load.py"),
+                          *folders.values()], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    classes = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel",
+               "mtp": "MTPDraftModel"}
+    for name, folder in folders.items():
+        report = found[folder]
+        assert report["class"] == classes[name.split("_")[0]], (name, report)
+        assert not (report["missing"] or report["unexpected"] or report["mismatched"] or report["changed"]), (
+            name, report)
+        assert report["speculative_tokens"] == 3
+
+
 def test_reading_a_serving_folder_runs_no_code_from_it(exportable, diverse_target, tmp_path, monkeypatch):
     """speculators folders carry config.py and auto_map (remote code); a sidecar could name any class."""
     monkeypatch.chdir(tmp_path)
@@ -229,6 +378,13 @@ def test_export_command_writes_a_folder_from_a_fit_checkpoint(diverse_target, tm
     assert config["speculators_config"]["verifier"]["name_or_path"] == "/models/t"
     sidecar = json.loads((tmp_path / "out" / "lightning_spec.json").read_text())
     assert sidecar["parent"]["path"] == str(tmp_path / "a.ckpt") and sidecar["format"] == "speculators"
+    # a family vLLM does not serve from the format says so instead of printing a call that fails
+    mtp = MTPDrafter(block_size=2, qk_norm=True, normed_chain=True)
+    mtp.bind(diverse_target)
+    fit_checkpoint(mtp, tmp_path / "m.ckpt", "random")
+    main(["export", "--ckpt", str(tmp_path / "m.ckpt"), "--out", str(tmp_path / "mtp")])
+    out = capsys.readouterr().out
+    assert "wrote MTPDrafter (K=2)" in out and "vLLM 0.32 has no loader for the speculators MTP format" in out
 
 
 def test_a_tied_target_full_vocabulary_head_exports(tmp_path):

@@ -41,10 +41,14 @@ FAMILIES = {
     "dfly": lambda k: DFlyDrafter(block_size=k, num_layers=1, num_anchors=64, hidden_correction=True),
     "dspark": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16),
     "dspark_rnn": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov="rnn", markov_rank=16),
+    # DSpark and MTP as the speculators format holds them (what `lightning-spec export` writes)
+    "dspark_served": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16, qk_norm=True,
+                                             mask_token_id=1),
     "domino": lambda k: DominoDrafter(block_size=k, num_layers=1, num_anchors=64, gru_size=16, correction_rank=32),
     "eagle3": lambda k: Eagle3Drafter(block_size=k, num_anchors=64),
     "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
     "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
+    "mtp_served": lambda k: MTPDrafter(block_size=k, num_anchors=64, qk_norm=True, normed_chain=True),
     "d2sd": lambda k: VPDrafter(block_size=k, num_layers=1, num_anchors=64),
     "specblock": lambda k: SpecBlockDrafter(block_size=2 * k, blocks=2, num_layers=2, num_anchors=64, rank_width=32),
 }

@@ -34,7 +34,7 @@ GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 BEST_FIRST = ["dflash", "medusa"]  # per-slot distributions: best-first trees, scored offline exactly
 DYNAMIC = ["eagle3", "mtp"]  # autoregressive: EAGLE-2's dynamic trees, replayed offline under greedy
 OWN_TREES = ["d2sd", "specblock"]  # a tree builder of the family's own (tests/test_drafter_<family>.py), replayed
-VARIANTS = ["dflash_served"]  # a family above with other options: its trees are that family's, tested there
+VARIANTS = ["dflash_served", "dspark_served", "mtp_served"]  # a family above with other options: tested there
 CHAIN_ONLY = sorted(set(FAMILIES) - set(BEST_FIRST) - set(DYNAMIC) - set(OWN_TREES) - set(VARIANTS))
 
 

@@ -302,6 +302,11 @@ class BlockDrafter(Drafter):
         self.vocab = DraftVocab(draft_vocab_size)
         self.built = False
 
+    @property
+    def mask_slots(self) -> int:
+        """Mask positions after the anchor in a block: K here (every slot is a mask; DSpark's anchor predicts)."""
+        return self.block_size
+
     # ------------------------------------------------------------------------------------------- building
     def bind(self, target: Any) -> None:
         super().bind(target)
@@ -377,10 +382,10 @@ class BlockDrafter(Drafter):
         return [ctx] * len(self.layers), ctx
 
     def embed_block(self, anchor_tokens: Tensor) -> Tensor:
-        """(...,) anchor ids -> (..., K + 1, H): the anchor's frozen embedding, then K learned mask vectors (K copies
-        of the one shared vector with ``mask_token_id``)."""
+        """(...,) anchor ids -> (..., 1 + M, H): the anchor's frozen embedding, then the M = ``mask_slots`` (K) learned
+        mask vectors (M copies of the one shared vector with ``mask_token_id``)."""
         emb = self.target.embed_tokens(anchor_tokens).to(self.mask_embedding.dtype)  # (..., H)
-        rows = -1 if self.mask_token_id is None else self.block_size  # the per-slot vectors, or K copies of one
+        rows = -1 if self.mask_token_id is None else self.mask_slots  # the per-slot vectors, or copies of one
         masks = self.mask_embedding.expand(*anchor_tokens.shape, rows, -1)  # (..., K, H)
         return torch.cat([emb[..., None, :], masks], dim=-2)
 

@@ -149,6 +149,9 @@ class DSparkDrafter(BlockDrafter):
         prefix_scheduler: cut each block where verifying more does not pay (Alg. 1); False submits all K slots.
         verify_cost: cost(T), the relative cost of verifying T = 1, 2, ... tokens in one target forward (only
             ratios matter), at least K + 1 values; None = ``cpu_verify_cost`` (SmolLM2-135M on one CPU thread).
+        qk_norm, mask_token_id: ``BlockDrafter``'s Qwen3 query/key norms and one shared mask vector (from that
+            token's embedding), as the DSpark layers vLLM serves; the speculators export needs both
+            (experiments/drafters/dspark_export.yaml).
     """
 
     def __init__(
@@ -165,11 +168,13 @@ class DSparkDrafter(BlockDrafter):
         markov_rank: int = 256,
         prefix_scheduler: bool = True,
         verify_cost: list[float] | None = None,
+        qk_norm: bool = False,
+        mask_token_id: int | None = None,
     ) -> None:
         super().__init__(
             block_size=block_size, num_layers=num_layers, target_layers=target_layers, num_anchors=num_anchors,
             draft_vocab_size=draft_vocab_size, intermediate_size=intermediate_size, context_shortcut=context_shortcut,
-            init_from_target=init_from_target,
+            init_from_target=init_from_target, qk_norm=qk_norm, mask_token_id=mask_token_id,
         )
         if markov not in MARKOV_KINDS:
             raise ValueError(f"drafter.markov must be one of {MARKOV_KINDS}, got {markov!r}.")
@@ -189,6 +194,10 @@ class DSparkDrafter(BlockDrafter):
         # Sequential Temperature Scaling (``calibrate``): c_k = σ(z_k / T_k); 1 until calibrated
         self.register_buffer("confidence_temperature", torch.ones(block_size))  # (K,)
 
+    @property
+    def mask_slots(self) -> int:
+        return self.block_size - 1  # the anchor slot is a prediction: [anchor, MASK x (K - 1)]
+
     # ------------------------------------------------------------------------------------------- building
     def bind(self, target: Any) -> None:
         fresh = not self.built
@@ -196,8 +205,9 @@ class DSparkDrafter(BlockDrafter):
         if not fresh:
             return
         hidden, vd = target.hidden_size, self.vocab.ids.numel()
-        # the anchor slot is a prediction: K - 1 mask vectors (BlockDrafter built K, all equal at init)
-        self.mask_embedding = nn.Parameter(self.mask_embedding.detach()[: self.block_size - 1].clone())
+        # the anchor slot is a prediction: K - 1 mask vectors (BlockDrafter built K, all equal at init; one shared
+        # vector with mask_token_id stays one)
+        self.mask_embedding = nn.Parameter(self.mask_embedding.detach()[: self.mask_slots].clone())
         self.sequential = MarkovHead(self.markov, self.markov_rank, vd + 1, hidden, vd)
         self.confidence = nn.Linear(hidden + self.markov_rank, 1)  # w (and a bias) of Eq. 7
         with torch.no_grad():  # N(0, 0.02) as the backbone (and DeepSpec's HF initialiser); B_k ≈ 0, c ≈ 0.5

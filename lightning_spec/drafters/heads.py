@@ -37,6 +37,10 @@ head reads, which is Medusa's h_t exactly; MTP normalises its input with its own
   TensorRT-LLM's "MTP Eagle"). Their context is the same committed module-D cache plus module D's entries of the
   round from slot D on: module D drafts on autoregressively over its own stream, one entry a step, as an engine's
   MTP cache does during a round. With D = 1 this is EAGLE's chain (``eagle3.py``) with DeepSeek-V3's projection.
+- What a depth passes on: DeepSeek-V3 (as vLLM runs it) hands the next depth the module's output before the
+  module's own final RMSNorm; the Qwen3-Next MTP layers and speculators' MTP hand on the normed output, the state
+  the head reads (``normed_chain``). The next depth normalises its input with its own RMSNorm either way, but
+  RMSNorm(w ⊙ RMSNorm(h)) is not RMSNorm(h), so the two are different drafters.
 - Committed entries always come from the streams (the target's states, the committed tokens), never from the
   chain: ``extend`` runs the streams over the committed nodes and drops the drafts' entries (as ``eagle3.py``).
   Training runs each module's stream once per sequence, then each slot of all anchors in one batched call,
@@ -215,12 +219,12 @@ class MTPModule(nn.Module):
     """One DeepSeek-V3 MTP module: u = M_k [RMSNorm(s); RMSNorm(e)] (Eq. 21), a Llama-style decoder block whose
     causal attention runs over the module's own entries (Eq. 22), and its own RMSNorm before the shared head."""
 
-    def __init__(self, shape: TargetShape) -> None:
+    def __init__(self, shape: TargetShape, qk_norm: bool = False) -> None:
         super().__init__()
         self.hnorm = RMSNorm(shape.hidden, shape.eps)
         self.enorm = RMSNorm(shape.hidden, shape.eps)
         self.proj = nn.Linear(2 * shape.hidden, shape.hidden, bias=False)  # M_k
-        self.block = DraftLayer(shape)  # TRM_k
+        self.block = DraftLayer(shape, qk_norm)  # TRM_k
         self.out_norm = RMSNorm(shape.hidden, shape.eps)
 
     def entry(self, below: Tensor, emb: Tensor) -> Tensor:
@@ -276,6 +280,12 @@ class MTPDrafter(LastHiddenDrafter):
         draft_vocab_size: restrict the LM head to the most frequent target tokens of the training data (None = the
             full target vocabulary).
         intermediate_size: MLP width of each module's block; default the target's.
+        qk_norm: Qwen3's per-head RMSNorm on queries and keys in each module's block (the Qwen3 MTP layers of
+            Qwen3-Next / Qwen3.5 and of the speculators library).
+        normed_chain: the next depth (and the next slot) reads a module's output after its own final RMSNorm,
+            the state its head reads, as the Qwen3-Next MTP layers and speculators' MTP do; False (DeepSeek-V3 as
+            vLLM runs it) passes the state before that norm on. The speculators export needs qk_norm, normed_chain,
+            one module and the full vocabulary (experiments/drafters/mtp_export.yaml).
     """
 
     def __init__(
@@ -285,6 +295,8 @@ class MTPDrafter(LastHiddenDrafter):
         num_anchors: int = 64,
         draft_vocab_size: int | None = None,
         intermediate_size: int | None = None,
+        qk_norm: bool = False,
+        normed_chain: bool = False,
     ) -> None:
         super().__init__(block_size, num_anchors, draft_vocab_size)
         if not 1 <= num_modules <= block_size:
@@ -294,11 +306,13 @@ class MTPDrafter(LastHiddenDrafter):
             )
         self.num_modules = num_modules
         self.intermediate_size = intermediate_size
+        self.qk_norm = qk_norm
+        self.normed_chain = normed_chain
 
     def build(self, target: Any) -> None:
         shape = TargetShape.of(target, self.intermediate_size)
         self.rope_theta = shape.rope_theta
-        self.mtp = nn.ModuleList(MTPModule(shape) for _ in range(self.num_modules))
+        self.mtp = nn.ModuleList(MTPModule(shape, self.qk_norm) for _ in range(self.num_modules))
         init_weights(self.mtp, 1, target, [module.out_norm for module in self.mtp])  # each module is 1 block deep
 
     # ----------------------------------------------------------------------------------- committed streams
@@ -326,7 +340,7 @@ class MTPDrafter(LastHiddenDrafter):
             cache.append((k, v))
             if m + 1 < self.num_modules:  # the next module reads this depth's states (the last depth's are unread)
                 q = module.block.query(x, pos, self.rope_theta)  # (B, heads, T, D)
-                states.append(module.block.finish(u, causal_attention(q, k, v)))  # (B, T, H)
+                states.append(self.passed_on(module, module.block.finish(u, causal_attention(q, k, v))))  # (B, T, H)
         return cache, states
 
     # ------------------------------------------------------------------------------------------- one slot
@@ -364,8 +378,12 @@ class MTPDrafter(LastHiddenDrafter):
         chain.entries[m] = (own_k, own_v)  # (N, kv_heads, A, J, D)
         ctx_k, ctx_v, seen = chain.context[m]
         h = b.finish(u, chain_attention(q, ctx_k, ctx_v, seen, own_k, own_v))  # (N, A, H) h'_t
-        chain.hidden, chain.slot = h, chain.slot + 1
+        chain.hidden, chain.slot = self.passed_on(module, h), chain.slot + 1
         return module.out_norm(h)
+
+    def passed_on(self, module: MTPModule, h: Tensor) -> Tensor:
+        """What the next depth or slot reads of a module's output h (..., H): h, or RMSNorm(h) with ``normed_chain``."""
+        return module.out_norm(h) if self.normed_chain else h
 
     # ------------------------------------------------------------------------------------------- training
     def forward(self, batch: dict[str, Tensor], features: Tensor, anchors: Anchors | None = None) -> DraftOutput:

@@ -3,11 +3,11 @@
     export_drafter(drafter, out, format="speculators")   # config.json + model.safetensors (+ mask_embedding.pt)
     read_serving_folder(folder)                          # -> (record, state dict) of our drafter class
 
-Formats (``FORMATS``): ``speculators`` (vLLM's speculators format, which vLLM serves directly: EAGLE-3 and DFlash)
-and ``sglang`` (SGLang's EAGLE-3 layout with ``midlayer.*`` names and ``hot_token_id``, and the DFlash release
-layout with ``dflash_config``). Each format module holds one codec per family it can express, keyed by our drafter
-class; a family without a codec is refused in one sentence naming the formats that have one, never written
-half-right. Every folder also gets ``lightning_spec.json`` (our class, init arguments, target and its weights
+Formats (``FORMATS``): ``speculators`` (vLLM's speculators format: EAGLE-3, DFlash and DSpark, which vLLM serves
+directly, and MTP) and ``sglang`` (SGLang's EAGLE-3 layout with ``midlayer.*`` names and ``hot_token_id``, and the
+DFlash release layout with ``dflash_config``). Each format module holds one codec per family it can express, keyed
+by our drafter class; a family without a codec is refused in one sentence naming the formats that have one, never
+written half-right. Every folder also gets ``lightning_spec.json`` (our class, init arguments, target and its weights
 fingerprint, lineage) so ``load_drafter`` rebuilds the drafter exactly; a folder another tool wrote (the
 speculators library, a release) has none, and its config.json is mapped instead.
 
@@ -75,8 +75,11 @@ def export_drafter(
 
     # cloned: a tied target's full-vocabulary head and its embedding are one tensor, which safetensors refuses twice
     save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    for name, obj in extra.items():  # e.g. DFlash's mask_embedding.pt
-        torch.save(obj, out / name)
+    for name, obj in extra.items():  # e.g. DFlash's mask_embedding.pt, DSpark's dspark_calibration.json
+        if name.endswith(".json"):
+            (out / name).write_text(json.dumps(obj, indent=2) + "\n")
+        else:
+            torch.save(obj, out / name)
     record = drafter_record(drafter, target_spec or target.name)
     record.update(format=fmt, parent=parent)
     (out / SIDECAR).write_text(json.dumps(record, indent=2) + "\n")
@@ -99,8 +102,8 @@ def read_serving_folder(folder: str | Path, what: str = "path") -> tuple[dict[st
             break
     if codec is None:
         raise ValueError(
-            f"{what} '{folder}' holds a config.json of no layout this package reads (speculators EAGLE-3 / DFlash, "
-            "SGLang EAGLE-3 / DFlash); pass a .ckpt, a save_drafter folder or an exported one."
+            f"{what} '{folder}' holds a config.json of no layout this package reads (speculators EAGLE-3 / DFlash / "
+            "DSpark / MTP, SGLang EAGLE-3 / DFlash); pass a .ckpt, a save_drafter folder or an exported one."
         )
     tensors = _read_safetensors(folder, what)
     sidecar = read_json(folder / SIDECAR, what) if (folder / SIDECAR).is_file() else None

@@ -15,7 +15,7 @@ def export(ckpt: str, out: str, format: str = "speculators", target_path: str | 
     Args:
         ckpt: a .ckpt written by `lightning-spec fit` (or an exported / save_drafter folder).
         out: the folder to write: config.json, model.safetensors, lightning_spec.json (+ mask_embedding.pt).
-        format: speculators (EAGLE-3, DFlash; vLLM serves it) or sglang (EAGLE-3, DFlash layouts).
+        format: speculators (EAGLE-3, DFlash, DSpark, which vLLM serves, and MTP) or sglang (EAGLE-3, DFlash).
         target_path: the verifier path written into the config (default: the target's local folder).
     """
     record, _ = read_drafter_state(ckpt, "export --ckpt")
@@ -23,10 +23,12 @@ def export(ckpt: str, out: str, format: str = "speculators", target_path: str | 
     parent = {"path": str(ckpt), "drafter_class": record["drafter_class"], "parent": record.get("parent")}
     folder = export_drafter(drafter, out, format, record["target"], target_path, parent)
     k = drafter.block_size
-    method = codec_for(drafter, format).algorithm  # vLLM's speculative method name
+    codec = codec_for(drafter, format)
     print(f"export: wrote {type(drafter).__name__} (K={k}) as {format} to {folder}")
-    if format == "speculators":
+    if format == "speculators" and codec.vllm is None:
+        print(f"serve: {codec.unserved}")
+    elif format == "speculators":
         verifier = target_path or resolve_target_folder(record["target"])
-        print(f'serve: vllm.LLM(model="{verifier}", speculative_config={{"method": "{method}", "model": '
-              f'"{folder}", "num_speculative_tokens": {k}}})')
+        print(f'serve: vllm.LLM(model="{verifier}", speculative_config={{"method": "{codec.vllm}", "model": '
+              f'"{folder}", "num_speculative_tokens": {k}}}){codec.unserved}')
     return folder

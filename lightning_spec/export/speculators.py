@@ -1,4 +1,5 @@
-"""The speculators format (vllm-project/speculators 0.9), which vLLM serves directly: EAGLE-3 and DFlash.
+"""The speculators format (vllm-project/speculators 0.9): EAGLE-3, DFlash, DSpark and MTP. vLLM serves the first
+three from it (DSpark only in its model runner V2); it has no loader for the format's MTP.
 
 A folder holds ``config.json`` (``speculators_model_type``, ``transformer_layer_config`` — the drafter's decoder
 layers as an HF config —, the family's fields and ``speculators_config`` {algorithm, proposal_methods, verifier})
@@ -15,6 +16,15 @@ and ``model.safetensors``. Conventions this module maps, each checked by serving
   bidirectional, and vLLM reads ``sliding_window_non_causal: false`` as "make every layer causal", so true is
   written (speculators applies it to sliding-window layers only, which these drafters have none of). The mask
   vector goes to ``mask_embedding.pt``, which vLLM substitutes for the embedding of ``mask_token_id``.
+* DSpark is DFlash's backbone whose anchor slot predicts (``sample_from_anchor: true``, ``block_size`` = our K).
+  vLLM's DSpark embeds the masks with the embedding table's row of ``mask_token_id`` and ignores
+  ``mask_embedding.pt``, so the learned mask vector is also written into that row of the shipped ``embed_tokens``
+  (which vLLM then keeps as the drafter's own). ``markov_w1`` has a row per target token; ours has one per draft
+  token and one shared by the rest, which the export repeats. The confidence head has no per-slot temperatures in
+  the format: the raw head is written and the STS temperatures go to ``dspark_calibration.json``.
+* MTP is one Qwen3 layer (``mtp_layers.0.*``) over the target's final-normed last hidden state, full vocabulary,
+  its input projection over [RMSNorm(embedding); RMSNorm(state)] (ours is [state; embedding]: the two column
+  halves swap), each step reading the previous step's normed output (``normed_chain``).
 """
 
 from __future__ import annotations
@@ -26,8 +36,10 @@ import torch
 
 from lightning_spec.drafters.base import Drafter
 from lightning_spec.drafters.block import BlockDrafter
+from lightning_spec.drafters.dspark import DSparkDrafter
 from lightning_spec.drafters.eagle3 import Eagle3Drafter
-from lightning_spec.export.common import layer_config, record, take, vocab_ids, vocab_tensors
+from lightning_spec.drafters.heads import MTPDrafter
+from lightning_spec.export.common import layer_config, read_json, record, take, vocab_ids, vocab_tensors
 
 VERSION = "0.9.0"  # the speculators release whose format this writes
 
@@ -61,6 +73,7 @@ class Eagle3Codec:
     """Eagle3Drafter <-> speculators ``eagle3`` (vLLM's ``Eagle3LlamaForCausalLM``): one layer, ``layers.0.*``."""
 
     algorithm = "eagle3"
+    vllm, unserved = "eagle3", ""  # vLLM's speculative method for the folder; what keeps it from serving one
     layer_prefix = "layers.0."  # SGLang's layout names the same layer ``midlayer.``
 
     def layer_names(self) -> dict[str, str]:
@@ -137,6 +150,9 @@ class DFlashCodec:
     """BlockDrafter <-> speculators ``dflash`` (vLLM's ``DFlashDraftModel``, Qwen3-style layers)."""
 
     algorithm = "dflash"
+    vllm, unserved = "dflash", ""
+    family = "DFlash"
+    recipe = "experiments/drafters/dflash_export.yaml"
 
     @staticmethod
     def layer_names(num_layers: int) -> dict[str, str]:
@@ -155,8 +171,8 @@ class DFlashCodec:
         bad = [f"drafter.{name}: {why}" for name, (ok, why) in wanted.items() if not ok]
         if bad:
             raise ValueError(
-                f"This BlockDrafter cannot be written as DFlash: train it with {'; '.join(bad)} "
-                "(experiments/drafters/dflash_export.yaml sets them)."
+                f"This {type(d).__name__} cannot be written as {self.family}: train it with {'; '.join(bad)} "
+                f"({self.recipe} sets them)."
             )
 
     def tensors(self, d: BlockDrafter) -> dict[str, torch.Tensor]:
@@ -184,15 +200,22 @@ class DFlashCodec:
         }
 
     def write(self, d: BlockDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
-        mask = {"mask_token_id": d.mask_token_id, "embedding": d.mask_embedding.detach()[0].float().cpu().clone()}
-        return self.config(d, verifier), self.tensors(d), {"mask_embedding.pt": mask}
+        return self.config(d, verifier), self.tensors(d), {"mask_embedding.pt": mask_file(d)}
 
     def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         what = f"{what} '{folder}'"
-        layer = config.get("transformer_layer_config") or {}
         if config.get("sample_from_anchor"):
             raise ValueError(f"{what} is a DFlash drafter that samples from the anchor; BlockDrafter drafts after it.")
+        ours, state, vocab_size = self.backbone(config, tensors, folder, what)
+        ours["block_size"] = int(config["block_size"]) - 1
+        rec = record(BlockDrafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
+        return from_target(rec, state), state
+
+    def backbone(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path,
+                 what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
+        """The DFlash backbone DSpark shares: (our init arguments but block_size, state, target vocabulary size)."""
+        layer = config.get("transformer_layer_config") or {}
         aux, mask_id = config.get("aux_hidden_state_layer_ids"), config.get("mask_token_id")
         if not aux or mask_id is None:
             raise ValueError(f"{what} lacks aux_hidden_state_layer_ids or mask_token_id, which DFlash needs.")
@@ -200,7 +223,6 @@ class DFlashCodec:
         vocab_size = int(layer.get("vocab_size") or tensors["t2d"].numel())
         draft_size = int(config.get("draft_vocab_size") or vocab_size)
         ours = {
-            "block_size": int(config["block_size"]) - 1,
             "num_layers": num_layers,
             "target_layers": [int(i) - 1 for i in aux],
             "draft_vocab_size": draft_size if draft_size < vocab_size else None,
@@ -211,8 +233,187 @@ class DFlashCodec:
         state = take(tensors, {"fc.weight": "fc.weight", "ctx_norm.weight": "hidden_norm.weight",
                                "norm.weight": "norm.weight", **self.layer_names(num_layers)}, what)
         state.update({"vocab.ids": vocab_ids(tensors, vocab_size, draft_size, what), "vocab.ready": torch.tensor(True)})
-        state["mask_embedding"] = mask_vector(folder, int(mask_id), tensors, what)[None]  # (1, H)
-        return record(BlockDrafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config)), state
+        mask = mask_vector(folder, int(mask_id), tensors, what)
+        if mask is not None:
+            state["mask_embedding"] = mask[None]  # (1, H)
+        return ours, state, vocab_size
+
+
+# ------------------------------------------------------------------------------------------------ DSpark
+class DSparkCodec(DFlashCodec):
+    """DSparkDrafter <-> speculators ``dspark`` (vLLM's ``Qwen3DSparkModel``): DFlash's backbone and names, plus
+    ``markov_head.*`` and ``confidence_head.proj``."""
+
+    algorithm = "dspark"
+    vllm = "dspark"
+    unserved = "  # vLLM 0.32 runs DSpark in its model runner V2 only: a GPU, or a CPU with Triton's CPU backend"
+    family = "DSpark"
+    recipe = "experiments/drafters/dspark_export.yaml"
+    calibration = "dspark_calibration.json"  # the STS temperatures, which the format has no field for
+
+    def tensors(self, d: DSparkDrafter) -> dict[str, torch.Tensor]:
+        out = super().tensors(d)
+        seq = d.sequential
+        # W1 has a row per target token: each token's draft row, or the shared row of the tokens outside (V, r)
+        every = torch.arange(d.target.vocab_size, device=seq.embed.weight.device)
+        out["markov_head.markov_w1.weight"] = seq.embed.weight.detach()[d.rows(every)]
+        out["markov_head.markov_w2.weight"] = seq.out.weight.detach()
+        if seq.rnn is not None:  # [gate; candidate; output] over [state; W1[x]; h], speculators' joint_proj
+            out["markov_head.joint_proj.weight"] = seq.rnn.weight.detach()
+            out["markov_head.joint_proj.bias"] = seq.rnn.bias.detach()
+        out["confidence_head.proj.weight"] = d.confidence.weight.detach()  # over [h; W1[x]]
+        out["confidence_head.proj.bias"] = d.confidence.bias.detach()
+        # vLLM's DSpark embeds the masks with the table's row of mask_token_id: that row is the learned vector
+        embed = out["embed_tokens.weight"].detach().clone()
+        embed[d.mask_token_id] = d.mask_embedding.detach()[0]
+        out["embed_tokens.weight"] = embed
+        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+
+    def config(self, d: DSparkDrafter, verifier: str) -> dict[str, Any]:
+        config = super().config(d, verifier)
+        config.update({
+            "architectures": ["DSparkDraftModel"],
+            "speculators_model_type": "dspark",
+            "block_size": d.block_size,  # the anchor's slot is the first of the K predictions
+            "sample_from_anchor": True,
+            "markov_rank": d.markov_rank,
+            "markov_head_type": d.markov,
+            "enable_confidence_head": True,
+            "confidence_head_with_markov": True,
+            "speculators_config": speculators_config("dspark", d.block_size, verifier, d.target),
+        })
+        return config
+
+    def write(self, d: DSparkDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
+        temps = {"confidence_temperature": d.confidence_temperature.detach().float().cpu().tolist()}
+        return self.config(d, verifier), self.tensors(d), {"mask_embedding.pt": mask_file(d), self.calibration: temps}
+
+    def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
+             what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        what = f"{what} '{folder}'"
+        if config.get("sample_from_anchor") is False:
+            raise ValueError(f"{what} is a DSpark drafter whose anchor does not predict (sample_from_anchor: false); "
+                             "DSparkDrafter's anchor slot is its first prediction.")
+        kind, rank = config.get("markov_head_type", "vanilla"), int(config.get("markov_rank", 256))
+        if kind not in ("vanilla", "rnn") or rank < 1:
+            raise ValueError(f"{what} has markov_head_type {kind!r} with markov_rank {rank}; DSparkDrafter has the "
+                             "vanilla and rnn heads with rank >= 1.")
+        ours, state, vocab_size = self.backbone(config, tensors, folder, what)
+        k = int(config["block_size"])
+        ours.update(block_size=k, markov=kind, markov_rank=rank)
+        ids = state["vocab.ids"]
+        w1 = take(tensors, {"w1": "markov_head.markov_w1.weight"}, what)["w1"]  # (V, r)
+        outside = torch.ones(vocab_size, dtype=torch.bool)
+        outside[ids] = False
+        shared = w1[outside]
+        if shared.shape[0] and not bool((shared == shared[:1]).all()):
+            raise ValueError(f"{what} has its own markov_w1 row for tokens outside its {ids.numel()}-token draft "
+                             "vocabulary; DSparkDrafter shares one row among them, so it cannot hold this drafter.")
+        rest = shared[:1] if shared.shape[0] else w1.new_zeros(1, rank)  # unused with the full vocabulary
+        state["sequential.embed.weight"] = torch.cat([w1[ids], rest])  # (Vd + 1, r)
+        names = {"sequential.out.weight": "markov_head.markov_w2.weight"}
+        if kind == "rnn":
+            names.update({"sequential.rnn.weight": "markov_head.joint_proj.weight",
+                          "sequential.rnn.bias": "markov_head.joint_proj.bias"})
+        state.update(take(tensors, names, what))
+        hidden = state["norm.weight"].numel()
+        if config.get("enable_confidence_head", True) and "confidence_head.proj.weight" in tensors:
+            w = tensors["confidence_head.proj.weight"].float().reshape(1, -1)
+            if not config.get("confidence_head_with_markov", True):  # [h] only: W1's columns weigh 0
+                w = torch.cat([w, w.new_zeros(1, rank)], 1)
+            bias = tensors.get("confidence_head.proj.bias", torch.zeros(1)).float().reshape(1)
+        else:  # no confidence head: nothing to schedule with, every round submits the whole block
+            w, bias = torch.zeros(1, hidden + rank), torch.zeros(1)
+            ours["prefix_scheduler"] = False
+        state.update({"confidence.weight": w, "confidence.bias": bias})
+        state["confidence_temperature"] = self.temperatures(folder, k, what)
+        rec = record(DSparkDrafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
+        return from_target(rec, state), state
+
+    def temperatures(self, folder: Path, k: int, what: str) -> torch.Tensor:
+        """(K,) the STS temperatures of ``dspark_calibration.json``, or ones (uncalibrated) without the file."""
+        path = folder / self.calibration
+        if not path.is_file():
+            return torch.ones(k)
+        temps = read_json(path, what).get("confidence_temperature")
+        if not isinstance(temps, list) or len(temps) != k or not all(
+                isinstance(t, (int, float)) and t > 0 for t in temps):
+            raise ValueError(f"{what}: {self.calibration} must hold confidence_temperature, {k} numbers > 0.")
+        return torch.tensor(temps, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ MTP
+class MTPCodec:
+    """MTPDrafter <-> speculators ``mtp``: one Qwen3 MTP layer, ``mtp_layers.0.*``; the embedding and the head are
+    the target's (the format ships neither)."""
+
+    algorithm = "mtp"
+    vllm = None
+    unserved = ("vLLM 0.32 has no loader for the speculators MTP format (it serves MTP layers shipped inside a "
+                "target checkpoint); the speculators library reads it (SpeculatorModel.from_pretrained).")
+    prefix = "mtp_layers.0."
+
+    def layer_names(self) -> dict[str, str]:
+        p = self.prefix
+        block = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm", **ATTN, **MLP,
+                 "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+        names = {f"mtp.0.block.{ours}.weight": f"{p}{theirs}.weight" for ours, theirs in block.items()}
+        names.update({"mtp.0.hnorm.weight": f"{p}hidden_layernorm.weight", "mtp.0.enorm.weight": f"{p}token_layernorm."
+                      "weight", "mtp.0.out_norm.weight": f"{p}final_layernorm.weight"})
+        return names
+
+    def check(self, d: MTPDrafter) -> None:
+        wanted = {
+            "num_modules": (d.num_modules == 1, "1 (the format holds one MTP layer)"),
+            "qk_norm": (d.qk_norm, "true (its layer is a Qwen3 layer)"),
+            "normed_chain": (d.normed_chain, "true (each step reads the previous step's normed output)"),
+            "draft_vocab_size": (d.vocab.full, "null (its head is the target's whole vocabulary)"),
+        }
+        bad = [f"drafter.{name}: {why}" for name, (ok, why) in wanted.items() if not ok]
+        if bad:
+            raise ValueError(
+                f"This MTPDrafter cannot be written as speculators MTP: train it with {'; '.join(bad)} "
+                "(experiments/drafters/mtp_export.yaml sets them)."
+            )
+
+    def write(self, d: MTPDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
+        state = d.state_dict()
+        out = {theirs: state[ours] for ours, theirs in self.layer_names().items()}
+        h = d.target.hidden_size
+        proj = state["mtp.0.proj.weight"]  # (H, 2H) over [state; embedding]; the format's is over [embedding; state]
+        out[f"{self.prefix}input_proj.weight"] = torch.cat([proj[:, h:], proj[:, :h]], 1)
+        layer = layer_config(d, "qwen3", d.target.num_layers, d.mtp[0].block.gate_proj.out_features)
+        config = {
+            "architectures": ["MTPDraftModel"],
+            "speculators_model_type": "mtp",
+            "speculators_version": VERSION,
+            "transformer_layer_config": layer,  # the verifier's shape: its last layer's state is the input
+            "num_nextn_predict_layers": 1,
+            "speculators_config": speculators_config("mtp", d.block_size, verifier, d.target),
+        }
+        return config, {k: v.detach().float() for k, v in out.items()}, {}
+
+    def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
+             what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        what = f"{what} '{folder}'"
+        layer = config.get("transformer_layer_config") or {}
+        if int(config.get("num_nextn_predict_layers", 1)) != 1:
+            raise ValueError(f"{what} has {config['num_nextn_predict_layers']} MTP layers; the format (and this "
+                             "reader) holds one.")
+        vocab_size = int(layer.get("vocab_size") or 0)
+        state = take(tensors, self.layer_names(), what)
+        proj = take(tensors, {"p": f"{self.prefix}input_proj.weight"}, what)["p"]  # (H, 2H) over [embedding; state]
+        h = proj.shape[0]
+        state["mtp.0.proj.weight"] = torch.cat([proj[:, h:], proj[:, :h]], 1)
+        state.update({"vocab.ids": torch.arange(vocab_size), "vocab.ready": torch.tensor(True)})
+        ours = {
+            "block_size": proposal_tokens(config, 3),
+            "num_modules": 1,
+            "intermediate_size": int(layer.get("intermediate_size")) if layer.get("intermediate_size") else None,
+            "qk_norm": True,
+            "normed_chain": True,
+        }
+        return record(MTPDrafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config)), state
 
 
 def config_format(config: dict) -> str:
@@ -220,8 +421,21 @@ def config_format(config: dict) -> str:
     return "speculators" if "speculators_model_type" in config else "sglang"
 
 
-def mask_vector(folder: Path, mask_id: int, tensors: dict[str, torch.Tensor], what: str) -> torch.Tensor:
-    """DFlash's mask vector (H,): ``mask_embedding.pt`` when shipped, else the file's embedding of the mask token."""
+def mask_file(d: BlockDrafter) -> dict[str, Any]:
+    """``mask_embedding.pt``: the shared mask vector (H,) and its token, as vLLM's DFlash loader reads it."""
+    return {"mask_token_id": d.mask_token_id, "embedding": d.mask_embedding.detach()[0].float().cpu().clone()}
+
+
+def from_target(rec: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A folder without the mask vector (the speculators library ships neither the embedding nor
+    ``mask_embedding.pt``) uses the target's embedding of the mask token, which is what ``bind`` starts the vector
+    from: the record lists it as a weight the loader takes from the bound drafter."""
+    return {**rec, "from_target": [] if "mask_embedding" in state else ["mask_embedding"]}
+
+
+def mask_vector(folder: Path, mask_id: int, tensors: dict[str, torch.Tensor], what: str) -> torch.Tensor | None:
+    """DFlash's mask vector (H,): ``mask_embedding.pt`` when shipped, else the file's embedding of the mask token,
+    else None (the target's embedding of it, which the folder does not hold)."""
     path = folder / "mask_embedding.pt"
     if path.is_file():
         try:
@@ -237,16 +451,14 @@ def mask_vector(folder: Path, mask_id: int, tensors: dict[str, torch.Tensor], wh
         return obj.reshape(-1).float()
     if "embed_tokens.weight" in tensors:
         return tensors["embed_tokens.weight"][mask_id].float()
-    raise ValueError(
-        f"{what} has neither mask_embedding.pt nor embed_tokens.weight, so its mask vector is unknown; add the "
-        "target's embedding of mask_token_id as mask_embedding.pt."
-    )
+    return None
 
 
-CODECS: dict[type, Any] = {Eagle3Drafter: Eagle3Codec(), BlockDrafter: DFlashCodec()}
+CODECS: dict[type, Any] = {Eagle3Drafter: Eagle3Codec(), BlockDrafter: DFlashCodec(), DSparkDrafter: DSparkCodec(),
+                           MTPDrafter: MTPCodec()}
 
 
 def codec_of_config(config: dict) -> Any | None:
     """The codec for a config.json in this format, by its declared type (None: not this format's)."""
     kind = config.get("speculators_model_type")
-    return {"eagle3": CODECS[Eagle3Drafter], "dflash": CODECS[BlockDrafter]}.get(kind) if kind else None
+    return next((c for c in CODECS.values() if c.algorithm == kind), None) if kind else None

@@ -1,0 +1,50 @@
+"""Drafter folders in the layouts the speculators library (0.9.0) writes, rebuilt from tests/data without weights.
+
+``tests/data/speculators_<name>_tiny/`` keeps what the library wrote for the packaged ``tiny-random`` target: its
+config.json, and tensors.json (each tensor's name, shape and dtype, and the values of the integer and boolean ones:
+the vocabulary maps). ``draw`` fills the float tensors with seeded random values (the library's were random too);
+the generator scripts beside them draw the same values (same rule, same torch) to record, in reference.json, what
+the library's own modules compute with those weights. Imported by the tests and, in the serving venv, by the
+generators, so it needs nothing but torch and safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+DATA = Path(__file__).parent / "data"
+
+
+def draw(manifest: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """The tensors of a tensors.json manifest: recorded values as they are; float tensors drawn in manifest order
+    from one generator seeded 0 (vectors 0.5 + U(0, 1), near a norm's ones; matrices N(0, 0.2²))."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, entry in manifest.items():
+        dtype = getattr(torch, entry["dtype"])
+        if "values" in entry:
+            tensors[name] = torch.tensor(entry["values"], dtype=dtype).reshape(entry["shape"])
+        elif len(entry["shape"]) == 1:
+            tensors[name] = (0.5 + torch.rand(entry["shape"], generator=gen)).to(dtype)
+        else:
+            tensors[name] = (0.2 * torch.randn(entry["shape"], generator=gen)).to(dtype)
+    return tensors
+
+
+def build_folder(name: str, dest: Path) -> Path:
+    """``dest`` made the folder the library wrote for ``tests/data/speculators_<name>_tiny`` (weights drawn)."""
+    from safetensors.torch import save_file
+
+    layout = DATA / f"speculators_{name}_tiny"
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text((layout / "config.json").read_text())
+    save_file(draw(json.loads((layout / "tensors.json").read_text())), str(dest / "model.safetensors"))
+    return dest
+
+
+def reference(name: str) -> dict:
+    """What the library's modules computed with the drawn weights (tests/data/speculators_<name>_tiny)."""
+    return json.loads((DATA / f"speculators_{name}_tiny" / "reference.json").read_text())
