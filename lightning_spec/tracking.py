@@ -162,7 +162,9 @@ def prepare_loggers(logger_config: Any, resume_run: str | None, run_name: str | 
         init = entry.get("init_args")
         if init is None:
             continue
-        uri = _tracking_uri(init)
+        uri = absolute_sqlite_uri(_tracking_uri(init))
+        if init.get("tracking_uri"):  # MLflow caches a store per URI string: a relative one follows the first cwd
+            init["tracking_uri"] = uri
         with store_lock(uri, "trainer.logger.init_args.tracking_uri"):
             client = MlflowClient(tracking_uri=uri)
             if resume_run is not None and init.get("run_id") is None:
@@ -229,6 +231,9 @@ def ui_hint(uri: str, experiment_id: str | None = None, run_id: str | None = Non
     if uri.startswith(("http://", "https://")):
         page = f"/#/experiments/{experiment_id}/runs/{run_id}" if experiment_id and run_id else ""
         return mask_uri(uri.rstrip("/") + page)
+    database = sqlite_file(uri)
+    if database is not None and database.is_relative_to(Path.cwd().resolve()):  # as typed from this folder
+        uri = "sqlite:///" + str(database.relative_to(Path.cwd().resolve()))
     return "mlflow ui --backend-store-uri " + mask_uri(uri)
 
 

@@ -139,6 +139,23 @@ def test_fit_tiny_logs_an_mlflow_run(in_tmp, capsys):
     assert any(line.startswith("└") for line in out[:-3])  # the table's last border came before
 
 
+def test_fits_from_two_folders_in_one_process_log_to_their_own_stores(in_tmp, monkeypatch):
+    """MLflow caches one store per URI string for the life of the process: the default relative
+    ``sqlite:///mlflow.db`` must become this folder's file, or a second fit (a notebook, a test session) writes
+    into the first folder's database."""
+    from mlflow import MlflowClient
+
+    quick = ["--trainer.max_steps=1", "--trainer.val_check_interval=null", "--trainer.callbacks=[]",
+             "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false"]
+    for name in ("a", "b"):
+        (in_tmp / name).mkdir()
+        monkeypatch.chdir(in_tmp / name)
+        assert exit_code(["fit", "-c", str(TINY), *quick]) == 0
+        client = MlflowClient(tracking_uri=f"sqlite:///{in_tmp / name / 'mlflow.db'}")
+        experiment = client.get_experiment_by_name("lightning_spec")
+        assert experiment is not None and len(client.search_runs([experiment.experiment_id])) == 1, name
+
+
 # ----------------------------------------------------------------------------------------------- errors
 
 
