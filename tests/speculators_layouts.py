@@ -5,7 +5,7 @@ config.json, and tensors.json (each tensor's name, shape and dtype, and the valu
 the vocabulary maps). ``draw`` fills the float tensors with seeded random values (the library's were random too);
 the generator scripts beside them draw the same values (same rule, same torch) to record, in reference.json, what
 the library's own modules compute with those weights. Imported by the tests and, in the serving venv, by the
-generators, so it needs nothing but torch and safetensors.
+generators (``save_layout``), so it needs nothing but torch and safetensors.
 """
 
 from __future__ import annotations
@@ -32,6 +32,30 @@ def draw(manifest: dict[str, dict]) -> dict[str, torch.Tensor]:
         else:
             tensors[name] = (0.2 * torch.randn(entry["shape"], generator=gen)).to(dtype)
     return tensors
+
+
+def save_layout(model, out: Path) -> dict[str, dict]:
+    """What a generator keeps of a drafter the library saved to ``out`` (``model.save_pretrained``): config.json (its
+    config.py hook and auto_map dropped, the verifier path replaced by the packaged name, so it names no machine's
+    home folder) and tensors.json; the weights file is deleted. Returns the manifest."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(out)
+    (out / "config.py").unlink(missing_ok=True)
+    weights = out / "model.safetensors"
+    manifest = {}
+    for name, t in load_file(str(weights)).items():
+        entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        if not t.is_floating_point():
+            entry["values"] = t.tolist()
+        manifest[name] = entry
+    (out / "tensors.json").write_text(json.dumps(manifest) + "\n")
+    weights.unlink()
+    config = json.loads((out / "config.json").read_text())
+    config.pop("auto_map", None)
+    config["speculators_config"]["verifier"]["name_or_path"] = "tiny-random"
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return manifest
 
 
 def build_folder(name: str, dest: Path) -> Path:

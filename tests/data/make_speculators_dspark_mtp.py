@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from speculators import SpeculatorsConfig, VerifierConfig
 from speculators.models.dspark import DSparkDraftModel
 from speculators.models.dspark.model_definitions import ConfidenceHead, MarkovHead
@@ -32,29 +31,9 @@ from transformers import AutoConfig, Qwen3Config
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
-from speculators_layouts import draw  # noqa: E402 (tests/ is not a package)
+from speculators_layouts import draw, save_layout  # noqa: E402 (tests/ is not a package)
 
 RANK, BLOCK, STEPS = 8, 4, 3
-
-
-def save_layout(model, out: Path) -> dict[str, torch.Tensor]:
-    """The library's save, kept as config.json + tensors.json; returns the drawn weights for the layout."""
-    model.save_pretrained(out)
-    (out / "config.py").unlink(missing_ok=True)
-    weights = out / "model.safetensors"
-    manifest = {}
-    for name, t in load_file(str(weights)).items():
-        entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-        if not t.is_floating_point():
-            entry["values"] = t.tolist()
-        manifest[name] = entry
-    (out / "tensors.json").write_text(json.dumps(manifest) + "\n")
-    weights.unlink()
-    cfg = json.loads((out / "config.json").read_text())
-    cfg.pop("auto_map", None)
-    cfg["speculators_config"]["verifier"]["name_or_path"] = "tiny-random"
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return draw(manifest)
 
 
 def sub(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -71,7 +50,7 @@ def dspark(target: str) -> None:
         draft_vocab_size=vocab, verifier_name_or_path=target, target_layer_ids=[1, 2], block_size=BLOCK,
         mask_token_id=5, markov_rank=RANK, markov_head_type="rnn",
     )
-    weights = save_layout(model, out)
+    weights = draw(save_layout(model, out))
     head = MarkovHead(verifier_vocab_size=vocab, draft_vocab_size=vocab, markov_rank=RANK,
                       hidden_size=config.hidden_size, head_type="rnn")
     head.load_state_dict(sub(weights, "markov_head."))
@@ -107,7 +86,7 @@ def mtp(target: str) -> None:
         ),
     )
     model = MTPDraftModel(config)
-    weights = save_layout(model, out)
+    weights = draw(save_layout(model, out))
     missing = model.load_state_dict(weights, strict=False).missing_keys
     assert set(missing) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"}, missing
     model.load_verifier_weights()  # the target's embedding and head

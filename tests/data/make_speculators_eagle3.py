@@ -13,14 +13,15 @@ Its config.py (speculators' remote-code hook) is deleted, and the verifier path 
 the file names no machine's home folder.
 """
 
-import json
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from speculators.models.eagle3 import Eagle3DraftModel
 from transformers import AutoConfig
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from speculators_layouts import save_layout  # noqa: E402 (tests/ is not a package)
 
 OUT = Path(__file__).parent / "speculators_eagle3_tiny"
 
@@ -38,21 +39,7 @@ def main(target: str) -> None:
         config, t2d=t2d, d2t=d2t, draft_vocab_size=draft, norm_before_residual=False,
         verifier_name_or_path=target, target_layer_ids=[1, 2], ttt_steps=3,
     )
-    model.save_pretrained(OUT)
-    (OUT / "config.py").unlink(missing_ok=True)
-    weights = OUT / "model.safetensors"
-    manifest = {}
-    for name, t in load_file(str(weights)).items():
-        entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-        if not t.is_floating_point():
-            entry["values"] = t.tolist()
-        manifest[name] = entry
-    (OUT / "tensors.json").write_text(json.dumps(manifest) + "\n")
-    weights.unlink()
-    cfg = json.loads((OUT / "config.json").read_text())
-    cfg.pop("auto_map", None)
-    cfg["speculators_config"]["verifier"]["name_or_path"] = "tiny-random"
-    (OUT / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_layout(model, OUT)
 
 
 if __name__ == "__main__":
