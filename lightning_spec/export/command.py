@@ -25,10 +25,10 @@ def export(ckpt: str, out: str, format: str = "speculators", target_path: str | 
     k = drafter.block_size
     codec = codec_for(drafter, format)
     print(f"export: wrote {type(drafter).__name__} (K={k}) as {format} to {folder}")
-    if format == "speculators" and codec.vllm is None:
-        print(f"serve: {codec.unserved}")
-    elif format == "speculators":
+    if format == "speculators" and codec.vllm:
         verifier = target_path or resolve_target_folder(record["target"])
         print(f'serve: vllm.LLM(model="{verifier}", speculative_config={{"method": "{codec.vllm}", "model": '
-              f'"{folder}", "num_speculative_tokens": {k}}}){codec.unserved}')
+              f'"{folder}", "num_speculative_tokens": {k}}})')
+    if format == "speculators" and codec.serving_note:
+        print(f"note: {codec.serving_note}")
     return folder

@@ -3,8 +3,8 @@ three from it (DSpark only in its model runner V2); it has no loader for the for
 
 A folder holds ``config.json`` (``speculators_model_type``, ``transformer_layer_config`` — the drafter's decoder
 layers as an HF config —, the family's fields and ``speculators_config`` {algorithm, proposal_methods, verifier})
-and ``model.safetensors``. Conventions this module maps, each checked by serving the export with vLLM
-(``make serve-check``):
+and ``model.safetensors``. Conventions this module maps, EAGLE-3's and DFlash's checked by serving the export with
+vLLM (``make serve-check``), DSpark's and MTP's against the speculators library's own modules (tests/test_export.py):
 
 * Feature layers. Ours are 0-indexed layer outputs (HF ``hidden_states[l + 1]``); speculators / vLLM number an aux
   hidden state by the layer it enters (vLLM records the residual stream *before* layer i), so id = ours + 1.
@@ -24,7 +24,8 @@ and ``model.safetensors``. Conventions this module maps, each checked by serving
   the format: the raw head is written and the STS temperatures go to ``dspark_calibration.json``.
 * MTP is one Qwen3 layer (``mtp_layers.0.*``) over the target's final-normed last hidden state, full vocabulary,
   its input projection over [RMSNorm(embedding); RMSNorm(state)] (ours is [state; embedding]: the two column
-  halves swap), each step reading the previous step's normed output (``normed_chain``).
+  halves swap), each step reading the previous step's normed output (``normed_chain``). Our stream also holds an
+  entry at position 0 from a zero state and x_0; the library's first entry pairs h_0 with x_1 (one entry fewer).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Eagle3Codec:
     """Eagle3Drafter <-> speculators ``eagle3`` (vLLM's ``Eagle3LlamaForCausalLM``): one layer, ``layers.0.*``."""
 
     algorithm = "eagle3"
-    vllm, unserved = "eagle3", ""  # vLLM's speculative method for the folder; what keeps it from serving one
+    vllm, serving_note = "eagle3", ""  # vLLM's speculative method for the folder (None: none), what to know
     layer_prefix = "layers.0."  # SGLang's layout names the same layer ``midlayer.``
 
     def layer_names(self) -> dict[str, str]:
@@ -150,7 +151,7 @@ class DFlashCodec:
     """BlockDrafter <-> speculators ``dflash`` (vLLM's ``DFlashDraftModel``, Qwen3-style layers)."""
 
     algorithm = "dflash"
-    vllm, unserved = "dflash", ""
+    vllm, serving_note = "dflash", ""
     family = "DFlash"
     recipe = "experiments/drafters/dflash_export.yaml"
 
@@ -246,7 +247,8 @@ class DSparkCodec(DFlashCodec):
 
     algorithm = "dspark"
     vllm = "dspark"
-    unserved = "  # vLLM 0.32 runs DSpark in its model runner V2 only: a GPU, or a CPU with Triton's CPU backend"
+    serving_note = ("vLLM 0.32 runs DSpark in its model runner V2 only (a GPU, or a CPU with Triton's CPU backend), "
+                    "and serves the vanilla Markov head only.")
     family = "DSpark"
     recipe = "experiments/drafters/dspark_export.yaml"
     calibration = "dspark_calibration.json"  # the STS temperatures, which the format has no field for
@@ -349,7 +351,7 @@ class MTPCodec:
 
     algorithm = "mtp"
     vllm = None
-    unserved = ("vLLM 0.32 has no loader for the speculators MTP format (it serves MTP layers shipped inside a "
+    serving_note = ("vLLM 0.32 has no loader for the speculators MTP format (it serves MTP layers shipped inside a "
                 "target checkpoint); the speculators library reads it (SpeculatorModel.from_pretrained).")
     prefix = "mtp_layers.0."
 
