@@ -317,7 +317,9 @@ SERVE_PYTHON = Path(__file__).resolve().parents[1] / ".venv-serve" / "bin" / "py
 
 def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
     """Every family we write in the speculators format loads with the library's own classes: no weight missing or
-    unexpected, every shipped tensor held as written. Runs where the serving venv exists (`make serve-setup`)."""
+    unexpected, every shipped tensor held as written but one: the library loads the verifier's embedding over a
+    shipped one, so DSpark's learned mask vector, written into the mask token's row for vLLM, is the target's
+    embedding there (the README says so). Runs where the serving venv exists (`make serve-setup`)."""
     import subprocess
 
     if not SERVE_PYTHON.is_file():
@@ -330,6 +332,9 @@ def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
         if not drafter.vocab.full:
             drafter.vocab.set_from_counts(torch.rand(tiny_target.vocab_size))
             drafter.on_vocab_chosen()
+        if isinstance(drafter, BlockDrafter):  # a learned mask vector, not its starting point (the token's embedding)
+            with torch.no_grad():
+                drafter.mask_embedding.add_(0.1)
         folders[name] = str(export_drafter(drafter, tmp_path / name, "speculators"))
     run = subprocess.run([str(SERVE_PYTHON), str(Path(__file__).parent / "data" / "speculators_load.py"),
                           *folders.values()], capture_output=True, text=True, timeout=600)
@@ -340,8 +345,8 @@ def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
     for name, folder in folders.items():
         report = found[folder]
         assert report["class"] == classes[name.split("_")[0]], (name, report)
-        assert not (report["missing"] or report["unexpected"] or report["mismatched"] or report["changed"]), (
-            name, report)
+        assert not (report["missing"] or report["unexpected"] or report["mismatched"]), (name, report)
+        assert report["changed"] == (["embed_tokens.weight"] if name.startswith("dspark") else []), (name, report)
         assert report["speculative_tokens"] == 3
 
 

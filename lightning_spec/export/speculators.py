@@ -21,7 +21,8 @@ vLLM (``make serve-check``), DSpark's and MTP's against the speculators library'
   ``mask_embedding.pt``, so the learned mask vector is also written into that row of the shipped ``embed_tokens``
   (which vLLM then keeps as the drafter's own). ``markov_w1`` has a row per target token; ours has one per draft
   token and one shared by the rest, which the export repeats. The confidence head has no per-slot temperatures in
-  the format: the raw head is written and the STS temperatures go to ``dspark_calibration.json``.
+  the format: the raw head is written and the STS temperatures go to ``dspark_calibration.json``. (The speculators
+  library itself loads the verifier's embedding over the shipped one: there the mask is the token's embedding.)
 * MTP is one Qwen3 layer (``mtp_layers.0.*``) over the target's final-normed last hidden state, full vocabulary,
   its input projection over [RMSNorm(embedding); RMSNorm(state)] (ours is [state; embedding]: the two column
   halves swap), each step reading the previous step's normed output (``normed_chain``). Our stream also holds an
