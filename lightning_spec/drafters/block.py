@@ -386,7 +386,7 @@ class BlockDrafter(Drafter):
         mask vectors (M copies of the one shared vector with ``mask_token_id``)."""
         emb = self.target.embed_tokens(anchor_tokens).to(self.mask_embedding.dtype)  # (..., H)
         rows = -1 if self.mask_token_id is None else self.mask_slots  # the per-slot vectors, or copies of one
-        masks = self.mask_embedding.expand(*anchor_tokens.shape, rows, -1)  # (..., K, H)
+        masks = self.mask_embedding.expand(*anchor_tokens.shape, rows, -1)  # (..., M, H)
         return torch.cat([emb[..., None, :], masks], dim=-2)
 
     # ------------------------------------------------------------------------------------------- training
