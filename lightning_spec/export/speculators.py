@@ -170,12 +170,7 @@ class DFlashCodec:
             "context_shortcut": (not d.context_shortcut, "false (DFlash has no shortcut)"),
             "length_head": (d.length is None, "false (serving engines submit the whole block)"),
         }
-        bad = [f"drafter.{name}: {why}" for name, (ok, why) in wanted.items() if not ok]
-        if bad:
-            raise ValueError(
-                f"This {type(d).__name__} cannot be written as {self.family}: train it with {'; '.join(bad)} "
-                f"({self.recipe} sets them)."
-            )
+        require_options(d, wanted, self.family, self.recipe)
 
     def tensors(self, d: BlockDrafter) -> dict[str, torch.Tensor]:
         state = d.state_dict()
@@ -361,8 +356,8 @@ class MTPCodec:
         block = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm", **ATTN, **MLP,
                  "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
         names = {f"mtp.0.block.{ours}.weight": f"{p}{theirs}.weight" for ours, theirs in block.items()}
-        names.update({"mtp.0.hnorm.weight": f"{p}hidden_layernorm.weight", "mtp.0.enorm.weight": f"{p}token_layernorm."
-                      "weight", "mtp.0.out_norm.weight": f"{p}final_layernorm.weight"})
+        norms = {"hnorm": "hidden_layernorm", "enorm": "token_layernorm", "out_norm": "final_layernorm"}
+        names.update({f"mtp.0.{ours}.weight": f"{p}{theirs}.weight" for ours, theirs in norms.items()})
         return names
 
     def check(self, d: MTPDrafter) -> None:
@@ -372,12 +367,7 @@ class MTPCodec:
             "normed_chain": (d.normed_chain, "true (each step reads the previous step's normed output)"),
             "draft_vocab_size": (d.vocab.full, "null (its head is the target's whole vocabulary)"),
         }
-        bad = [f"drafter.{name}: {why}" for name, (ok, why) in wanted.items() if not ok]
-        if bad:
-            raise ValueError(
-                f"This MTPDrafter cannot be written as speculators MTP: train it with {'; '.join(bad)} "
-                "(experiments/drafters/mtp_export.yaml sets them)."
-            )
+        require_options(d, wanted, "speculators MTP", "experiments/drafters/mtp_export.yaml")
 
     def write(self, d: MTPDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
         state = d.state_dict()
@@ -417,6 +407,17 @@ class MTPCodec:
             "normed_chain": True,
         }
         return record(MTPDrafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config)), state
+
+
+def require_options(d: Drafter, wanted: dict[str, tuple[bool, str]], family: str, recipe: str) -> None:
+    """Refuse, in one sentence, a drafter whose options the family's layout cannot hold: ``wanted`` maps an init
+    argument to (whether the drafter has what the layout needs, the value it needs and why)."""
+    bad = [f"drafter.{name}: {why}" for name, (ok, why) in wanted.items() if not ok]
+    if bad:
+        raise ValueError(
+            f"This {type(d).__name__} cannot be written as {family}: train it with {'; '.join(bad)} ({recipe} sets "
+            "them)."
+        )
 
 
 def config_format(config: dict) -> str:
