@@ -1,6 +1,7 @@
 """``lightning-spec fit|validate|test -c experiments/X.yaml`` (also installed as ``lightning``).
 
-Other subcommands (``rollouts``, ``evaluate``, …) are registered in ``EXTRA_COMMANDS`` below.
+Other subcommands (``rollouts``, ``evaluate``, …) are registered in ``EXTRA_COMMANDS`` below; ``features`` (the
+feature store of a fit, written ahead of it) takes ``fit``'s own options (``features/command.py``).
 
 A thin LightningCLI: the YAML schema is the typed ``__init__`` of ``DraftModule``, ``SpecDataModule`` and the
 parts they take. Defaults a user meets: MLflow tracking in ``sqlite:///mlflow.db`` of the working folder, the
@@ -150,7 +151,11 @@ def main(args: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     command = argv[0] if argv and not argv[0].startswith("-") else "fit"
     try:
-        if argv and argv[0] in EXTRA_COMMANDS:
+        if argv and argv[0] == "features":  # fit's own options (the same YAML), so parsed by a LightningCLI
+            from lightning_spec.features.command import main as features
+
+            features(argv[1:])
+        elif argv and argv[0] in EXTRA_COMMANDS:
             run_command(argv[0], argv[1:])
         else:
             run_cli(args, exit_on_error=False)

@@ -24,6 +24,7 @@ import math
 import os
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -35,11 +36,11 @@ from torch import Tensor
 from lightning_spec.assets import cache_dir
 from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record, init_weights
 from lightning_spec.drafters.base import Drafter, DraftOutput
-from lightning_spec.feature_cache import FeatureCache, cache_key
+from lightning_spec.features.store import FeatureStore, StoreSpec, check_holds, dtype_name
 from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.schedule import TrainingClock
-from lightning_spec.target import load_target
+from lightning_spec.target import Target, load_target, resolve_dtype
 from lightning_spec.tracking import checkpoint_record
 
 
@@ -90,9 +91,16 @@ class DraftModule(L.LightningModule):
         betas: AdamW betas.
         warmup_ratio: fraction of the optimizer steps with a linear warm-up.
         min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
-        feature_cache: ``memory`` keeps target features of training examples after their first use (fp16);
-            ``disk`` also writes them under ``$LIGHTNING_SPEC_CACHE/features`` for the next run; ``off``
-            recomputes the target forward every step.
+        feature_cache: ``disk`` writes the target's features of each training example to a feature store the first
+            time they are computed (``features/store.py``: sharded safetensors, read back lazily), so later epochs
+            and later runs with the same target, layers, data and dtype never run the target; ``memory`` keeps them
+            in RAM for this run only; ``off`` runs the target forward every step.
+        feature_store: the folder of the feature store (``lightning-spec features --out`` writes one ahead of
+            training); null: ``$LIGHTNING_SPEC_CACHE/features/<key>``, the key naming target, layers, data and dtype.
+        feature_dtype: the dtype the target computes training features in: ``target`` (``target_dtype``), ``auto``
+            (bf16 where the device multiplies it natively: the fast path on such CPUs, while decoding keeps
+            ``target_dtype``), or ``float32``/``bfloat16``/``float16``. A dtype other than the target's keeps a
+            second copy of the target's weights in that dtype.
         loss_chunk: compute the objective this many anchors at a time, each chunk's draft and target logits
             recomputed in the backward pass: memory grows with loss_chunk x K x Vd instead of anchors x K x Vd,
             for one more head forward per step (``benchmarks/objective_memory.py``). None: all anchors at once.
@@ -114,6 +122,8 @@ class DraftModule(L.LightningModule):
         warmup_ratio: float = 0.04,
         min_lr_ratio: float = 0.1,
         feature_cache: Literal["memory", "disk", "off"] = "memory",
+        feature_store: str | None = None,
+        feature_dtype: str = "target",
         loss_chunk: int | None = None,
         init_from: str | None = None,
     ) -> None:
@@ -127,6 +137,10 @@ class DraftModule(L.LightningModule):
             raise ValueError(f"model.loss_chunk is {loss_chunk}; it must be >= 1 anchors, or null for no chunks.")
         self.target = load_target(target, dtype=target_dtype) if isinstance(target, str) else load_target(target)
         self.target_spec = target if isinstance(target, str) else self.target.name
+        wanted = self.target.dtype if feature_dtype == "target" else resolve_dtype(feature_dtype, self.target.device)
+        # training features come from this target: the target itself, or a copy in the feature dtype (in a list:
+        # neither a submodule nor in checkpoints)
+        self._feature_target: list[Target] = [] if wanted == self.target.dtype else [self.target.converted(wanted)]
         drafter, objective = build(drafter), build(objective)  # dicts when reloaded from hparams
         self.drafter = drafter
         self.drafter.bind(self.target)
@@ -144,7 +158,7 @@ class DraftModule(L.LightningModule):
         )
         self.val_loss = RatioOfSums()
         self._den_accum = torch.zeros((), dtype=torch.float64)
-        self._features: FeatureCache | None = None
+        self._features: FeatureStore | None = None
         self._anchor_seed: int | None = None  # run seed of anchor_seeds; set in setup, restored from checkpoints
         self._target_work = [0.0, 0]  # seconds and examples of target forwards since the last optimizer step
         self._last_step_time: float | None = None
@@ -180,9 +194,42 @@ class DraftModule(L.LightningModule):
                 "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."
             )
         if stage == "fit" and self.hparams.feature_cache != "off" and hasattr(dm, "fingerprint") and not on_policy:
-            key = cache_key(self.target.fingerprint, self.drafter.target_layers, dm.fingerprint)
-            directory = cache_dir() / "features" if self.hparams.feature_cache == "disk" else None
-            self._features = FeatureCache(key, directory)
+            self._features = self.open_feature_store(dm.fingerprint, len(dm.train_dataset))
+
+    @property
+    def feature_target(self) -> Target:
+        """The target that computes training features: the target, or its copy in ``feature_dtype``."""
+        if not self._feature_target:
+            return self.target
+        copy = self._feature_target[0]
+        if copy.device != self.target.device:  # Lightning moved the module (and the target) after __init__
+            copy.to(self.target.device)
+        return copy
+
+    def store_spec(self, data_fingerprint: str, examples: int) -> StoreSpec:
+        """What this fit's feature store holds: its target, layers, data and feature dtype."""
+        return StoreSpec(
+            target=self.target_spec,
+            target_fingerprint=self.target.fingerprint,
+            layers=list(self.drafter.target_layers),
+            data_fingerprint=data_fingerprint,
+            dtype=dtype_name(self.feature_target.dtype),
+            hidden_size=self.target.hidden_size,
+            examples=examples,
+        )
+
+    def store_directory(self, spec: StoreSpec) -> Path:
+        """``model.feature_store``, else the store's folder in the cache, named by its key."""
+        return Path(self.hparams.feature_store or cache_dir() / "features" / spec.key).expanduser()
+
+    def open_feature_store(self, data_fingerprint: str, examples: int) -> FeatureStore:
+        """The feature store of this target, layers, data and feature dtype (``model.feature_cache``)."""
+        spec = self.store_spec(data_fingerprint, examples)
+        directory = self.store_directory(spec) if self.hparams.feature_cache == "disk" else None
+        rank = self.trainer.global_rank if self._trainer is not None else 0
+        store = FeatureStore.open(directory, spec, writer=f"rank{rank}")
+        check_holds(store.spec, self.objective.needs_target, type(self.objective).__name__, directory)
+        return store
 
     def configure_model(self) -> None:
         """Under FSDP, shard the drafter only: the frozen target stays whole on every device, as under DDP.
@@ -206,14 +253,14 @@ class DraftModule(L.LightningModule):
         layers = self.drafter.target_layers
         cache = self._features if use_cache else None
         if cache is None or "index" not in batch:
-            out = self.target(ids, layers=layers, logits=False)  # right padding: causal, no mask needed
+            out = self.feature_target(ids, layers=layers, logits=False)  # right padding: causal, no mask needed
             return out.features, out.last_hidden
         index = batch["index"].tolist()
         lengths = batch["attention_mask"].sum(1).tolist()
         missing = [i for i, x in enumerate(index) if x not in cache]
         if missing:
             start = time.perf_counter()
-            out = self.target(ids[missing], layers=layers, logits=False)
+            out = self.feature_target(ids[missing], layers=layers, logits=False)
             for j, i in enumerate(missing):
                 cache.put(index[i], out.features[j, : lengths[i]], out.last_hidden[j, : lengths[i]])
             self._target_work[0] += time.perf_counter() - start  # the training clock's projection (schedule.py)
@@ -224,7 +271,8 @@ class DraftModule(L.LightningModule):
         for i, x in enumerate(index):
             f, h = cache.get(x)
             feats[i, : f.shape[0]] = f.to(feats.device, feats.dtype)
-            last[i, : h.shape[0]] = h.to(last.device, last.dtype)
+            if h is not None:  # a store of layer features only (check_holds refused objectives that need more)
+                last[i, : h.shape[0]] = h.to(last.device, last.dtype)
         return feats, last
 
     def attach_target(self, draft: DraftOutput, last_hidden: Tensor) -> None:
@@ -382,9 +430,15 @@ class DraftModule(L.LightningModule):
         if quiet is not None:
             quiet.__exit__(None, None, None)
 
+    def on_train_epoch_start(self) -> None:
+        if self._features is not None:  # what the other DDP ranks (or processes) wrote since
+            self._features.refresh()
+
     def on_train_epoch_end(self) -> None:
         if self._features is not None:
-            self._features.save()
+            self._features.flush()
+            if self.trainer.world_size > 1:  # every rank's shards are on disk before any rank starts the next epoch
+                self.trainer.strategy.barrier("feature-store")
 
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -428,6 +482,8 @@ class DraftModule(L.LightningModule):
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._features is not None:  # a run killed after this checkpoint resumes with these features stored
+            self._features.flush()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
         checkpoint[CKPT_KEY] = {**drafter_record(self.drafter, self.target_spec), "parent": self._parent}
         checkpoint["anchor_seed"] = self._anchor_seed

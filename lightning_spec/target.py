@@ -10,6 +10,7 @@ transformers the entry of the *last* layer is already passed through the final n
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import hashlib
@@ -86,6 +87,18 @@ class Target(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def converted(self, dtype: torch.dtype) -> Target:
+        """A frozen copy of this target with its weights in ``dtype`` (its own weights: this one is unchanged), e.g.
+        bf16 training features beside an fp32 target that decodes exactly."""
+        if any(isinstance(m, PrepackedLinear) for m in self.base.modules()):
+            raise ValueError("a prepacked target cannot be converted to another dtype; load it without prepack=True.")
+        model = copy.deepcopy(self.model).to(dtype)
+        return Target(model, tokenizer=self.tokenizer, name=self.name)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -12,7 +12,7 @@ from lightning_spec import SamplingConfig, generate, load_drafter
 from lightning_spec.checkpoint import CKPT_KEY, save_drafter
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import BlockDrafter
-from lightning_spec.feature_cache import FeatureCache, cache_key
+from lightning_spec.features.store import FeatureStore, StoreSpec
 from lightning_spec.loaders import collate
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, ExpDecay, Objective
@@ -128,7 +128,7 @@ def test_batch8_equals_batch1_times_accumulate8(tiny_target):
 
 def test_cached_features_equal_fresh_ones(tiny_target, monkeypatch):
     module = DraftModule(BlockDrafter(block_size=3, num_layers=1), Objective(KL()), target=tiny_target)
-    module._features = FeatureCache("test-key")
+    module._features = FeatureStore(StoreSpec("tiny-random", "f", [0], "d", "float32", 64, 4))
     examples = sequences(4, seed=1)
     batch = collate(examples[:3], pad_id=0)
     lengths = batch["attention_mask"].sum(1).tolist()
@@ -157,17 +157,6 @@ def test_cached_features_equal_fresh_ones(tiny_target, monkeypatch):
     mixed = collate([examples[3], examples[0]], pad_id=0)
     module.target_features(mixed, use_cache=True)  # only the missing example is computed
     assert calls == [(1, mixed["input_ids"].shape[1])] and len(module._features) == 4
-
-
-def test_feature_cache_on_disk_round_trips(tmp_path):
-    cache = FeatureCache("abc", tmp_path)
-    f, h = torch.randn(5, 8), torch.randn(5, 4)
-    cache.put(7, f, h)
-    cache.save()
-    assert (tmp_path / "abc.pt").exists()
-    reloaded = FeatureCache("abc", tmp_path)
-    assert 7 in reloaded and torch.equal(reloaded.get(7)[0], f.half()) and torch.equal(reloaded.get(7)[1], h.half())
-    assert 7 not in FeatureCache("other", tmp_path)
 
 
 def write_jsonl(path, rows) -> str:
@@ -208,22 +197,21 @@ def datamodule(files, train="train", **kwargs) -> SpecDataModule:
     return dm
 
 
-def test_cache_key_changes_with_layers_target_and_data(data_files, make_random_llama):
+def test_store_key_changes_with_layers_target_data_and_dtype(data_files, make_random_llama):
     dm_a, dm_a2 = datamodule(data_files), datamodule(data_files)
     dm_b, dm_short = datamodule(data_files, train="train_b"), datamodule(data_files, max_length=60)
     assert dm_a.fingerprint == dm_a2.fingerprint  # deterministic
     assert len({dm_a.fingerprint, dm_b.fingerprint, dm_short.fingerprint}) == 3
     t0, t1 = make_random_llama(seed=0), make_random_llama(seed=1)
     assert t0.fingerprint == make_random_llama(seed=0).fingerprint and t0.fingerprint != t1.fingerprint
-    key = cache_key(t0.fingerprint, [0, 1], dm_a.fingerprint)
-    assert key == cache_key(t0.fingerprint, [0, 1], dm_a2.fingerprint)
-    others = [
-        cache_key(t0.fingerprint, [1], dm_a.fingerprint),
-        cache_key(t0.fingerprint, [1, 0], dm_a.fingerprint),
-        cache_key(t1.fingerprint, [0, 1], dm_a.fingerprint),
-        cache_key(t0.fingerprint, [0, 1], dm_b.fingerprint),
-        cache_key(t0.fingerprint, [0, 1], dm_short.fingerprint),
-    ]
+
+    def key(target, layers, dm, dtype="float32") -> str:
+        return StoreSpec("t", target.fingerprint, layers, dm.fingerprint, dtype, 32, 10).key
+
+    assert key(t0, [0, 1], dm_a) == key(t0, [0, 1], dm_a2)
+    others = [key(t0, [1], dm_a), key(t0, [1, 0], dm_a), key(t1, [0, 1], dm_a), key(t0, [0, 1], dm_b),
+              key(t0, [0, 1], dm_short), key(t0, [0, 1], dm_a, "bfloat16")]
+    key = key(t0, [0, 1], dm_a)
     assert key not in others and len(set(others)) == len(others)
 
 

@@ -1,0 +1,101 @@
+"""``lightning-spec features -c experiments/X.yaml``: write the feature store of a fit before the fit runs.
+
+The same YAML as ``fit`` says which target, layers, data and feature dtype; this command runs the target over every
+training example once, longest first in batches, and writes the store a fit with ``model.feature_cache: disk``
+reads (``--out`` here and ``model.feature_store`` there name another folder than the cache's). It prints the disk
+the store will take before it starts, refuses when the disk cannot hold it, and resumes: examples already stored
+are skipped, so a killed run continues where its last shard ended.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_spec.features.store import FeatureStore
+from lightning_spec.progress import progress_bar
+
+
+def human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
+@torch.no_grad()
+def write_store(module: Any, dm: Any, out: str | None = None, batch_size: int = 16, progress: bool = True,
+                echo: Any = print) -> FeatureStore:
+    """Run ``module``'s feature target over every training example of ``dm`` (set up) not yet stored, and write
+    them to the store of ``module.store_spec`` in ``out`` (default: the folder a fit would use)."""
+    if batch_size < 1:
+        raise ValueError(f"--batch_size={batch_size} must be at least 1.")
+    examples = dm.train_dataset
+    spec = module.store_spec(dm.fingerprint, len(examples))
+    directory = Path(out).expanduser() if out else module.store_directory(spec)
+    store = FeatureStore.open(directory, spec, field_name="--out" if out else "model.feature_store", writer="cli")
+    lengths = [len(examples[i]["input_ids"]) for i in range(len(examples))]
+    todo = sorted((i for i in range(len(examples)) if i not in store), key=lambda i: (-lengths[i], i))
+    tokens = sum(lengths[i] for i in todo)
+    need = tokens * spec.bytes_per_token()
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    echo(f"features: {len(todo)} of {len(examples)} examples to compute ({len(examples) - len(todo)} stored), "
+         f"{tokens:,} tokens; target '{spec.target}' in {spec.dtype}, layers {spec.layers}; {human(need)} to write "
+         f"to {directory} ({human(free)} free)")
+    if need > free:
+        raise ValueError(f"the feature store needs {human(need)} but {directory} has {human(free)} free; free space "
+                         "or point --out (model.feature_store) at a larger disk.")
+    target, layers, pad = module.feature_target, spec.layers, dm.pad_id
+    start, done_tokens = time.perf_counter(), 0
+    columns = {"rate": "- tokens/s"}
+    with progress_bar("features", len(todo), progress, columns) as bar:
+        for lo in range(0, len(todo), batch_size):
+            batch = todo[lo : lo + batch_size]
+            width = max(lengths[i] for i in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)  # (N, S) right-padded: causal, no mask
+            for row, i in enumerate(batch):
+                ids[row, : lengths[i]] = torch.as_tensor(examples[i]["input_ids"])
+            out_ = target(ids.to(target.device), layers=layers, logits=False)
+            for row, i in enumerate(batch):
+                store.put(i, out_.features[row, : lengths[i]], out_.last_hidden[row, : lengths[i]])
+            done_tokens += sum(lengths[i] for i in batch)
+            rate = done_tokens / max(time.perf_counter() - start, 1e-9)
+            bar.advance(len(batch), rate=f"{rate:,.0f} tokens/s")
+    store.flush()
+    seconds = time.perf_counter() - start
+    echo(f"features: {len(store)} of {len(examples)} examples stored in {directory} ({human(store.disk_bytes())}); "
+         f"{done_tokens:,} tokens in {seconds:.0f} s")
+    return store
+
+
+def main(argv: list[str]) -> None:
+    """Parse ``fit``'s options (``-c`` files, ``--model.*``, ``--data.*``) plus ``--out``/``--batch_size``, then
+    write the store."""
+    from lightning_spec.cli import SpecCLI
+    from lightning_spec.datamodule import SpecDataModule
+    from lightning_spec.module import DraftModule
+
+    class FeaturesCLI(SpecCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            super().add_arguments_to_parser(parser)
+            parser.add_argument("--out", type=str | None, default=None,
+                                help="the store's folder (default: the one fit uses: model.feature_store, else the "
+                                     "cache's)")
+            parser.add_argument("--batch_size", type=int, default=16, help="examples per target forward")
+            parser.add_argument("--progress", type=bool, default=True, help="show the progress bar")
+
+        def before_instantiate_classes(self) -> None:  # no MLflow run: nothing here trains
+            self.config["trainer"]["logger"] = False
+
+    cli = FeaturesCLI(DraftModule, SpecDataModule, run=False, args=argv,
+                      parser_kwargs={"exit_on_error": False, "prog": "lightning-spec features"})
+    cli.datamodule.setup("fit")
+    write_store(cli.model, cli.datamodule, cli.config["out"], cli.config["batch_size"], cli.config["progress"],
+                echo=lambda text: print(text, file=sys.stderr, flush=True))
