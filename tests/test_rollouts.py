@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_spec import SamplingConfig, generate
+from lightning_spec.data import engines as E
 from lightning_spec.data import prompt_ids
 from lightning_spec.data import rollout_writer as W
 from lightning_spec.data import rollouts as R
@@ -121,19 +122,19 @@ def test_a_killed_run_resumes_to_the_same_dataset(tiny_target, prompts, tmp_path
 
     # the rerun draws only what is missing, with another batch size, and ends where one run would have
     drawn = []
-    real_sample = W.sample_batch
+    real_sample = E.sample_batch
 
     def counting(target, batch_prompts, *args, **kwargs):
         drawn.append(len(batch_prompts))
         return real_sample(target, batch_prompts, *args, **kwargs)
 
-    monkeypatch.setattr(W, "sample_batch", counting)
+    monkeypatch.setattr(E, "sample_batch", counting)
     resumed = run(tiny_target, prompts, folder, batch_size=4).to_list()
     assert sum(drawn) == len(reference) - 6
     assert resumed == reference
     ds, meta = load_rollouts(folder)
     assert ds.to_list() == reference and len({(r["prompt_id"], r["sample"]) for r in reference}) == len(reference)
-    assert meta["format"] == 1 and meta["n_per_prompt"] == 2 and meta["target"] == "tiny-random"
+    assert meta["format"] == 2 and meta["n_per_prompt"] == 2 and meta["target"] == "tiny-random"
     assert meta["target_fingerprint"] == tiny_target.fingerprint and meta["seed"] == 0
     assert meta["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
     assert meta["eos_token_ids"] == tiny_target.eos_token_ids and meta["vocab_size"] == tiny_target.vocab_size
@@ -205,7 +206,7 @@ def test_datamodule_trains_on_rollouts_with_the_response_masked_in(sft_folder, p
         eval_prompts_per_domain=1,
     )
     dm.setup("fit")
-    examples = dm.train_dataset + dm.val_dataset
+    examples = [*dm.train_dataset, *dm.val_dataset]
     by_id = {f"{r['prompt_id']}#{r['sample']}": r for r in ds}
     assert sorted(e["id"] for e in examples) == sorted(k for k in by_id if not k.startswith("p1#"))  # held out
     assert len(by_id["p2#0"]["prompt_ids"]) + len(by_id["p2#0"]["response_ids"]) > 100  # one is truncated

@@ -20,23 +20,24 @@ from typing import Any
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
 
-def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The chat-templated text of ``messages``."""
+def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False, **template_kwargs: Any) -> str:
+    """The chat-templated text of ``messages``; ``template_kwargs`` reach the template (Qwen3's ``enable_thinking``)."""
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "the tokenizer")
         raise ValueError(
             f"{name} has no chat template; use an instruct/chat target (model.target) or set "
             "tokenizer.chat_template before building the data."
         )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+def prompt_ids(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
     """Token ids of the chat-templated prompt with the assistant header appended (``add_generation_prompt``).
 
     ``messages`` are the turns before the answer (the user turns, optionally a system message).
     """
-    text = render(tokenizer, messages, add_generation_prompt=True)
+    text = render(tokenizer, messages, add_generation_prompt=True, **template_kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -46,7 +47,7 @@ def _end_of_turn_tokens(tokenizer: Any) -> list[str]:
 
 
 def assistant_spans(
-    tokenizer: Any, messages: list[dict], text: str, max_chars: int | None = None
+    tokenizer: Any, messages: list[dict], text: str, max_chars: int | None = None, **template_kwargs: Any
 ) -> list[tuple[int, int]]:
     """Character spans ``[start, end)`` of the assistant turns inside ``text`` (the rendered conversation).
 
@@ -61,8 +62,8 @@ def assistant_spans(
             continue
         span = None
         try:
-            prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
-            turn = render(tokenizer, messages[: i + 1])
+            prompt = render(tokenizer, messages[:i], add_generation_prompt=True, **template_kwargs)
+            turn = render(tokenizer, messages[: i + 1], **template_kwargs)
         except Exception:  # templates that reject a prefix (e.g. strict role alternation): search instead
             prompt = turn = None
         if prompt is not None and turn.startswith(prompt) and text.startswith(turn):
@@ -130,12 +131,15 @@ def _encode_head(tokenizer: Any, text: str, max_length: int) -> Any:
         cut *= 2
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int) -> dict[str, list[int]]:
-    """Token ids of the templated conversation and its assistant loss mask, truncated to ``max_length`` tokens.
+def tokenize_conversation(
+    tokenizer: Any, messages: list[dict], max_length: int, **template_kwargs: Any
+) -> dict[str, list[int]]:
+    """Token ids of the templated conversation and its assistant loss mask (every assistant turn), truncated to
+    ``max_length`` tokens; ``template_kwargs`` reach the chat template.
 
     Returns ``{"input_ids": list[int], "loss_mask": list[int]}`` of equal length.
     """
-    text = render(tokenizer, messages)
+    text = render(tokenizer, messages, **template_kwargs)
     try:
         enc = _encode_head(tokenizer, text, max_length)
         offsets = [tuple(o) for o in enc["offset_mapping"][:max_length]]
@@ -144,11 +148,11 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int)
     input_ids = list(enc["input_ids"][:max_length])
     if offsets is not None:
         max_chars = offsets[-1][1] if len(enc["input_ids"]) > max_length and offsets else None  # truncated
-        spans = assistant_spans(tokenizer, messages, text, max_chars)
+        spans = assistant_spans(tokenizer, messages, text, max_chars, **template_kwargs)
         loss_mask = _mask_from_offsets(offsets, spans)
     else:  # count the tokens of each span's prefix text instead (exact when boundaries do not merge)
         loss_mask = [0] * len(input_ids)
-        for start, end in assistant_spans(tokenizer, messages, text):
+        for start, end in assistant_spans(tokenizer, messages, text, **template_kwargs):
             first = len(tokenizer(text[:start], add_special_tokens=False)["input_ids"])
             last = len(tokenizer(text[:end], add_special_tokens=False)["input_ids"])
             for k in range(first, min(last, len(input_ids))):

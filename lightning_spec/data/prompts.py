@@ -49,9 +49,12 @@ def round_robin(rows: Sequence[dict], count: int, seed: int) -> list[dict]:
     return picked
 
 
-def domain_prompts(tokenizer: Any, rows: Sequence[dict], per_domain: int, seed: int) -> list[dict]:
+def domain_prompts(
+    tokenizer: Any, rows: Sequence[dict], per_domain: int, seed: int, chat_template_kwargs: dict | None = None
+) -> list[dict]:
     """``per_domain`` prompts of every domain of ``rows`` (domains sorted), round-robin over subdomains: the
-    held-out prompts validation decodes (``SpecDataModule.eval_prompts``)."""
+    held-out prompts validation decodes (``SpecDataModule.eval_prompts``); ``chat_template_kwargs`` reach the
+    template."""
     by_domain: dict[str, list[dict]] = {}
     for row in rows:
         by_domain.setdefault(row["domain"], []).append(row)
@@ -63,7 +66,7 @@ def domain_prompts(tokenizer: Any, rows: Sequence[dict], per_domain: int, seed: 
                     "id": row["id"],
                     "domain": domain,
                     "subdomain": row["subdomain"],
-                    "prompt_ids": prompt_ids(tokenizer, opening(row)),
+                    "prompt_ids": prompt_ids(tokenizer, opening(row), **(chat_template_kwargs or {})),
                 }
             )
     return prompts
@@ -75,6 +78,7 @@ def select_prompts(
     prompts_per_source: int | None,
     seed: int,
     max_prompt_tokens: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[dict]:
     """Prompts from each source: the conversation up to its first assistant turn, chat-templated with the
     generation header (as ``SpecDataModule.eval_prompts``), ``prompts_per_source`` per source spread over its
@@ -82,7 +86,9 @@ def select_prompts(
     ``prompts_per_source`` keeps the smaller selection as its prefix, so extending a rollouts run only adds.
     At most ``max(1000, 10 × prompts_per_source)`` conversations are read per source unless it sets ``limit``.
     ``max_prompt_tokens`` skips longer prompts before the selection (ShareGPT openings run to thousands of
-    tokens; batched decoding pads every row to the longest prompt of its batch).
+    tokens; batched decoding pads every row to the longest prompt of its batch). Each prompt also carries the source
+    conversation's ``messages`` (its later user turns, for multi-turn regeneration); ``chat_template_kwargs`` reach
+    the chat template.
     """
     prompts: list[dict] = []
     seen: set[str] = set()
@@ -90,7 +96,7 @@ def select_prompts(
 
     def tokens(k: int, row: dict) -> list[int]:
         if (k, row["id"]) not in ids:
-            ids[k, row["id"]] = prompt_ids(tokenizer, opening(row))
+            ids[k, row["id"]] = prompt_ids(tokenizer, opening(row), **(chat_template_kwargs or {}))
         return ids[k, row["id"]]
 
     for k, source in enumerate(as_source(s) for s in sources):
@@ -116,6 +122,7 @@ def select_prompts(
                     "domain": row["domain"],
                     "subdomain": row["subdomain"],
                     "prompt_ids": tokens(k, row),
+                    "messages": row["messages"],
                 }
             )
     return prompts

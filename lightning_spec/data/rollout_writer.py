@@ -19,11 +19,12 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import datasets
 from torch import Tensor
 
+from lightning_spec.data.engines import Conversation, Engine, LocalEngine, Regenerated, ServerEngine, Turns
 from lightning_spec.data.prompts import select_prompts
 from lightning_spec.data.rollouts import (
     COLUMNS,
@@ -37,14 +38,16 @@ from lightning_spec.data.rollouts import (
     same_sampling,
 )
 from lightning_spec.data.sources import Source, as_source
-from lightning_spec.decoding.batched import sample_batch
 from lightning_spec.files import atomic_write, atomic_write_json, writable_dir
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.target import load_target
 
+SHARD_SECONDS = 30.0  # the longest finished conversations wait in memory before a shard holds them
+
 # Fields that must agree before a run resumes into a folder: anything that changes the tokens drawn.
-_RESUME_KEYS = ("target_fingerprint", "sampling", "seed", "max_new_tokens", "format")
+_RESUME_KEYS = ("target_fingerprint", "sampling", "seed", "max_new_tokens", "format", "engine", "max_turns",
+                "chat_template_kwargs")
 
 
 def rollout_seed(seed: int, prompt_id: str, sample: int) -> int:
@@ -56,7 +59,8 @@ def rollout_seed(seed: int, prompt_id: str, sample: int) -> int:
 # ---------------------------------------------------------------------------------------- resume or start
 
 
-def _run_meta(target: Any, sampling: SamplingConfig, seed: int, max_new_tokens: int) -> dict[str, Any]:
+def _run_meta(target: Any, sampling: SamplingConfig, seed: int, max_new_tokens: int, engine: Engine,
+              max_turns: int | None, chat_template_kwargs: dict | None) -> dict[str, Any]:
     return {
         "target": target.name,
         "target_fingerprint": target.fingerprint,
@@ -64,6 +68,9 @@ def _run_meta(target: Any, sampling: SamplingConfig, seed: int, max_new_tokens: 
         "seed": int(seed),
         "max_new_tokens": int(max_new_tokens),
         "format": FORMAT,
+        "max_turns": max_turns,
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        **engine.describe(),
     }
 
 
@@ -79,7 +86,8 @@ def _check_resume(out: Path, found: dict[str, Any], wanted: dict[str, Any]) -> N
         return (
             f"target '{meta.get('target')}' (fingerprint {meta.get('target_fingerprint')}), "
             f"sampling {describe_sampling(s) if s else None}, seed {meta.get('seed')}, "
-            f"max_new_tokens {meta.get('max_new_tokens')}"
+            f"max_new_tokens {meta.get('max_new_tokens')}, the {meta.get('engine', 'local')} engine, max_turns "
+            f"{meta.get('max_turns')}, chat_template_kwargs {meta.get('chat_template_kwargs') or {}}"
         )
 
     raise ValueError(
@@ -137,8 +145,9 @@ def _read_shards(folder: Path) -> tuple[dict[tuple[str, int], dict], int]:
 
 
 def _as_prompts(prompts: Sequence[Any]) -> list[dict]:
-    """``{"id", "domain", "subdomain", "prompt_ids"}`` dicts (``SpecDataModule.eval_prompts`` rows) or plain
-    token-id lists (ids ``"0"``, ``"1"``, …, domain ``chat``)."""
+    """``{"id", "domain", "subdomain", "prompt_ids"}`` dicts (``SpecDataModule.eval_prompts`` rows; with the source
+    conversation's ``messages`` when ``select_prompts`` made them) or plain token-id lists (ids ``"0"``, ``"1"``, …,
+    domain ``chat``)."""
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, dict):
@@ -147,9 +156,10 @@ def _as_prompts(prompts: Sequence[Any]) -> list[dict]:
                 "id": str(p.get("id", i)),
                 "domain": str(p.get("domain") or "chat"),
                 "subdomain": str(p.get("subdomain") or ""),
+                "messages": list(p.get("messages") or []),
             }
         else:
-            ids, row = p, {"id": str(i), "domain": "chat", "subdomain": ""}
+            ids, row = p, {"id": str(i), "domain": "chat", "subdomain": "", "messages": []}
         ids = [int(t) for t in (ids.tolist() if isinstance(ids, Tensor) else ids or [])]
         if not ids:
             raise ValueError(f"prompt {i} ({row['id']}) has no prompt_ids; every prompt needs at least one token.")
@@ -184,23 +194,37 @@ def generate_rollouts(
     batch_size: int = 8,
     sources: Sequence[Any] | None = None,
     progress: bool = True,
+    engine: Engine | None = None,
+    max_turns: int | None = None,
+    max_prompt_tokens: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> datasets.Dataset:
     """Sample ``n_per_prompt`` responses per prompt from ``target`` and store them as a rollouts folder.
 
     Args:
-        target: a ``Target`` (``load_target``); plain decoding, no drafter.
-        prompts: ``{"id", "domain", "subdomain", "prompt_ids"}`` dicts (chat-templated prompts with the
-            generation header, as ``select_prompts`` or ``SpecDataModule.eval_prompts`` give) or token-id lists.
+        target: a ``Target`` (``load_target``): its name, weight fingerprint, tokenizer and EOS ids are recorded;
+            the in-process engine decodes with it (plain decoding, no drafter).
+        prompts: ``{"id", "domain", "subdomain", "prompt_ids", "messages"}`` dicts (chat-templated prompts with the
+            generation header, as ``select_prompts`` gives; ``messages``, the source conversation, makes every
+            assistant turn regenerated) or token-id lists (one turn).
         sampling: the distribution tokens are drawn from; use the serving/evaluation config (the offline
             evaluator is exact only under the config the rollouts were drawn with).
         n_per_prompt: responses per prompt (samples 0..n-1).
-        max_new_tokens: the response budget; a rollout that reaches it without EOS has ``finished=False``.
+        max_new_tokens: the budget of each turn; a turn that reaches it without EOS ends its conversation there
+            (the first turn's ``finished`` is False).
         out_dir: the rollouts folder; a folder of an interrupted (or finished) run with the same target,
-            sampling, seed and max_new_tokens is resumed (extended), anything else is refused.
-        seed: with (prompt_id, sample) it seeds each rollout's generator (``rollout_seed``).
-        batch_size: rollouts decoded together (left padding); changes speed, not tokens.
+            sampling, seed, max_new_tokens, engine, turns and template arguments is resumed (extended), anything
+            else is refused.
+        seed: with (prompt_id, sample) it seeds each rollout (``rollout_seed``; turn t draws from that seed + t).
+        batch_size: conversations the in-process engine decodes together (left padding); speed only.
         sources: what the prompts came from, recorded in ``rollouts.json``.
-        progress: show a rich progress bar (prompts done / total, tokens/s).
+        progress: show the work ahead, an estimate, and a rich progress bar (conversations done / total, tokens/s).
+        engine: where the answers are drawn (``data/engines.py``): None = ``LocalEngine(target, batch_size)``, or a
+            ``ServerEngine`` (vLLM, SGLang).
+        max_turns: regenerate at most this many assistant turns per conversation; None = all.
+        max_prompt_tokens: a later turn whose prompt (history included) is longer ends its conversation.
+        chat_template_kwargs: keyword arguments for the chat template of later turns' prompts (first turns come
+            templated in ``prompts``), e.g. ``{"enable_thinking": false}``; recorded in ``rollouts.json``.
 
     Returns the dataset (rows in prompt order, then sample), also saved in ``out_dir``.
     """
@@ -208,12 +232,13 @@ def generate_rollouts(
         raise ValueError(f"n_per_prompt={n_per_prompt} must be at least 1.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1.")
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be at least 1.")
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"max_turns={max_turns} must be at least 1, or null for every turn.")
+    engine = engine if engine is not None else LocalEngine(target, batch_size)
     prompts = _as_prompts(prompts)
     if not prompts:
         raise ValueError("no prompts to roll out; check the sources (and prompts_per_source).")
-    wanted = _run_meta(target, sampling, seed, max_new_tokens)
+    wanted = _run_meta(target, sampling, seed, max_new_tokens, engine, max_turns, chat_template_kwargs)
 
     # ---- resume or start: the folder must be empty, or hold rollouts drawn under the same settings
     out = _check_out(out_dir)
@@ -233,51 +258,42 @@ def generate_rollouts(
         row = done.get((prompt["id"], sample))
         return row is not None and row["prompt_ids"] == prompt["prompt_ids"]  # a changed prompt is redrawn
 
-    todo = [(i, s) for i, p in enumerate(prompts) for s in range(n_per_prompt) if not is_done(p, s)]
-    remaining = [0] * len(prompts)  # samples still to draw, per prompt
-    for i, _ in todo:
-        remaining[i] += 1
-    # longest prompts first and similar lengths together: less padding; the order changes no token
-    todo.sort(key=lambda pair: (-len(prompts[pair[0]]["prompt_ids"]), pair))
+    todo = [
+        Conversation(p["id"], s, rollout_seed(seed, p["id"], s), p["domain"], p["subdomain"], p["prompt_ids"],
+                     p.get("messages") or [])
+        for p in prompts for s in range(n_per_prompt) if not is_done(p, s)
+    ]
+    tokenizer = getattr(target, "tokenizer", None)
+    eos = target.eos_token_ids
+    walk = lambda c: Turns(c, tokenizer, max_turns, max_prompt_tokens, chat_template_kwargs)  # noqa: E731
+    total = len(prompts) * n_per_prompt
+    if progress:
+        announce(engine, todo, total, walk, sampling, max_new_tokens, eos)
 
     tokens, start = 0, time.perf_counter()
-    prompts_done = sum(r == 0 for r in remaining)
-    columns = {"prompts": f"prompts {prompts_done}/{len(prompts)}", "rate": "- tokens/s"}
-    with progress_bar("rollouts", len(prompts) * n_per_prompt, progress, columns) as bar:
-        bar.advance(len(prompts) * n_per_prompt - len(todo))
-        for lo in range(0, len(todo), batch_size):
-            batch = todo[lo : lo + batch_size]
-            results = sample_batch(
-                target,
-                [prompts[i]["prompt_ids"] for i, _ in batch],
-                [rollout_seed(seed, prompts[i]["id"], s) for i, s in batch],
-                sampling,
-                max_new_tokens,
-            )
-            rows = []
-            for (i, s), (response, finished) in zip(batch, results):
-                p = prompts[i]
-                rows.append(
-                    {
-                        "prompt_id": p["id"],
-                        "sample": s,
-                        "domain": p["domain"],
-                        "subdomain": p["subdomain"],
-                        "prompt_ids": p["prompt_ids"],
-                        "response_ids": response,
-                        "finished": finished,
-                    }
-                )
-            _write_shard(shard_dir, next_shard, rows)
-            next_shard += 1
-            for row in rows:
-                done[(row["prompt_id"], row["sample"])] = row
-            for i, _ in batch:
-                remaining[i] -= 1
-                prompts_done += remaining[i] == 0
-            tokens += sum(len(r["response_ids"]) for r in rows)
+    buffer: list[dict] = []  # finished conversations not yet in a shard: what a kill now would redo
+    last_write = start
+
+    def write() -> None:
+        nonlocal next_shard, last_write
+        _write_shard(shard_dir, next_shard, buffer)
+        next_shard += 1
+        for row in buffer:
+            done[(row["prompt_id"], row["sample"])] = row
+        buffer.clear()
+        last_write = time.perf_counter()
+
+    with progress_bar("rollouts", total, progress, {"rate": "- tokens/s"}) as bar:
+        bar.advance(total - len(todo))
+        for finished in engine.run(todo, sampling, max_new_tokens, walk, eos):
+            buffer.extend(_row(r) for r in finished)
+            if len(buffer) >= engine.shard_rows or time.perf_counter() - last_write > SHARD_SECONDS:
+                write()
+            tokens += sum(sum(len(x) for x in r.responses) for r in finished)
             rate = tokens / max(time.perf_counter() - start, 1e-9)
-            bar.advance(len(batch), prompts=f"prompts {prompts_done}/{len(prompts)}", rate=f"{rate:.1f} tokens/s")
+            bar.advance(len(finished), rate=f"{rate:.1f} tokens/s")
+        if buffer:
+            write()
 
     # ---- consolidate: exactly the requested (prompt_id, sample) pairs, in prompt order
     table = {c: [] for c in COLUMNS}
@@ -295,13 +311,12 @@ def generate_rollouts(
     finally:
         if bars_were_on:
             datasets.utils.enable_progress_bars()
-    tokenizer = getattr(target, "tokenizer", None)
     meta = {
         **wanted,
         "tokenizer": getattr(tokenizer, "name_or_path", None),
         "tokenizer_size": len(tokenizer) if tokenizer is not None else None,
         "vocab_size": int(target.vocab_size),
-        "eos_token_ids": [int(t) for t in target.eos_token_ids],
+        "eos_token_ids": [int(t) for t in eos],
         "n_per_prompt": int(n_per_prompt),
         "sources": [_source_label(s) for s in (sources or [])],
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -313,10 +328,45 @@ def generate_rollouts(
         n_done = sum(table["finished"])
         rate = tokens / max(time.perf_counter() - start, 1e-9)
         Console(stderr=True, soft_wrap=True).print(
-            f"rollouts: {len(dataset)} in {out} ({n_done} ended with EOS, {len(dataset) - n_done} hit "
-            f"max_new_tokens={max_new_tokens}); {tokens} tokens drawn this run at {rate:.1f} tokens/s"
+            f"rollouts: {len(dataset)} in {out} ({n_done} first turns ended with EOS, {len(dataset) - n_done} hit "
+            f"max_new_tokens={max_new_tokens}; {sum(table['turns'])} turns in all); {tokens} tokens drawn this run "
+            f"at {rate:.1f} tokens/s"
         )
     return dataset
+
+
+def _row(r: Regenerated) -> dict[str, Any]:
+    """A finished conversation as a rollouts row: the first turn's ids (what offline evaluation scores) and the
+    whole regenerated conversation as text (what multi-turn training reads)."""
+    c = r.conversation
+    return {
+        "prompt_id": c.id, "sample": c.sample, "domain": c.domain, "subdomain": c.subdomain,
+        "prompt_ids": r.prompts[0], "response_ids": r.responses[0], "finished": r.finished[0],
+        "messages": r.messages, "turns": len(r.responses),
+    }
+
+
+def announce(engine: Engine, todo: list[Conversation], total: int, walk: Any, sampling: SamplingConfig,
+             max_new_tokens: int, eos: list[int]) -> None:
+    """Print the work ahead (conversations, first prompts' tokens, the most tokens to generate) and an estimate
+    from a short probe of the engine, before hours of decoding start."""
+    from rich.console import Console
+
+    console = Console(stderr=True, soft_wrap=True)
+    prompt_tokens = sum(len(c.prompt_ids) for c in todo)
+    turns = sum(len(walk(c).parts) for c in todo)
+    most = turns * max_new_tokens
+    line = (f"rollouts: {len(todo)} of {total} conversations to draw with the {engine.name} engine "
+            f"({total - len(todo)} stored); {turns} turns, {prompt_tokens:,} first-turn prompt tokens, at most "
+            f"{most:,} tokens to generate")
+    if not todo:
+        console.print(line)
+        return
+    longest = sorted(todo, key=lambda c: -len(c.prompt_ids))
+    prefill, per_token = engine.probe([c.prompt_ids for c in longest], sampling, eos)
+    seconds = prompt_tokens * prefill + most * per_token
+    console.print(f"{line}; at the probe's pace (prefill {1 / max(prefill, 1e-9):,.0f} tokens/s, generation "
+                  f"{1 / max(per_token, 1e-9):,.1f} tokens/s) at most ~{seconds / 60:.0f} min")
 
 
 # -------------------------------------------------------------------------------------------------- CLI
@@ -327,41 +377,60 @@ def rollouts(
     target: str = "smollm2-135m-instruct",
     sources: list[Source | str] = ["mt-bench", "humaneval", "mmath"],  # noqa: B006 (never mutated; a list shows in --help)
     prompts_per_source: int | None = 20,
-    max_prompt_tokens: int | None = None,
+    max_prompt_tokens: int | None = 1024,
+    max_turns: int | None = None,
     n_per_prompt: int = 1,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
     max_new_tokens: int = 256,
     seed: int = 0,
+    backend: Literal["local", "server"] = "local",
     batch_size: int = 8,
+    server_url: str = "http://127.0.0.1:8000",
+    server_model: str | None = None,
+    concurrency: int = 64,
+    chat_template_kwargs: dict[str, Any] | None = None,
     target_dtype: str = "float32",
     device: str = "cpu",
     progress: bool = True,
 ) -> datasets.Dataset:
     """Sample responses from the target for prompts of any source and store them as a rollouts folder.
 
-    Rerunning the same command resumes a killed run (same tokens as an uninterrupted one); the same command
-    with more prompts or samples extends a finished one.
+    Rerunning the same command resumes a killed run (same tokens as an uninterrupted one with the local backend);
+    the same command with more prompts or samples extends a finished one. Every assistant turn of a source
+    conversation is regenerated given the regenerated history (``--max_turns`` caps them).
 
     Args:
         out: the rollouts folder to write (resumed when it holds a run with the same settings).
-        target: packaged name (smollm2-135m-instruct, tiny-random), HF hub id or local folder.
+        target: packaged name (smollm2-135m-instruct, tiny-random), HF hub id or local folder: its tokenizer builds the
+            prompts, and its weight fingerprint is recorded (training refuses rollouts of other weights). With
+            --backend server it must be the model the server serves.
         sources: prompt sources: packaged names (sharegpt, mt-bench, humaneval, mmath), local
             .jsonl/.json/.parquet files or folders, hub ids, or {name, domain, limit, split} entries.
         prompts_per_source: prompts taken from each source, spread over its subdomains; null = all.
-        max_prompt_tokens: skip prompts longer than this many tokens (chat template included); null = keep all.
+        max_prompt_tokens: skip prompts longer than this many tokens (chat template included), and end a
+            conversation at a turn whose prompt grows past it: one pasted document must not stall a batch; null =
+            keep all.
+        max_turns: regenerate at most this many assistant turns per conversation; null = all of them.
         n_per_prompt: responses sampled per prompt.
         temperature: sampling temperature; 0 = greedy. Use the configuration you will evaluate or serve with.
         top_p: nucleus filtering (1 = off).
         top_k: top-k filtering (0 = off).
-        max_new_tokens: response budget; rollouts that reach it without EOS are flagged finished=false.
+        max_new_tokens: budget of each turn; a first turn that reaches it without EOS is flagged finished=false.
         seed: seeds each rollout (with its prompt id and sample index) and the prompt selection.
-        batch_size: rollouts decoded together with left padding (speed only: every rollout draws from its own
+        backend: local = our target in this process, batched; server = any OpenAI-compatible server (vLLM, SGLang)
+            at --server_url, --concurrency conversations in flight (`make serve-target` starts vLLM for the
+            packaged target).
+        batch_size: conversations the local backend decodes together (speed only: every rollout draws from its own
             seeded generator, so the tokens do not depend on the batch).
-        target_dtype: dtype of the target: float32 on CPU, bfloat16 on GPUs, auto: bf16 where native.
-        device: where the target runs (cpu, cuda, cuda:1, ...).
-        progress: show the progress bar.
+        server_url: the server's base URL (backend server).
+        server_model: the model name the server serves; null = its only one.
+        concurrency: conversations in flight at once (backend server).
+        chat_template_kwargs: keyword arguments for the chat template, e.g. {enable_thinking: false} for Qwen3.
+        target_dtype: dtype of the local target: float32 on CPU, bfloat16 on GPUs, auto: bf16 where native.
+        device: where the local target runs (cpu, cuda, cuda:1, ...).
+        progress: print the work ahead and an estimate, and show the progress bar.
     """
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
     if prompts_per_source is not None and prompts_per_source < 1:
@@ -371,11 +440,13 @@ def rollouts(
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"--max_prompt_tokens={max_prompt_tokens} must be at least 1, or null for no limit.")
     _check_out(out)  # before the target is loaded and hours of decoding start
+    engine = ServerEngine(server_url, server_model, concurrency) if backend == "server" else None
     model = load_target(target, dtype=target_dtype, device=device)
     if model.tokenizer is None:
         raise ValueError(f"--target {target} has no tokenizer; rollouts need one to build chat prompts.")
     source_list = [as_source(s) for s in sources]
-    prompts = select_prompts(model.tokenizer, source_list, prompts_per_source, seed, max_prompt_tokens)
+    prompts = select_prompts(model.tokenizer, source_list, prompts_per_source, seed, max_prompt_tokens,
+                             chat_template_kwargs=chat_template_kwargs)
     return generate_rollouts(
         model,
         prompts,
@@ -387,4 +458,8 @@ def rollouts(
         batch_size=batch_size,
         sources=source_list,
         progress=progress,
+        engine=engine if engine is not None else LocalEngine(model, batch_size),
+        max_turns=max_turns,
+        max_prompt_tokens=max_prompt_tokens,
+        chat_template_kwargs=chat_template_kwargs,
     )

@@ -8,12 +8,16 @@ the target's own distribution).
 A rollouts folder is ``datasets.Dataset.save_to_disk(folder)`` plus ``folder/rollouts.json``:
 
     prompt_id: str   sample: int (0..n-1)   domain: str   subdomain: str
-    prompt_ids: list[int]     the chat-templated prompt, generation header included
-    response_ids: list[int]   the generated tokens, EOS included when generated
-    finished: bool            ended with an EOS id (False: stopped at max_new_tokens)
+    prompt_ids: list[int]     the first turn's chat-templated prompt, generation header included
+    response_ids: list[int]   the first turn's generated tokens, EOS included when generated
+    finished: bool            the first turn ended with an EOS id (False: stopped at max_new_tokens)
+    messages: list[{role, content}]   the conversation with every regenerated assistant turn, as text
+    turns: int                the assistant turns regenerated (1 for a single prompt)
 
 ``rollouts.json`` records the target spec and its weight fingerprint, the sampling config, the seed, the
-tokenizer, the EOS ids, max_new_tokens, n_per_prompt, the sources and the creation time (``format`` 1).
+tokenizer, the EOS ids, max_new_tokens, n_per_prompt, the engine (``local``, or ``server`` with its URL and served
+model), max_turns, the chat-template arguments, the sources and the creation time (``format`` 2; format 1 folders,
+first turns without ``messages``, still read).
 ``rollout_writer.py`` writes such folders (resumably); this file reads them, checks them against a target and
 a sampling config, and holds them in memory as a ``RolloutSet``.
 """
@@ -33,11 +37,12 @@ import torch
 
 from lightning_spec.sampling import SamplingConfig
 
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)  # format 1: no messages/turns (first turns only)
 META_FILE = "rollouts.json"
 SHARD_DIR = "shards"
 RUN_FILE = "run.json"  # inside shards/: what the run in progress draws under, checked before resuming
-COLUMNS = ("prompt_id", "sample", "domain", "subdomain", "prompt_ids", "response_ids", "finished")
+COLUMNS = ("prompt_id", "sample", "domain", "subdomain", "prompt_ids", "response_ids", "finished", "messages", "turns")
 FEATURES = datasets.Features(
     {
         "prompt_id": datasets.Value("string"),
@@ -47,6 +52,8 @@ FEATURES = datasets.Features(
         "prompt_ids": datasets.List(datasets.Value("int32")),
         "response_ids": datasets.List(datasets.Value("int32")),
         "finished": datasets.Value("bool"),
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+        "turns": datasets.Value("int32"),
     }
 )
 DEFAULT_DOMAIN = "default"  # the domain of rollouts that carry none (a list of pairs)
@@ -86,9 +93,9 @@ def load_rollouts(folder: str | os.PathLike) -> tuple[datasets.Dataset, dict[str
             f"{folder} ...`."
         )
     meta = json.loads((path / META_FILE).read_text())
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in READS:
         raise ValueError(
-            f"{folder} has rollouts format {meta.get('format')!r}, this version reads format {FORMAT}; regenerate "
+            f"{folder} has rollouts format {meta.get('format')!r}, this version reads formats {READS}; regenerate "
             "them with `lightning-spec rollouts`."
         )
     return datasets.load_from_disk(str(path)), meta
@@ -286,25 +293,36 @@ def spread(rollouts: RolloutSet, count: int | None) -> RolloutSet:
 
 
 def sft_examples(
-    dataset: datasets.Dataset, max_length: int, held_out: set[tuple[int, ...]], limit: int | None = None
+    dataset: datasets.Dataset, max_length: int, held_out: set[tuple[int, ...]], limit: int | None = None,
+    tokenizer: Any = None, chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[dict]:
-    """Target-regenerated SFT examples of a rollouts dataset: prompt + response truncated to ``max_length``, the
-    loss on the response (EOS included when generated), ``{"id", "domain", "enc", "key"}``. Rollouts whose
-    prompt is in ``held_out`` (eval prompts, token for token) or whose response is empty are skipped; at most
-    ``limit``. ``key`` groups the samples of one prompt, so they stay on one side of a train/val split."""
+    """Target-regenerated SFT examples of a rollouts dataset, ``{"id", "domain", "enc", "key"}``, at most ``limit``.
+
+    A one-turn rollout is prompt + response, exactly the ids the target saw and drew, truncated to ``max_length``,
+    the loss on the response (EOS included when generated). A multi-turn one is its regenerated conversation
+    (``messages``) through the chat template with ``chat_template_kwargs`` (those it was regenerated with), the loss
+    on every assistant turn (``tokenize_conversation``; needs ``tokenizer``). Rollouts whose prompt is in
+    ``held_out`` (eval prompts, token for token) or whose response is empty are skipped. ``key`` groups the samples
+    of one prompt, so they stay on one side of a train/val split."""
+    from lightning_spec.data.chat import tokenize_conversation
+
     out = []
     for r in dataset:
         if limit is not None and len(out) >= limit:
             break
         if tuple(r["prompt_ids"]) in held_out or not r["response_ids"]:
             continue
-        ids = list(r["prompt_ids"]) + list(r["response_ids"])
-        mask = [0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"])
+        if (r.get("turns") or 1) > 1 and tokenizer is not None:
+            enc = tokenize_conversation(tokenizer, r["messages"], max_length, **(chat_template_kwargs or {}))
+        else:
+            ids = list(r["prompt_ids"]) + list(r["response_ids"])
+            mask = [0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"])
+            enc = {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
         out.append(
             {
                 "id": f"{r['prompt_id']}#{r['sample']}",
                 "domain": r["domain"],
-                "enc": {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]},
+                "enc": enc,
                 "key": f"rollout-prompt:{r['prompt_id']}",
             }
         )
