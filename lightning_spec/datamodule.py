@@ -1,10 +1,14 @@
 """SpecDataModule: conversations -> tokenized, loss-masked, domain-labelled batches, plus held-out eval prompts.
 
-Its ``__init__`` is the ``data:`` section of an experiment YAML. After ``setup`` it holds
+Its ``__init__`` is the ``data:`` section of an experiment YAML. The conversations are tokenised once into an Arrow
+table cached on disk (``data/tokenized.py``: ``prepare_data`` builds it on one process per node, a second run loads
+it); after ``setup`` it holds
 
-    train_dataset / val_dataset   lists of examples {input_ids, loss_mask, domain_id, index, id, domain}
+    train_dataset / val_dataset   ``Examples``: example i = {input_ids, loss_mask, domain_id, index, id, domain}, read
+                                  from the memory-mapped table when asked for (a list during on-policy training:
+                                  the replay buffer, ``use_replay_buffer``)
     domains                       sorted union of the train and eval domains; domain_id indexes it
-    fingerprint                   sha256 of what a feature cache depends on (tokenizer, train token ids, max_length)
+    fingerprint                   sha256 of what a feature store depends on (the tokenised set, the train split)
 
 and ``eval_prompts()`` gives the prompts that validation decodes for real (MAL per domain). The order in which
 examples are trained (domain weights, DDP shards, mid-epoch resume) is ``loaders.py``'s.
@@ -17,6 +21,7 @@ import math
 import random
 from typing import Any
 
+import datasets
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
@@ -25,6 +30,7 @@ from lightning_spec.data.chat import prompt_ids, tokenize_conversation
 from lightning_spec.data.prompts import domain_prompts, first_user, opening
 from lightning_spec.data.rollouts import is_rollouts_folder, load_rollouts, sft_examples
 from lightning_spec.data.sources import Source, as_source, held_out_keys, load_source
+from lightning_spec.data.tokenized import Examples, cache_key, source_identity, tokenized_set, tokenizer_identity
 from lightning_spec.loaders import DomainSampler, TrainLoader, check_val_check_interval, collate, example_weights
 from lightning_spec.target import load_tokenizer
 
@@ -51,6 +57,9 @@ class SpecDataModule(L.LightningDataModule):
         eval_sources: sources of held-out prompts that validation decodes for real (MAL per domain); their
             first user message must not appear in training, and matching training conversations are dropped.
         eval_prompts_per_domain: prompts per domain for speculative decoding during validation.
+        chat_template_kwargs: keyword arguments for the chat template, everywhere it is applied (training
+            conversations, eval prompts), e.g. ``{enable_thinking: false}`` for Qwen3.
+        num_proc: processes that tokenise the conversations; null: one per 4000 conversations, up to the CPUs.
         tokenizer: an already built tokenizer (Python use; overrides ``target``'s tokenizer).
     """
 
@@ -66,6 +75,8 @@ class SpecDataModule(L.LightningDataModule):
         seed: int = 0,
         eval_sources: list[Source | str] = ["mt-bench", "humaneval", "mmath"],  # noqa: B006
         eval_prompts_per_domain: int = 8,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        num_proc: int | None = None,
         tokenizer: Any = None,
     ) -> None:
         super().__init__()
@@ -80,16 +91,21 @@ class SpecDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.eval_prompts_per_domain = eval_prompts_per_domain
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.num_proc = num_proc
+        self.on_policy = False  # the training set is the replay buffer (use_replay_buffer); no feature store then
         self._tokenizer = tokenizer
         self._tokenizer_given = tokenizer is not None
         self._check_args()
 
-        self.train_dataset: list[dict] | None = None
-        self.val_dataset: list[dict] | None = None
+        self.train_dataset: Examples | list[dict] | None = None
+        self.val_dataset: Examples | None = None
         self._eval_rows: list[dict] | None = None
         self._eval_prompts: list[dict] | None = None
         self._domains: list[str] | None = None
         self._fingerprint: str | None = None
+        self._content: str | None = None  # the tokenised set's content fingerprint
+        self._examples: Examples | None = None  # the training split of the data (train_dataset unless on-policy)
         self._domain_weights: dict[str, float] | None = None
         self._rollout_meta: list[dict] | None = None
 
@@ -104,6 +120,8 @@ class SpecDataModule(L.LightningDataModule):
             raise ValueError(f"data.train_limit={self.train_limit} must be at least 1, or null for all rows.")
         if self.eval_prompts_per_domain < 0:
             raise ValueError(f"data.eval_prompts_per_domain={self.eval_prompts_per_domain} must be >= 0.")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise ValueError(f"data.num_proc={self.num_proc} must be at least 1, or null to choose.")
         if not self.train_sources:
             raise ValueError("data.train_sources is empty; name at least one source, e.g. ['sharegpt'].")
 
@@ -171,103 +189,134 @@ class SpecDataModule(L.LightningDataModule):
             self._rollout_meta = metas
         return self._rollout_meta
 
-    def _rollout_rows(self, i: int, source: Source, held_out_prompts: set[tuple[int, ...]]) -> list[dict]:
-        """Target-regenerated SFT rows: prompt + response, loss mask on the response (the target's own answers)."""
-        dataset, _ = load_rollouts(source.name)
+    def _rollout_rows(self, i: int, source: Source, held_out_prompts: set[tuple[int, ...]]) -> datasets.Dataset:
+        """Target-regenerated SFT rows, already tokenised: prompt + response, loss on the response (the target's own
+        answers), or a regenerated multi-turn conversation with the loss on every assistant turn."""
+        dataset, meta = load_rollouts(source.name)
         limit = source.limit if source.limit is not None else self.train_limit
-        rows = [
-            {"id": e["id"], "domain": source.domain or e["domain"], "_enc": e["enc"], "_key": e["key"]}
-            for e in sft_examples(dataset, self.max_length, held_out_prompts, limit)
-        ]
-        if not rows:
+        examples = sft_examples(dataset, self.max_length, held_out_prompts, limit, self.tokenizer,
+                                meta.get("chat_template_kwargs"))
+        if not examples:
             raise ValueError(
                 f"data.train_sources[{i}] ('{source.name}') gave no usable rollouts; it is empty, or its prompts "
                 "are all data.eval_sources prompts (which never train): roll out other prompts."
             )
-        return rows
+        return datasets.Dataset.from_dict({
+            "id": [e["id"] for e in examples], "domain": [source.domain or e["domain"] for e in examples],
+            "key": [e["key"] for e in examples], "input_ids": [e["enc"]["input_ids"] for e in examples],
+            "loss_mask": [[bool(m) for m in e["enc"]["loss_mask"]] for e in examples],
+        })
 
-    def _load_train(self) -> list[dict]:
+    def _read_train(self) -> list[tuple[datasets.Dataset, Any]]:
+        """Per training source: its usable conversations (eval prompts held out) and the function that tokenises one
+        (``data/tokenized.py`` runs it with ``datasets.map``)."""
         held_out: set[str] = set()
         for row in self._load_eval():
             held_out |= held_out_keys(row["messages"])
         held_out_prompts: set[tuple[int, ...]] | None = None
         self._check_rollouts()  # every rollouts folder was drawn from this target, before any data is read
-        rows: list[dict] = []
+        parts = []
         for i, source in enumerate(self.train_sources):
             if is_rollouts_folder(source.name):
                 if held_out_prompts is None:  # a rollout is held out when its prompt is an eval prompt, token for token
-                    held_out_prompts = {tuple(prompt_ids(self.tokenizer, opening(r))) for r in self._load_eval()}
-                rows.extend(self._rollout_rows(i, source, held_out_prompts))
+                    held_out_prompts = {tuple(prompt_ids(self.tokenizer, opening(r), **self.chat_template_kwargs))
+                                        for r in self._load_eval()}
+                parts.append((self._rollout_rows(i, source, held_out_prompts), None))  # tokenised already
                 continue
             dataset = load_source(source, limit=self.train_limit)
-            kept = [r for r in dataset.to_list() if not (held_out_keys(r["messages"]) & held_out)]
-            if not kept:
+            kept = dataset.filter(lambda r: not (held_out_keys(r["messages"]) & held_out),
+                                  new_fingerprint=f"held-out-{i}")
+            if len(kept) == 0:
                 raise ValueError(
                     f"data.train_sources[{i}] ('{source.name}') gave no usable conversations; check the "
                     "path/filters (conversations need a user turn, and eval prompts are removed from training)."
                 )
-            rows.extend(kept)
-        return rows
+            parts.append((kept, _Tokenize(self.tokenizer, self.max_length, self.chat_template_kwargs)))
+        return parts
+
+    def _cache_key(self) -> str:
+        """What the tokenised set depends on, without reading any data (``data/tokenized.py``)."""
+        name = getattr(self.tokenizer, "name_or_path", "") if self._tokenizer_given else self.target
+        return cache_key({
+            "train": [[source_identity(s.name), s.domain, s.limit, s.split] for s in self.train_sources],
+            "eval": [[source_identity(s.name), s.domain, s.limit, s.split] for s in self.eval_sources],
+            "train_limit": self.train_limit, "max_length": self.max_length,
+            "tokenizer": tokenizer_identity(self.tokenizer, name), "chat_template_kwargs": self.chat_template_kwargs,
+        })
+
+    def prepare_data(self) -> None:
+        """Tokenise the training conversations into the on-disk cache (Lightning calls this on one process per node
+        before any process sets up)."""
+        tokenized_set(self._cache_key(), self._read_train, self.num_proc)
 
     def setup(self, stage: str | None = None) -> None:
-        """Load, hold out, tokenize and split once; later calls (fit, then validate) reuse the result."""
+        """Load (or build) the tokenised set, then split it once; later calls (fit, then validate) reuse the result."""
         if self.train_dataset is not None:
             return
-        tok = self.tokenizer
-        rows = self._load_train()
-        examples = []
-        for row in rows:
-            if "_enc" in row:  # a rollout: already tokenized
-                enc, key = row["_enc"], row["_key"]
-            else:
-                enc, key = tokenize_conversation(tok, row["messages"], self.max_length), first_user(row)
-            if any(enc["loss_mask"]):  # the assistant must speak within max_length, or there is nothing to learn
-                examples.append({**enc, "id": row["id"], "domain": row["domain"], "_key": key})
-        if not examples:
+        table, meta = tokenized_set(self._cache_key(), self._read_train, self.num_proc)
+        if len(table) == 0:
             raise ValueError(
                 f"no training conversation has an assistant token within data.max_length={self.max_length} "
-                f"tokens ({len(rows)} conversations read from data.train_sources); raise data.max_length or use "
-                "sources with assistant replies."
+                f"tokens ({meta['conversations']} conversations read from data.train_sources); raise data.max_length "
+                "or use sources with assistant replies."
             )
-        if len(examples) < 2:
+        if len(table) < 2:
             raise ValueError(
                 "data.train_sources gave a single usable conversation, which cannot be split into train and "
                 "validation; add data (raise data.train_limit or add sources)."
             )
-
-        self._domains = sorted({e["domain"] for e in examples} | {r["domain"] for r in self._load_eval()})
+        columns = table.select_columns(["domain", "key"])
+        domains, keys = columns["domain"], columns["key"]
+        self._domains = sorted(set(domains) | {r["domain"] for r in self._load_eval()})
         domain_id = {d: i for i, d in enumerate(self._domains)}
-        train, val = self._split(examples)
-        self.train_dataset = _finalize(train, domain_id)
-        self.val_dataset = _finalize(val, domain_id)
-        self._fingerprint = None
+        train, val = self._split(keys)
+        self._examples = self.train_dataset = Examples(table, train, domain_id)  # _examples: the data, always
+        self.val_dataset = Examples(table, val, domain_id)
+        self._content, self._fingerprint = meta["fingerprint"], None
 
-    def _split(self, examples: list[dict]) -> tuple[list[dict], list[dict]]:
-        """Hold out ``val_fraction`` of the examples (at least one), grouped by first user message.
+    def _split(self, keys: list[str]) -> tuple[list[int], list[int]]:
+        """Row numbers of the train and validation examples: ``val_fraction`` of them (at least one) held out,
+        grouped by ``keys`` (the first user message).
 
         Conversations sharing an opening prompt (ShareGPT repeats some) go to the same side, so validation
         never scores a prompt the drafter was trained on.
         """
         groups: dict[str, list[int]] = {}
-        for i, e in enumerate(examples):
-            groups.setdefault(e["_key"], []).append(i)
-        keys = list(groups)
-        if len(keys) < 2:
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+        order = list(groups)
+        if len(order) < 2:
             raise ValueError(
                 "data.train_sources has a single distinct conversation opening, which cannot be split into train "
                 "and validation; add more conversations (raise data.train_limit or add sources)."
             )
-        random.Random(self.seed).shuffle(keys)
-        n_val = max(1, math.ceil(self.val_fraction * len(examples)))
+        random.Random(self.seed).shuffle(order)
+        n_val = max(1, math.ceil(self.val_fraction * len(keys)))
         val_idx: list[int] = []
-        for key in keys[:-1]:  # the last group always trains
+        for key in order[:-1]:  # the last group always trains
             if len(val_idx) >= n_val:
                 break
             val_idx.extend(groups[key])
         val_set = set(val_idx)
-        train = [e for i, e in enumerate(examples) if i not in val_set]
-        val = [examples[i] for i in sorted(val_set)]
-        return train, val
+        return [i for i in range(len(keys)) if i not in val_set], sorted(val_set)
+
+    def announce_replay_buffer(self) -> None:
+        """Training will run on a replay buffer (``callbacks/on_policy.py`` says so when it sets up, before the module
+        does): ``on_policy`` is True from now on, so the module opens no feature store for a set that changes."""
+        self.on_policy = True
+
+    def use_replay_buffer(self, buffer: list[dict]) -> None:
+        """Train on ``buffer`` (on-policy rollouts) instead of the data from now on: the list itself, which the
+        callback refreshes in place. The draft vocabulary and ``fingerprint`` keep coming from the data."""
+        self._require_setup("use_replay_buffer")
+        self.announce_replay_buffer()
+        self.train_dataset = buffer
+
+    def train_domains(self) -> list[str]:
+        """The domain of every training example, in order."""
+        self._require_setup("train_domains")
+        data = self.train_dataset
+        return data.domains if isinstance(data, Examples) else [e["domain"] for e in data]
 
     # ----------------------------------------------------------------------------------------- properties
 
@@ -283,31 +332,29 @@ class SpecDataModule(L.LightningDataModule):
 
     @property
     def fingerprint(self) -> str:
-        """Short sha256 of the tokenizer (name, vocab size), the train split's token ids and ``max_length``."""
+        """Short sha256 of the tokenised set's content, the train split's rows and ``max_length``: what a feature
+        store of this data depends on, the same on every machine."""
         self._require_setup("fingerprint")
         if self._fingerprint is None:
-            tok = self.tokenizer
-            # The packaged/hub name, not a cache folder path, so two machines agree; a passed-in tokenizer is
-            # known by its own name.
-            name = getattr(tok, "name_or_path", "") if self._tokenizer_given else self.target
-            h = hashlib.sha256(f"{name}|{len(tok)}|{self.max_length}|{len(self.train_dataset)}".encode())
-            for e in self.train_dataset:
-                ids = e["input_ids"]
-                h.update(len(ids).to_bytes(4, "little"))
-                h.update(ids.to(torch.int32).numpy().tobytes())
+            rows = self._examples.rows
+            h = hashlib.sha256(f"{self._content}|{self.max_length}|{len(rows)}".encode())
+            h.update(torch.tensor(rows, dtype=torch.int64).numpy().tobytes())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token id occurs at loss-masked positions of the train split, shape (V,)."""
         self._require_setup("token_counts")
-        ids = torch.cat([e["input_ids"][e["loss_mask"]] for e in self.train_dataset])
-        if ids.numel() and int(ids.max()) >= vocab_size:
-            raise ValueError(
-                f"the tokenizer produced token id {int(ids.max())} but vocab_size={vocab_size}; the target's "
-                "vocabulary must cover its tokenizer (check model.target and data.target)."
-            )
-        return torch.bincount(ids, minlength=vocab_size)  # (V,)
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for e in self._examples:
+            ids = e["input_ids"][e["loss_mask"]]
+            if ids.numel() and int(ids.max()) >= vocab_size:
+                raise ValueError(
+                    f"the tokenizer produced token id {int(ids.max())} but vocab_size={vocab_size}; the target's "
+                    "vocabulary must cover its tokenizer (check model.target and data.target)."
+                )
+            counts += torch.bincount(ids, minlength=vocab_size)
+        return counts  # (V,)
 
     # --------------------------------------------------------------------------------------- eval prompts
 
@@ -320,7 +367,7 @@ class SpecDataModule(L.LightningDataModule):
         """
         if self._eval_prompts is None:
             self._eval_prompts = domain_prompts(
-                self.tokenizer, self._load_eval(), self.eval_prompts_per_domain, self.seed
+                self.tokenizer, self._load_eval(), self.eval_prompts_per_domain, self.seed, self.chat_template_kwargs
             )
         return [dict(p, prompt_ids=list(p["prompt_ids"])) for p in self._eval_prompts]
 
@@ -343,10 +390,11 @@ class SpecDataModule(L.LightningDataModule):
             unknown = sorted(set(weights) - set(self._domains))
             if unknown:
                 raise ValueError(f"domain weights name unknown domains {unknown}; the domains are {self._domains}.")
-            if not any(weights.get(e["domain"], 0.0) > 0 for e in self.train_dataset):
+            train_domains = set(self.train_domains())
+            if not any(weights.get(d, 0.0) > 0 for d in train_domains):
                 raise ValueError(
                     f"domain weights {weights} give every training example weight 0; give a positive weight to "
-                    f"one of the training domains {sorted({e['domain'] for e in self.train_dataset})}."
+                    f"one of the training domains {sorted(train_domains)}."
                 )
         self._domain_weights = weights
 
@@ -359,7 +407,7 @@ class SpecDataModule(L.LightningDataModule):
         if self._domain_weights is None:
             return None
         self._require_setup("sample_weights")
-        return example_weights(self.train_dataset, self._domain_weights)
+        return example_weights(self.train_domains(), self._domain_weights)
 
     def state_dict(self) -> dict[str, Any]:
         return {"domain_weights": self._domain_weights}
@@ -399,17 +447,18 @@ class SpecDataModule(L.LightningDataModule):
         )
 
 
-def _finalize(examples: list[dict], domain_id: dict[str, int]) -> list[dict]:
-    """Tensors, a domain id and the example's index in its split (the feature-cache key)."""
-    return [
-        {
-            "input_ids": torch.tensor(e["input_ids"], dtype=torch.long),
-            "loss_mask": torch.tensor(e["loss_mask"], dtype=torch.bool),
-            "domain_id": domain_id[e["domain"]],
-            "domain": e["domain"],
-            "index": index,
-            "id": e["id"],
-        }
-        for index, e in enumerate(examples)
-    ]
+class _Tokenize:
+    """One conversation -> the tokenised set's columns (``data/tokenized.py``): ids and the loss mask on every
+    assistant turn, truncated to ``max_length``; no assistant token within it: empty ids (dropped). A class, not a
+    closure, so ``datasets.map`` can send it to worker processes."""
+
+    def __init__(self, tokenizer: Any, max_length: int, template_kwargs: dict[str, Any]) -> None:
+        self.tokenizer, self.max_length, self.template_kwargs = tokenizer, max_length, template_kwargs
+
+    def __call__(self, row: dict) -> dict:
+        enc = tokenize_conversation(self.tokenizer, row["messages"], self.max_length, **self.template_kwargs)
+        useful = any(enc["loss_mask"])  # the assistant must speak within max_length, or there is nothing to learn
+        return {"id": row["id"], "domain": row["domain"], "key": first_user(row),
+                "input_ids": enc["input_ids"] if useful else [],
+                "loss_mask": [bool(m) for m in enc["loss_mask"]] if useful else []}
 

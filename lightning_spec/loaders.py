@@ -91,7 +91,7 @@ class DomainSampler(DistributedSampler):
         self.epoch += 1  # without set_epoch calls, the next pass still differs
         if self.replay is not None:
             (self.drawn_with,), self.replay = self.replay, None
-            weights = example_weights(self.datamodule.train_dataset, self.drawn_with)
+            weights = example_weights(self.datamodule.train_domains(), self.drawn_with)
         else:
             self.drawn_with, weights = self.datamodule.domain_weights, self.datamodule.sample_weights()
         n = len(self.datamodule.train_dataset)
@@ -147,11 +147,11 @@ class TrainLoader(DataLoader):
         self._resume = dict(state_dict)
 
 
-def example_weights(examples: list[dict], domain_weights: dict[str, float] | None) -> torch.Tensor | None:
-    """(len(examples),) float64: the weight of each example's domain (0 if unnamed); None for None (shuffle)."""
+def example_weights(domains: list[str], domain_weights: dict[str, float] | None) -> torch.Tensor | None:
+    """(len(domains),) float64: the weight of each example's domain (0 if unnamed); None for None (shuffle)."""
     if domain_weights is None:
         return None
-    return torch.tensor([domain_weights.get(e["domain"], 0.0) for e in examples], dtype=torch.double)
+    return torch.tensor([domain_weights.get(d, 0.0) for d in domains], dtype=torch.double)
 
 
 def check_val_check_interval(trainer: Any, loader: DataLoader) -> None:

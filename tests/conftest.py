@@ -8,6 +8,10 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+if "LIGHTNING_SPEC_DATA_CACHE" not in os.environ:  # tokenised sets of this run's test data: not the user's cache
+    import tempfile
+
+    os.environ["LIGHTNING_SPEC_DATA_CACHE"] = tempfile.mkdtemp(prefix="lightning-spec-data-")
 
 from types import SimpleNamespace  # noqa: E402
 

@@ -226,7 +226,7 @@ def test_held_out_prompts_are_dropped_from_training(tiny_tok, tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [leaked, *chat_rows(20)])
     dm = SpecDataModule(tokenizer=tiny_tok, train_sources=[path], eval_sources=["mt-bench"], val_fraction=0.2)
     dm.setup("fit")
-    ids = [e["id"] for e in dm.train_dataset + dm.val_dataset]
+    ids = [e["id"] for e in [*dm.train_dataset, *dm.val_dataset]]
     assert "leak" not in ids and len(ids) == 20
     assert not {e["id"] for e in dm.train_dataset} & {e["id"] for e in dm.val_dataset}
     assert len(dm.val_dataset) == 4
@@ -384,3 +384,72 @@ def test_train_loader_resumes_the_order_drawn_before_the_weights_changed(tiny_to
     assert [b["index"].tolist() for b in resumed] == full[2:]  # the interrupted order, not one with chat only
     resumed.sampler.set_epoch(1)
     assert {dm.train_dataset[i]["domain"] for b in resumed for i in b["index"].tolist()} == {"chat"}  # then the new
+
+
+# ------------------------------------------------------------------------------------- the tokenised set
+
+
+def test_a_second_data_module_loads_the_tokenised_set_instead_of_tokenising(tiny_tok, tmp_path, monkeypatch):
+    """Tokenising runs once per sources + tokenizer + max_length (datasets.map, saved as Arrow); the next run loads
+    it, identical example for example, and a changed file is tokenised again."""
+    import lightning_spec.datamodule as datamodule_module
+
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, chat_rows(12))
+
+    def build():
+        dm = SpecDataModule(tokenizer=tiny_tok, train_sources=[str(path)], eval_sources=[], max_length=64)
+        dm.prepare_data()
+        dm.setup("fit")
+        return dm
+
+    first = build()
+    calls = []
+    real = datamodule_module.tokenize_conversation
+    monkeypatch.setattr(datamodule_module, "tokenize_conversation", lambda *a, **k: calls.append(1) or real(*a, **k))
+    second = build()
+    assert calls == []  # loaded, not tokenised
+    assert second.fingerprint == first.fingerprint
+    for a, b in zip([*first.train_dataset, *first.val_dataset], [*second.train_dataset, *second.val_dataset]):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert a["id"] == b["id"] and a["index"] == b["index"] and a["domain_id"] == b["domain_id"]
+    write_jsonl(path, chat_rows(13))  # another file: another set
+    third = build()
+    assert len(calls) == 13 and third.fingerprint != first.fingerprint
+
+
+def test_tokenising_in_several_processes_gives_the_same_set(tiny_tok, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", chat_rows(20))
+    one, two = (SpecDataModule(tokenizer=tiny_tok, train_sources=[path], eval_sources=[], max_length=64, num_proc=n,
+                               seed=3) for n in (1, 2))
+    two._cache_key = lambda: "another-key"  # noqa: B023 (not the first one's cached set)
+    one.setup("fit")
+    two.setup("fit")
+    assert [e["input_ids"].tolist() for e in one.train_dataset] == [e["input_ids"].tolist() for e in two.train_dataset]
+    assert one.fingerprint == two.fingerprint
+
+
+def test_chat_template_arguments_reach_training_conversations_and_eval_prompts(tiny_tok, tmp_path):
+    import copy
+
+    tok = copy.deepcopy(tiny_tok)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{{ mood | default('') }}{% endif %}"
+                         "{{ '' if add_generation_prompt else mood | default('') }}")
+    path = write_jsonl(tmp_path / "t.jsonl", chat_rows(6))
+    dm = SpecDataModule(tokenizer=tok, train_sources=[path], eval_sources=["mt-bench"], max_length=96,
+                        eval_prompts_per_domain=1, chat_template_kwargs={"mood": "[calm]"})
+    dm.setup("fit")
+    assert tok.decode(dm.eval_prompts()[0]["prompt_ids"]).endswith("assistant\n[calm]")
+    assert tok.decode(dm.train_dataset[0]["input_ids"]).endswith("[calm]")
+    plain = SpecDataModule(tokenizer=tok, train_sources=[path], eval_sources=["mt-bench"], max_length=96)
+    plain.setup("fit")
+    assert plain.fingerprint != dm.fingerprint  # another template rendering: another set
+
+
+def test_a_streamed_source_reads_only_what_the_limit_asks_for(tmp_path):
+    rows = chat_rows(50)
+    path = write_jsonl(tmp_path / "big.jsonl", rows)
+    streamed = load_source(Source(path, streaming=True, limit=3))
+    assert [r["messages"] for r in streamed.to_list()] == [r["messages"] for r in rows[:3]]
+    assert isinstance(sources_module._load_ordinary(Source(path, streaming=True)), datasets.IterableDataset)

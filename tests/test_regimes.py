@@ -66,7 +66,7 @@ class NeedsReference(Objective):
 def test_the_reference_drafter_is_the_frozen_start_at_the_same_anchors(trained):  # noqa: F811
     module, path, dm = trained
     child = DraftModule(drafter_like(), NeedsReference(KL()), target="tiny-random", init_from=str(path))
-    batch = child.seeded(next(iter(torch.utils.data.DataLoader(dm.train_dataset[:4], batch_size=4,
+    batch = child.seeded(next(iter(torch.utils.data.DataLoader([dm.train_dataset[i] for i in range(4)], batch_size=4,
                                                                collate_fn=dm._collate))), 0)
     draft, _ = child.draft_step(batch, use_cache=False)
     assert torch.allclose(draft.reference_logits, draft.logits.detach())  # nothing trained yet

@@ -10,9 +10,9 @@ of the examples drawn whatever its size, so the data module is handed per-exampl
 When the weights take effect: the sampler reads them once per epoch, when the epoch's first batch is fetched.
 Weights set at a validation therefore steer the *next* epoch; validating several times per epoch
 (``val_check_interval``) only smooths several times before any of them is used. Validate at epoch ends
-(``check_val_every_n_epoch``). The evaluation ``SpecDecodeValidation`` runs before training (``before_training``)
-sets the first epoch's weights: they are applied at the first ``on_train_epoch_start``, which follows every
-callback's ``on_train_start`` and precedes the first batch.
+(``check_val_every_n_epoch``). The evaluation ``SpecDecodeValidation`` runs before training (``before_training``, in
+its ``on_fit_start``) sets the first epoch's weights: they are applied at the first ``on_train_epoch_start``, which
+precedes the first batch.
 
 Under DDP the MALs it reads were already all-reduced by the validation callback, so every rank computes the same
 weights; they are still broadcast from rank 0 so that every rank's sampler is guaranteed to draw the same order.
@@ -149,7 +149,7 @@ class DomainReweighting(MetricsCallback):
             raise ValueError(
                 "DomainReweighting needs a SpecDataModule (it sets its domain weights); fit with data: / datamodule=."
             )
-        self._sizes = dict(Counter(e["domain"] for e in dm.train_dataset))
+        self._sizes = dict(Counter(dm.train_domains()))
         self._domains = sorted(self._sizes)
         n = len(self._domains)
         self._check_floor(n)
@@ -173,8 +173,8 @@ class DomainReweighting(MetricsCallback):
             )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # SpecDecodeValidation evaluates in its own on_train_start, which may run after this one (callback order):
-        # read its metrics at the first epoch start instead, which every on_train_start precedes.
+        # a fresh fit: apply the weights of the evaluation before training (SpecDecodeValidation's on_fit_start) at
+        # the first epoch start, when the sampler is about to draw
         self._initial_pending = trainer.global_step == 0
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -111,14 +111,14 @@ class OnPolicyRollouts(MetricsCallback):
             )
         random.Random(self.seed).shuffle(prompts)
         self.prompts = prompts
-        dm.on_policy = True  # the module caches no features of a changing buffer
+        dm.announce_replay_buffer()  # before the module sets up: it opens no feature store for a changing buffer
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if len(self.buffer) != self.buffer_size:  # a fresh run (a resumed one restored its buffer)
             self.buffer = self._rollouts(trainer, pl_module, self.buffer_size)
             self.cursor = 0
             self.last_refresh = trainer.global_step
-        trainer.datamodule.train_dataset[:] = self.buffer  # in place: the sampler reads this list
+        trainer.datamodule.use_replay_buffer(self.buffer)  # refreshed in place below: the sampler reads this list
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step

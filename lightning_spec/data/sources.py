@@ -59,12 +59,15 @@ class Source:
         limit: read at most this many usable conversations (the first ones, in file order); None = the
             data module's default.
         split: the split to read from a hub data set or a folder.
+        streaming: read a hub data set (or a local file) row by row instead of downloading (preparing) it whole: only
+            the first ``limit`` usable conversations are ever fetched, for sets larger than the disk or memory.
     """
 
     name: str
     domain: str | None = None
     limit: int | None = None
     split: str = "train"
+    streaming: bool = False
 
 
 def as_source(source: Source | str | dict) -> Source:
@@ -255,7 +258,7 @@ def _is_blank(path: Path, head: int = 1 << 16) -> bool:
     return len(data) < head and not data.strip()
 
 
-def _load_ordinary(source: Source) -> datasets.Dataset:
+def _load_ordinary(source: Source) -> datasets.Dataset | datasets.IterableDataset:
     """A local file/folder or a hub data set, through ``datasets`` (the hub only when the name is no path)."""
     path = Path(source.name).expanduser()
     builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -270,7 +273,8 @@ def _load_ordinary(source: Source) -> datasets.Dataset:
             # datasets' JSON builder dies with a bare StopIteration on an empty file: treat it as zero rows,
             # so the data module reports "gave no usable conversations" and names the source.
             return datasets.Dataset.from_dict({"messages": []})
-        return _read_local(source, [path], lambda: datasets.load_dataset(builder, data_files=str(path), split="train"))
+        return _read_local(source, [path], lambda: datasets.load_dataset(builder, data_files=str(path), split="train",
+                                                                         streaming=source.streaming))
     if path.is_dir():
         if (path / "rollouts.json").is_file() or (path / "shards" / "run.json").is_file():
             raise ValueError(
@@ -278,7 +282,8 @@ def _load_ordinary(source: Source) -> datasets.Dataset:
                 "as a data.train_sources entry or as the rollouts of offline evaluation."
             )
         files = sorted(p for p in path.rglob("*") if p.suffix.lower() in (".json", ".jsonl"))
-        return _read_local(source, files, lambda: datasets.load_dataset(str(path), split=source.split))
+        return _read_local(source, files, lambda: datasets.load_dataset(str(path), split=source.split,
+                                                                        streaming=source.streaming))
     looks_like_path = source.name.startswith((".", "/", "~")) or path.suffix.lower() in builders
     if looks_like_path or source.name.count("/") > 1 or not source.name.strip():
         raise ValueError(
@@ -286,7 +291,7 @@ def _load_ordinary(source: Source) -> datasets.Dataset:
             "file or folder; fix the name or the path."
         )
     try:
-        return datasets.load_dataset(source.name, split=source.split)
+        return datasets.load_dataset(source.name, split=source.split, streaming=source.streaming)
     except Exception as err:  # offline, unknown id, no such split: one sentence, with the cause attached
         raise ValueError(
             f"data source '{source.name}' is not a packaged name ({', '.join(PACKAGED)}), not an existing file or "
@@ -334,8 +339,11 @@ def _bad_json_line(path: Path) -> tuple[int, str] | None:
     return None
 
 
-def _ordinary_rows(source: Source, dataset: datasets.Dataset) -> Iterator[dict]:
-    columns = set(dataset.column_names)
+def _ordinary_rows(source: Source, dataset: datasets.Dataset | datasets.IterableDataset) -> Iterator[dict]:
+    names = dataset.column_names
+    if names is None:  # a stream whose columns are only known from its first row
+        names = list(next(iter(dataset), {}).keys())
+    columns = set(names)
     if "messages" in columns:
         key, role_key, content_key = "messages", "role", "content"
     elif "conversations" in columns:
