@@ -127,3 +127,38 @@ def test_the_table_is_printed_after_the_progress_bar_stopped(tmp_path, command, 
     end = out.index("\n", out.rindex("-> speedup"))  # the table's last line
     assert "│ all " in out[title:end]
     assert bar not in out[end:] and "━" not in out[end:], out[end:]
+    if command == "fit":  # the steps the budget bought, and which budget ended training
+        assert "training: 6 optimizer steps (trainer.max_steps=6 reached; decoding before and after not" in out[end:]
+
+
+def test_decoding_before_training_takes_none_of_the_max_time_budget(tmp_path, monkeypatch):
+    """The evaluation before training runs in on_fit_start, before Lightning's Timer starts the training clock at
+    on_train_start: with max_time, the untrained drafter's decoding is not paid for with training steps."""
+    import time
+
+    from lightning.pytorch.callbacks import Timer
+
+    from lightning_spec.cli import run_cli
+
+    ended: list[float] = []
+    evaluate = SpecDecodeValidation.evaluate
+
+    def timed(self, trainer, module, before_training=False):
+        metrics = evaluate(self, trainer, module, before_training=before_training)
+        if before_training:
+            ended.append(time.monotonic())
+        return metrics
+
+    monkeypatch.setattr(SpecDecodeValidation, "evaluate", timed)
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+
+    class Spy(Timer):  # the Timer max_time makes, observed when training ends
+        def on_train_end(self, trainer, pl_module):
+            super().on_train_end(trainer, pl_module)
+            seen["start"] = self.start_time("train")
+
+    monkeypatch.setattr("lightning.pytorch.trainer.connectors.callback_connector.Timer", Spy)
+    run_cli(["fit", "-c", str(TINY), "--trainer.logger=false", "--trainer.max_time=00:00:10:00",
+             "--trainer.max_steps=2", "--trainer.enable_progress_bar=false"], exit_on_error=False)
+    assert ended and seen["start"] >= ended[0]  # the training clock started after the evaluation ended

@@ -165,7 +165,7 @@ def test_trial_reporter_reports_fresh_values_at_the_global_step_and_prunes():
     reporter = TrialReporter(trial, "val/mal")
     trainer = SimpleNamespace(callback_metrics={"val/mal": torch.tensor(1.0)}, global_step=0, sanity_checking=False,
                               state=SimpleNamespace(fn="fit"))
-    reporter.on_validation_start(trainer, None)  # the value logged before training, by on_train_start
+    reporter.on_validation_start(trainer, None)  # the value logged before training (on_fit_start)
     trainer.global_step = 3
     reporter.on_validation_end(trainer, None)  # this validation did not write val/mal: nothing reported
     assert study.trials[0].intermediate_values == {}

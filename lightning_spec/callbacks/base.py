@@ -10,8 +10,9 @@ logging does not carry them. ``MetricsCallback`` gives them one way to
   checkpoints, other callbacks and a sweep's reporter read) and into every logger on rank 0, at their step;
 - declare the per-domain MAL they log (``mal_prefixes``), which is how ``DomainReweighting`` finds its producer.
 
-``EvaluationCallback`` adds when an evaluation runs: once before training (``before_training``), after every
-validation (never the sanity check), and when training ends if its last steps were not evaluated.
+``EvaluationCallback`` adds when an evaluation runs: once before training (``before_training``, outside the
+``max_time`` budget), after every validation (never the sanity check), and when training ends if its last steps were
+not evaluated.
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ class EvaluationCallback(MetricsCallback):
         if trainer.is_global_zero:
             print(f"[{self.name}] step {step}: {self.headline(metrics, seconds)}", file=sys.stderr)
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.before_training and trainer.global_step == 0:  # not on resume
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The evaluation before training runs here, before Lightning's ``Timer`` starts the ``max_time`` clock at
+        ``on_train_start``: decoding with an untrained drafter takes none of the training budget, so runs compare at
+        the steps their budget buys. A resumed fit (its history restored from the checkpoint) does not repeat it."""
+        if self.before_training and not self.history and trainer.ckpt_path is None:
             self.measure(trainer, pl_module, step=0, before_training=True)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

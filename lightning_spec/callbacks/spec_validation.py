@@ -151,6 +151,8 @@ class SpecDecodeValidation(EvaluationCallback):
         if trainer.is_global_zero and self.history:
             before = self.history[0][1] if stage == "fit" and self.before_training and self.history[0][0] == 0 else None
             print_table(self.history[-1][1], before, self.sampling)
+            if stage == "fit":
+                print(training_summary(trainer))
 
 
 def print_table(after: dict[str, float], before: dict[str, float] | None, samplings: list[SamplingConfig]) -> None:
@@ -183,3 +185,21 @@ def print_table(after: dict[str, float], before: dict[str, float] | None, sampli
             f"speculative {after['val/tokens_per_s']:.1f} tok/s vs plain {after['val/plain_tokens_per_s']:.1f} tok/s "
             f"-> speedup {after['val/speedup']:.2f}x (greedy, same prompts, same process)"
         )
+
+
+def training_summary(trainer: L.Trainer) -> str:
+    """One line: the optimizer steps the fit reached, in how much training time, and which budget ended it (runs
+    compare at equal steps; a time budget buys a machine-dependent number of them)."""
+    from lightning.pytorch.callbacks import Timer
+
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    seconds = timer.time_elapsed("train") if timer is not None else None
+    spent = f" in {seconds:.0f} s of training" if seconds is not None else ""
+    limit = trainer.max_steps
+    if limit is not None and limit > 0 and trainer.global_step >= limit:
+        why = f"trainer.max_steps={limit} reached"
+    elif timer is not None and timer.time_remaining("train") is not None and timer.time_remaining("train") <= 0:
+        why = f"trainer.max_time ended it before max_steps={limit}" if limit and limit > 0 else "trainer.max_time"
+    else:
+        why = "the epochs ended" if trainer.max_epochs else "stopped"
+    return f"training: {trainer.global_step} optimizer steps{spent} ({why}; decoding before and after not counted)"
