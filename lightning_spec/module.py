@@ -31,12 +31,13 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_spec.assets import cache_dir
 from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record, init_weights
 from lightning_spec.drafters.base import Drafter, DraftOutput
-from lightning_spec.features.store import FeatureStore, StoreSpec, check_holds, dtype_name
+from lightning_spec.features.store import FeatureStore, StoreSpec, check_holds, dtype_name, human
 from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.schedule import TrainingClock
@@ -229,6 +230,9 @@ class DraftModule(L.LightningModule):
         rank = self.trainer.global_rank if self._trainer is not None else 0
         store = FeatureStore.open(directory, spec, writer=f"rank{rank}")
         check_holds(store.spec, self.objective.needs_target, type(self.objective).__name__, directory)
+        if directory is not None:
+            rank_zero_info(f"feature store {directory}: {len(store)} of {examples} training examples stored "
+                           f"({human(store.disk_bytes())}); the first epoch writes the rest as it computes them")
         return store
 
     def configure_model(self) -> None:

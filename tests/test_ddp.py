@@ -1,4 +1,5 @@
-"""DDP: 2 CPU ranks (gloo) train exactly like 1 process with the doubled batch.
+"""DDP: 2 CPU ranks (gloo) train exactly like 1 process with the doubled batch, each rank storing the features of
+the examples it trains on in a shared feature store.
 
 Both runs are real `lightning-spec fit` subprocesses on the tiny target (12 training examples, so 3 optimizer
 steps per epoch and 5 steps cross an epoch boundary), logging to their own SQLite MLflow store; `fit_probe.Probe`
@@ -23,11 +24,12 @@ def probe(out: Path) -> str:
 def runs(tmp_path_factory):
     """One process with batch 4, and 2 DDP ranks with batch 2 each."""
     tmp = tmp_path_factory.mktemp("ddp")
-    common = [f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=3"]
+    common = [f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=3", "--model.feature_cache=disk"]
     one, two = fits_together([
-        (tmp / "one", [*common, "--data.batch_size=4", probe(tmp / "one" / "probe")]),
+        (tmp / "one", [*common, "--data.batch_size=4", probe(tmp / "one" / "probe"),
+                       f"--model.feature_store={tmp / 'one' / 'store'}"]),
         (tmp / "two", [*common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
-                       probe(tmp / "two" / "probe")]),
+                       probe(tmp / "two" / "probe"), f"--model.feature_store={tmp / 'two' / 'store'}"]),
     ])
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
@@ -52,6 +54,26 @@ def test_two_ranks_split_every_batch_of_one_process(runs):
     epoch0 = [i for s in r1["batches"][:3] for i in s["index"]]
     assert sorted(epoch0) == list(range(12))  # 3 steps of 4 = one shuffled epoch of the 12 training examples
     assert [i for s in r1["batches"][3:] for i in s["index"]] != epoch0[:8]  # set_epoch: epoch 1 reshuffles
+
+
+def test_each_rank_stores_the_features_of_its_own_examples_once(runs):
+    """Epoch 0 (3 steps) writes every example's features once, each rank those of its share (its own shards); epoch 1
+    reads them back, whichever rank wrote them: the rest of this file checks the training equals one process."""
+    from safetensors import safe_open
+
+    from lightning_spec.features.store import FeatureStore, read_spec
+
+    _, two = runs
+    written: dict[str, list[int]] = {}
+    for shard in sorted((two / "store" / "shards").glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            written.setdefault(shard.name.split("-")[0], []).extend(f.get_tensor("index").tolist())
+    assert set(written) == {"rank0", "rank1"}  # both ranks wrote
+    (a, _), (b, _) = load(two, 0), load(two, 1)
+    assert sorted(written["rank0"]) == sorted({i for s in a["batches"][:3] for i in s["index"]})  # its own share
+    assert sorted(written["rank1"]) == sorted({i for s in b["batches"][:3] for i in s["index"]})
+    assert sorted(written["rank0"] + written["rank1"]) == list(range(12))  # each example once
+    assert len(FeatureStore.open(two / "store", read_spec(two / "store"))) == 12
 
 
 def test_two_ranks_give_the_loss_curve_and_drafter_of_one_process(runs):

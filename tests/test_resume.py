@@ -14,6 +14,7 @@ import torch
 from fit_probe import TINY, callback, fit, metric_history, mlflow_runs
 
 from lightning_spec.cli import run_cli
+from lightning_spec.features.store import FeatureStore, read_spec
 from lightning_spec.tracking import MLFLOW_RUN_KEY
 
 STEPS = 8
@@ -44,7 +45,11 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 def test_killed_run_resumes_from_last_ckpt_into_the_same_mlflow_run(uninterrupted, tmp_path):
-    killed = fit(tmp_path, *COMMON, callback("fit_probe.KillAt", step=6))
+    """The killed and resumed run keep their features in a feature store (the uninterrupted one in memory): what
+    was stored before the kill is read back, nothing is computed twice, and the drafter is the same."""
+    store = tmp_path / "store"
+    killed = fit(tmp_path, *COMMON, callback("fit_probe.KillAt", step=6), "--model.feature_cache=disk",
+                 f"--model.feature_store={store}")
     assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL after step 6, before step 7
     (last,) = tmp_path.rglob("last.ckpt")
     ckpt = torch.load(last, map_location="cpu", weights_only=False)
@@ -54,7 +59,10 @@ def test_killed_run_resumes_from_last_ckpt_into_the_same_mlflow_run(uninterrupte
     client, (run,) = mlflow_runs(tmp_path)
     assert run.info.status == "RUNNING" and ckpt[MLFLOW_RUN_KEY] == run.info.run_id  # died without finishing
 
-    resumed = fit(tmp_path, *COMMON, f"--ckpt_path={last}")
+    shards = sorted((store / "shards").glob("*.safetensors"))
+    assert len(FeatureStore.open(store, read_spec(store))) == 12  # flushed at the end of epoch 0 and at checkpoints
+    resumed = fit(tmp_path, *COMMON, f"--ckpt_path={last}", "--model.feature_cache=disk",
+                  f"--model.feature_store={store}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "not resumable" not in resumed.stderr  # Lightning restarts a non-stateful loader's epoch and warns
     client, runs = mlflow_runs(tmp_path)
@@ -71,6 +79,7 @@ def test_killed_run_resumes_from_last_ckpt_into_the_same_mlflow_run(uninterrupte
     assert len({round(v, 3) for _, v in metric_history(tmp_path, "train/loss")}) > 4  # the loss moves
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == STEPS  # rewritten at the end
     assert_same_drafter(drafter_state(last), drafter_state(uninterrupted / "steps" / f"step={STEPS}.ckpt"))
+    assert sorted((store / "shards").glob("*.safetensors")) == shards  # the resumed run computed no feature again
 
 
 @pytest.mark.parametrize(("step", "trained"), [(3, {"epoch": 0, "batches": 3}), (4, {"epoch": 1, "batches": 1})],

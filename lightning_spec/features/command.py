@@ -17,16 +17,8 @@ from typing import Any
 
 import torch
 
-from lightning_spec.features.store import FeatureStore
+from lightning_spec.features.store import FeatureStore, human
 from lightning_spec.progress import progress_bar
-
-
-def human(size: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} TB"
 
 
 @torch.no_grad()

@@ -60,6 +60,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def human(size: float) -> str:
+    """A byte count for people: 752.3 MB."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
 @dataclass
 class StoreSpec:
     """What a store holds. ``key`` names its folder under the cache; the ``_MATCH`` fields must agree for a fit to
