@@ -18,8 +18,12 @@ from lightning_spec import SamplingConfig, generate
 
 
 class StandIn:
-    def __init__(self, target: Any, model: str = "standin", token_ids: bool = True, delay: float = 0.02) -> None:
+    def __init__(self, target: Any, model: str = "standin", token_ids: bool = True, delay: float = 0.02,
+                 prefill_cost: float = 0.0, token_cost: float = 0.0) -> None:
         self.target, self.model, self.token_ids, self.delay = target, model, token_ids, delay
+        # simulated costs, paid one request at a time: seconds per prompt token not in the prefix cache (a prompt
+        # seen before costs nothing, as in vLLM), seconds per generated token
+        self.prefill_cost, self.token_cost, self.cached = prefill_cost, token_cost, set()
         self.in_flight = self.most_in_flight = self.requests = 0
         self.lock, self.decode_lock = threading.Lock(), threading.Lock()
         self.server: ThreadingHTTPServer | None = None
@@ -37,6 +41,10 @@ class StandIn:
                                       top_k=max(int(body.get("top_k") or 0), 0))
             with self.decode_lock:  # one decode at a time on the shared target
                 out = generate(self.target, body["prompt"], body["max_tokens"], sampling, seed=body.get("seed"))
+                if tuple(body["prompt"]) not in self.cached:
+                    self.cached.add(tuple(body["prompt"]))
+                    time.sleep(self.prefill_cost * len(body["prompt"]))
+                time.sleep(self.token_cost * len(out.tokens))
         finally:
             with self.lock:
                 self.in_flight -= 1

@@ -312,6 +312,24 @@ def test_cli_writes_a_rollouts_folder(tmp_path, monkeypatch, capsys):
     assert exit_.value.code == 2 and "choose another --out" in capsys.readouterr().err
 
 
+def test_more_prompts_per_source_keep_the_smaller_selection_as_their_prefix(tiny_target, tmp_path):
+    """400 then 600 prompts of a large source (pools of 4000 and 6000 rows, a length cap in between): the 600 start
+    with the 400, so a regeneration extended from 400 to 600 draws only new prompts. (A shuffle of the whole pool
+    kept 20 of 400.)"""
+    from lightning_spec.data.prompts import select_prompts
+
+    rows = [{"id": str(i), "messages": [{"role": "user", "content": "word " * (1 + i % 29)}], "domain": "chat"}
+            for i in range(6500)]
+    source = write_jsonl(tmp_path / "many.jsonl", rows)
+
+    def ids(n: int) -> list[str]:
+        return [p["id"] for p in select_prompts(tiny_target.tokenizer, [source], n, seed=0, max_prompt_tokens=100)]
+
+    small, large = ids(400), ids(600)
+    assert large[:400] == small and len(set(large)) == 600
+    assert small != sorted(small, key=int)  # still shuffled
+
+
 def test_select_prompts_skips_prompts_longer_than_max_prompt_tokens(tiny_target, tmp_path):
     from lightning_spec.data.prompts import select_prompts
 

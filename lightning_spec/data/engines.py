@@ -302,12 +302,16 @@ class ServerEngine(Engine):
     def probe(self, prompts, sampling, eos_ids):
         stop = sorted(set(eos_ids))
         batch = prompts[: min(self.concurrency, 8)]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(len(batch)) as pool:
-            list(pool.map(lambda p: self.complete(p, sampling, 1, 0, stop), batch))
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        with ThreadPoolExecutor(len(batch)) as pool:
-            made = sum(len(r) for r, _ in pool.map(lambda p: self.complete(p, SamplingConfig(), 16, 0, stop), batch))
-        per_token = max(time.perf_counter() - start - prefill, 0.0) / max(made, 1)
+
+        def timed(max_tokens: int) -> tuple[float, int]:
+            start = time.perf_counter()
+            with ThreadPoolExecutor(len(batch)) as pool:
+                made = sum(len(r) for r, _ in pool.map(lambda p: self.complete(p, SamplingConfig(), max_tokens, 0,
+                                                                                stop), batch))
+            return time.perf_counter() - start, made
+
+        prefill, _ = timed(1)  # the prompts' first prefill
+        again, first = timed(1)  # the same prompts again: what a repeated prefill costs (~0 with a prefix cache)
+        total, made = timed(17)  # the same prompts, 16 more tokens each (fewer where EOS comes first)
+        per_token = max(total - again, 1e-6) / max(made - first, 1)
         return prefill / max(sum(map(len, batch)), 1), per_token

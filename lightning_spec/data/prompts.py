@@ -31,10 +31,27 @@ def first_user(row: dict) -> str:
     return normalize_text(next((m["content"] for m in row["messages"] if m["role"] == "user"), ""))
 
 
-def round_robin(rows: Sequence[dict], count: int, seed: int) -> list[dict]:
-    """The first ``count`` rows after a seeded shuffle, taken in turn from each subdomain."""
+SHUFFLE_BLOCK = 1000  # rollout prompts are shuffled within blocks of this many source rows
+
+
+def blockwise_shuffle(rows: Sequence[dict], seed: int) -> list[dict]:
+    """``rows`` shuffled within consecutive blocks of ``SHUFFLE_BLOCK`` (block 0 seeded with ``seed``, as a set of
+    at most 1000 rows always was; block b with ``"seed:b"``): rows read in whole blocks from a source come out in
+    the same order whatever the number of blocks read, so a larger selection keeps a smaller one as its prefix."""
+    out: list[dict] = []
+    for b, lo in enumerate(range(0, len(rows), SHUFFLE_BLOCK)):
+        block = list(rows[lo : lo + SHUFFLE_BLOCK])
+        random.Random(seed if b == 0 else f"{seed}:{b}").shuffle(block)
+        out += block
+    return out
+
+
+def round_robin(rows: Sequence[dict], count: int, seed: int | None) -> list[dict]:
+    """The first ``count`` rows after a seeded shuffle (none with ``seed=None``), taken in turn from each
+    subdomain."""
     rows = list(rows)
-    random.Random(seed).shuffle(rows)
+    if seed is not None:
+        random.Random(seed).shuffle(rows)
     queues: dict[str, list[dict]] = {}
     for row in rows:
         queues.setdefault(row["subdomain"], []).append(row)
@@ -82,9 +99,10 @@ def select_prompts(
 ) -> list[dict]:
     """Prompts from each source: the conversation up to its first assistant turn, chat-templated with the
     generation header (as ``SpecDataModule.eval_prompts``), ``prompts_per_source`` per source spread over its
-    subdomains (seeded shuffle, then round-robin: MT-Bench's 8 categories all appear in 8 prompts). A larger
-    ``prompts_per_source`` keeps the smaller selection as its prefix, so extending a rollouts run only adds.
-    At most ``max(1000, 10 × prompts_per_source)`` conversations are read per source unless it sets ``limit``.
+    subdomains (a seeded shuffle within blocks of 1000 source rows, then round-robin: MT-Bench's 8 categories all
+    appear in 8 prompts). A larger ``prompts_per_source`` keeps the smaller selection as its prefix (wherever no
+    subdomain runs out of prompts first), so extending a rollouts run only adds. ``max(1000, 10 ×
+    prompts_per_source)`` conversations, rounded up to whole blocks, are read per source unless it sets ``limit``.
     ``max_prompt_tokens`` skips longer prompts before the selection (ShareGPT openings run to thousands of
     tokens; batched decoding pads every row to the longest prompt of its batch). Each prompt also carries the source
     conversation's ``messages`` (its later user turns, for multi-turn regeneration); ``chat_template_kwargs`` reach
@@ -100,8 +118,10 @@ def select_prompts(
         return ids[k, row["id"]]
 
     for k, source in enumerate(as_source(s) for s in sources):
-        pool = None if prompts_per_source is None else max(1000, 10 * prompts_per_source)
-        rows = load_source(source, limit=pool).to_list()
+        pool = None if prompts_per_source is None else -(-max(1000, 10 * prompts_per_source) // SHUFFLE_BLOCK)
+        rows = load_source(source, limit=None if pool is None else pool * SHUFFLE_BLOCK).to_list()
+        if prompts_per_source is not None:
+            rows = blockwise_shuffle(rows, seed)  # before the length filter: the blocks are the source's rows
         if not rows:
             raise ValueError(f"--sources[{k}] ('{source.name}') gave no usable prompts; check the name or path.")
         if max_prompt_tokens is not None:
@@ -111,7 +131,7 @@ def select_prompts(
                     f"--sources[{k}] ('{source.name}') has no prompt of at most --max_prompt_tokens="
                     f"{max_prompt_tokens} tokens; raise it."
                 )
-        picked = rows if prompts_per_source is None else round_robin(rows, prompts_per_source, seed)
+        picked = rows if prompts_per_source is None else round_robin(rows, prompts_per_source, None)
         for row in picked:
             if row["id"] in seen:  # the same conversation twice (ShareGPT repeats some ids)
                 continue
