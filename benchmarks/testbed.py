@@ -5,7 +5,7 @@ whether speculative decoding pays (``make testbed``, about an hour on 2 cores).
     .venv/bin/python benchmarks/testbed.py --prompts 200 --steps 300 --out testbed-small
 
 Each step writes into ``--out`` and is skipped when its output is there, so a killed recipe rerun continues (the
-rollouts and the store also resume within a step):
+rollouts and the store also resume within a step; the speed measurement always runs, unless ``--no-speed``):
 
 1. ``mtbench-greedy``: the target's greedy answers to the 80 MT-Bench prompts (``--eval-tokens`` each), drawn by our
    own engine so that they are exactly what plain greedy decoding gives: the exact offline evaluation's rollouts;
@@ -108,9 +108,12 @@ def main() -> None:
     parser.add_argument("--python", default=str(ROOT / ".venv-serve" / "bin" / "python"), help="the serving venv's")
     parser.add_argument("--port", type=int, default=8012)
     parser.add_argument("--compare-sharegpt", action="store_true", help="also train on ShareGPT's answers")
+    parser.add_argument("--no-speed", action="store_true", help="skip step 6 (it wants a machine doing nothing else)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
-    logs, summary = out / "logs", {"cpu": cpu_name()}
+    logs = out / "logs"
+    previous = out / "summary.json"  # a rerun keeps the figures of the steps it skips
+    summary = {**(json.loads(previous.read_text()) if previous.exists() else {}), "cpu": cpu_name()}
     overlay = ["-c", "experiments/quickstart.yaml", "-c", "experiments/testbed.yaml",
                f"--data.train_sources=[{out / 'sharegpt-regen'}]", f"--trainer.max_steps={args.steps}",
                f"--model.feature_store={out / 'features'}"]
@@ -149,14 +152,15 @@ def main() -> None:
         checkpoint.symlink_to(Path(found[-1]).resolve())
     report = out / "offline.json"
     trees = "[null, {nodes: 8, top_k: 4}, {nodes: 16, top_k: 4}, {nodes: 32, top_k: 6}]"
-    step("offline", [*LS, "evaluate", "--mode=offline", f"--rollouts={evaluation}",
+    if not report.exists() or report.stat().st_mtime < checkpoint.resolve().stat().st_mtime:
+        step("offline", [*LS, "evaluate", "--mode=offline", f"--rollouts={evaluation}",
                      f"--drafters=[{checkpoint}, {checkpoint}, {checkpoint}, {checkpoint}]",
-                     "--names=[chain, tree8, tree16, tree32]", f"--trees={trees}", f"--output={report}"], logs)
+                         "--names=[chain, tree8, tree16, tree32]", f"--trees={trees}", f"--output={report}"], logs)
     summary["offline"] = {name: arm["mal"] for name, arm in json.loads(report.read_text())["arms"].items()}
     summary["offline_accept_rate"] = json.loads(report.read_text())["arms"]["chain"]["accept_rate"]
     from lightning_spec.target import native_bf16
 
-    for dtype in ["float32"] + (["bfloat16"] if native_bf16() else []):
+    for dtype in ([] if args.no_speed else ["float32"] + (["bfloat16"] if native_bf16() else [])):
         text = step(f"speed-{dtype}", [sys.executable, "benchmarks/decode_speed.py", f"--drafter={checkpoint}",
                                        "--tree=8,4", "--no-peers", "--prompts=6", "--max-new-tokens=64",
                                        f"--dtype={dtype}"], logs)

@@ -231,8 +231,10 @@ class DraftModule(L.LightningModule):
         store = FeatureStore.open(directory, spec, writer=f"rank{rank}")
         check_holds(store.spec, self.objective.needs_target, type(self.objective).__name__, directory)
         if directory is not None:
+            rest = ("the target never runs in training" if len(store) >= examples else
+                    "the first epoch writes the rest as it computes them")
             rank_zero_info(f"feature store {directory}: {len(store)} of {examples} training examples stored "
-                           f"({human(store.disk_bytes())}); the first epoch writes the rest as it computes them")
+                           f"({human(store.disk_bytes())}); {rest}")
         return store
 
     def configure_model(self) -> None:
