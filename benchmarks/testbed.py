@@ -58,19 +58,25 @@ def step(name: str, cmd: list[str], logs: Path, env: dict | None = None) -> str:
 
 
 def sharegpt_answers(regen: Path, path: Path) -> int:
-    """ShareGPT's own first answers to the prompts the target answered in ``regen``, as a JSONL of conversations."""
+    """ShareGPT's own first answers to the prompts the target answered in ``regen``, as a JSONL of conversations,
+    each cut to the regeneration's ``max_new_tokens`` tokens as the target's answers were: equal answer budgets."""
+    from transformers import AutoTokenizer
+
     from lightning_spec.data.prompts import opening
     from lightning_spec.data.rollouts import load_rollouts
     from lightning_spec.data.sources import load_source
 
-    ids = set(load_rollouts(regen)[0]["prompt_id"])
+    ds, meta = load_rollouts(regen)
+    ids, tokenizer = set(ds["prompt_id"]), AutoTokenizer.from_pretrained(meta["tokenizer"])
     rows = []
     for row in load_source("sharegpt", limit=None):
         if row["id"] in ids:
             ids.discard(row["id"])  # ShareGPT repeats some ids: the first, as the prompt selection
             first = opening(row)
             if len(row["messages"]) > len(first):  # a conversation without an answer has nothing to compare
-                rows.append({"id": row["id"], "messages": [*first, row["messages"][len(first)]]})
+                answer = row["messages"][len(first)]
+                cut = tokenizer(answer["content"], add_special_tokens=False)["input_ids"][: meta["max_new_tokens"]]
+                rows.append({"id": row["id"], "messages": [*first, {**answer, "content": tokenizer.decode(cut)}]})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return len(rows)
 
