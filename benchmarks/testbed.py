@@ -19,8 +19,8 @@ rollouts and the store also resume within a step; the speed measurement always r
    (``decode_speed.py``, fp32 and, where the CPU multiplies bf16 natively, bf16).
 
 With ``--compare-sharegpt`` (README "Reproductions": does regeneration help?) the same drafter, objective and steps
-also train on ShareGPT's own answers to the same prompts (``sharegpt-answers.jsonl``, its own store), and the two
-are compared on ``mtbench-greedy``, paired over prompts.
+also train on ShareGPT's own answers to the same prompts, cut to the same token budget (``sharegpt-answers.jsonl``,
+its own store), and the two are compared on ``mtbench-greedy``, paired over prompts.
 
 The figures go to stdout and ``<out>/summary.json``; the logs of every step to ``<out>/logs``.
 """
