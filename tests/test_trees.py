@@ -304,7 +304,7 @@ def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_ta
           "--n_resamples", "50", "--output", "off.json", "--progress", "false"])
     assert "tree of 4 nodes (top 2)" in capsys.readouterr().out
     result = json.loads((tmp_path / "off.json").read_text())
-    assert result["tree"] == {"nodes": 4, "top_k": 2, "depth": None}
+    assert result["tree"] == {"nodes": 4, "top_k": 2, "depth": None, "ngram": 0}
     want = offline_rounds(tiny_target, path, tmp_path / "t1", tree=TreeConfig(nodes=4, top_k=2))
     assert result["arms"]["drafter0"]["rounds"] == pytest.approx(want.tolist())
     main(["evaluate", "--mode", "online", "--drafters", f"[{path}]", "--tree", tree, "--sources", "[mt-bench]",
@@ -340,7 +340,7 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
     out = capsys.readouterr().out
     assert "tree 6/3" in out and "chain" in out
     result = json.loads((tmp_path / "off.json").read_text())
-    assert result["tree"] is None and result["arms"]["tree"]["tree"] == {"nodes": 6, "top_k": 3, "depth": None}
+    assert result["tree"] is None and result["arms"]["tree"]["tree"] == {"nodes": 6, "top_k": 3, "depth": None, "ngram": 0}
     tree = offline_rounds(tiny_target, path, tmp_path / "g", tree=TreeConfig(nodes=6, top_k=3)).tolist()
     chain = offline_rounds(tiny_target, path, tmp_path / "g").tolist()
     assert result["arms"]["tree"]["rounds"] == pytest.approx(tree)

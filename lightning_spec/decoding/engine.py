@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.decoding.ngram import NgramDrafter, merge_into
+from lightning_spec.decoding.proposals import ChainProposal, Proposal
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.sampling import SamplingConfig
 
@@ -75,6 +76,17 @@ def _as_ids(input_ids: Any, vocab_size: int, device: torch.device) -> Tensor:
     return ids[None]  # (1, S)
 
 
+def draft(drafter: Any, state: Any, anchor: Tensor, context: list[int], sampling: SamplingConfig,
+          tree: TreeConfig | None, generator: torch.Generator | None = None) -> Proposal:
+    """A round's proposal after ``anchor`` (the last of the committed tokens ``context``): the drafter's chain or
+    tree, with ``tree.ngram`` n-gram candidates merged in (``decoding/ngram.py``). The one place the engine and the
+    offline replay (``evaluation.offline.replay_tree_rounds``) get their proposals from."""
+    if tree is None:
+        return drafter.propose(state, anchor, sampling, generator)
+    proposal = drafter.propose_tree(state, anchor, sampling, tree, generator)
+    return merge_into(proposal, context, tree) if tree.ngram else proposal
+
+
 @torch.no_grad()
 def generate(
     target: Any,
@@ -96,6 +108,7 @@ def generate(
     or the target's EOS."""
     sampling = SamplingConfig.coerce(sampling)
     tree = TreeConfig.coerce(tree)
+    drafter = NgramDrafter.coerce(drafter)
     if tree is not None and drafter is None:
         raise ValueError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
     if tree is not None and trace:
@@ -125,6 +138,7 @@ def generate(
     elif drafter is not None:
         state = drafter.begin(torch.zeros(1, 0, len(layers) * target.hidden_size, device=device), ids[:, :0])
     anchor = ids[0, -1:]  # (1,)
+    context = ids[0].tolist() if tree is not None and tree.ngram else []  # committed tokens, for n-gram merges
     tokens: list[int] = []
     accept_lengths: list[int] = []
     draft_lengths: list[int] = []
@@ -133,12 +147,7 @@ def generate(
     t_draft = t_verify = 0.0
     while len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
-        if drafter is None:
-            proposal = None
-        elif tree is not None:
-            proposal = drafter.propose_tree(state, anchor, sampling, tree, generator)
-        else:
-            proposal = drafter.propose(state, anchor, sampling, generator)
+        proposal = None if drafter is None else draft(drafter, state, anchor, context, sampling, tree, generator)
         proposal = proposal if proposal is not None else ChainProposal.empty(device)
         t1 = time.perf_counter()
         nodes, offsets, tree_mask = proposal.verify_inputs(anchor)  # (T,), (T,), (T, T) | None
@@ -170,6 +179,8 @@ def generate(
         target.keep(cache, past, path)
         if drafter is not None:
             drafter.extend(state, out.features, path)
+        if context:
+            context.extend(new)
         anchor = torch.tensor([nxt], device=device)
     return Generation(
         tokens=tokens,

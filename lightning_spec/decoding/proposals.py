@@ -61,6 +61,10 @@ class ChainProposal(Proposal):
     def num_drafted(self) -> int:
         return int(self.tokens.shape[0])
 
+    def children(self) -> list[list[int]]:
+        """Per node (the anchor first), its children: a chain is a tree with one child per node."""
+        return [[i + 1] for i in range(self.num_drafted)] + [[]]
+
     def verify_inputs(self, anchor: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         ids = torch.cat([anchor.reshape(1), self.tokens.to(anchor.device)])  # (k + 1,)
         return ids, torch.arange(ids.shape[0], device=anchor.device), None

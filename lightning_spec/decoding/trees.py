@@ -43,11 +43,14 @@ class TreeConfig:
         nodes: draft nodes verified per round (the anchor comes on top): the verify forward runs nodes + 1 tokens.
         top_k: children considered per node (the k of the top-k).
         depth: the deepest slot used; None: the drafter's ``block_size``.
+        ngram: up to this many of the ``nodes`` go to n-gram candidates (prompt-and-output lookup, up to ``top_k``
+            continuations of up to ``ngram`` tokens) merged into the drafter's tree (``decoding/ngram.py``); 0: none.
     """
 
     nodes: int = 16
     top_k: int = 4
     depth: int | None = None
+    ngram: int = 0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "top_k"):
@@ -57,6 +60,8 @@ class TreeConfig:
         if self.depth is not None and (isinstance(self.depth, bool) or not isinstance(self.depth, int)
                                        or self.depth < 1):
             raise ValueError(f"tree.depth must be an int >= 1 or None (the drafter's block_size), got {self.depth!r}.")
+        if isinstance(self.ngram, bool) or not isinstance(self.ngram, int) or not 0 <= self.ngram <= self.nodes:
+            raise ValueError(f"tree.ngram must be an int in 0..tree.nodes ({self.nodes}), got {self.ngram!r}.")
 
     @classmethod
     def coerce(cls, value: TreeConfig | dict | None) -> TreeConfig | None:
@@ -64,9 +69,10 @@ class TreeConfig:
         if value is None or isinstance(value, TreeConfig):
             return value
         if isinstance(value, dict):
-            unknown = set(value) - {"nodes", "top_k", "depth"}
+            unknown = set(value) - {"nodes", "top_k", "depth", "ngram"}
             if unknown:
-                raise ValueError(f"tree has no field {sorted(unknown)[0]!r}; its fields are nodes, top_k and depth.")
+                raise ValueError(f"tree has no field {sorted(unknown)[0]!r}; its fields are nodes, top_k, depth and "
+                                 "ngram.")
             return cls(**value)
         raise ValueError(f"tree must be a TreeConfig, a dict of its fields or None, got {type(value).__name__}.")
 

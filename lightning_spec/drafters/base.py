@@ -381,6 +381,11 @@ class Drafter(nn.Module):
         indices ``tokens`` (A,): the new chain over A rows and their draft logits (A, Vd)."""
         raise NotImplementedError
 
+    #: True when every proposal is chosen from the committed tokens, never drawn (n-gram lookup,
+    #: ``decoding/ngram.py``): given the output a round is then deterministic under every sampling config, and the
+    #: offline replay scores it exactly under sampling too. No trained family is.
+    chosen_drafts: bool = False
+
     @property
     def dynamic_trees(self) -> bool:
         return type(self).tree_start is not Drafter.tree_start

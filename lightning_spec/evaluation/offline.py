@@ -25,6 +25,9 @@ Conventions, the engine's exactly (``decoding/engine.py``):
 - Trees (``tree=``): a best-first tree is a function of one anchor's slot distributions and is scored from the
   same forward (``rounds.tree_accept``); a tree grown from the drafter's own drafts (dynamic, D²SD, SpecBlock) is
   replayed round by round along greedy rollouts (``replay_tree_rounds``).
+- N-gram candidates (``drafter="ngram"``, or ``tree.ngram`` merged into a tree) are chosen from the committed
+  tokens, never drawn: their rounds are replayed, exactly under every sampling config (for a merged tree, when the
+  family's own tree is best-first too), and n-gram lookup alone needs no target forward.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import torch
 from torch import Tensor
 
 from lightning_spec.data.rollouts import check_rollouts, load_rollout_set, rollout_sampling, spread
+from lightning_spec.decoding.engine import draft
+from lightning_spec.decoding.ngram import NgramDrafter
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.progress import advancer, progress_bar
 from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
@@ -125,14 +130,18 @@ def _score_batch(
         mask[i, len(p) : len(p) + len(r)] = True
 
     t0 = time.perf_counter()
+    if replayed(drafter, tree):  # rounds that one teacher-forced drafter forward cannot score: replay them
+        layers = list(drafter.target_layers)  # n-gram lookup reads no features: no target forward at all
+        features = target(ids, layers=layers, logits=False).features if layers else None
+        t1 = time.perf_counter()
+        rounds, reached, accepted = replay_tree_rounds(drafter, ids, features, prompts, responses, tree, sampling)
+        seconds["target"] = seconds.get("target", 0.0) + t1 - t0
+        seconds["drafter"] = seconds.get("drafter", 0.0) + time.perf_counter() - t1
+        return rounds, reached, accepted
     out = target(ids, layers=list(drafter.target_layers), logits=False)  # right padding: causal, no mask needed
     table = target_table(out.last_hidden, target.lm_head, ids, mask, sampling, drafter.vocab,
                          target.eos_token_ids, costs=False, max_elems=max_elems)
     t1 = time.perf_counter()
-    if tree is not None and not drafter.best_first_trees:  # a tree grown from its own drafts: replay rounds
-        rounds, reached, accepted = replay_tree_rounds(drafter, ids, out.features, prompts, responses, tree)
-        seconds["drafter"] = seconds.get("drafter", 0.0) + time.perf_counter() - t1
-        return rounds, reached, accepted
     batch = {"input_ids": ids, "loss_mask": mask}
     chunk = max(1, min(max(1, anchors_per_forward // n), max_elems // max(1, n * k * drafter.vocab.ids.numel())))
     stats = every_anchor(lambda anchors: drafter(batch, out.features, anchors), mask, table, k, sampling, chunk,
@@ -151,18 +160,33 @@ def _score_batch(
     return rounds.cpu(), reached.cpu(), accepted.cpu()
 
 
+def replayed(drafter: Any, tree: TreeConfig | None) -> bool:
+    """Whether the drafter's rounds are replayed (``replay_tree_rounds``) rather than scored from one teacher-forced
+    forward: trees grown from the drafter's own drafts, trees with n-gram candidates merged in, and every round
+    of a drafter whose drafts are chosen from the committed tokens (n-gram lookup)."""
+    return drafter.chosen_drafts or (tree is not None and (bool(tree.ngram) or not drafter.best_first_trees))
+
+
 @torch.no_grad()
 def replay_tree_rounds(
     drafter: Any,
     ids: Tensor,  # (N, S) prompt + response per row, right-padded
-    features: Tensor,  # (N, S, F) the target's features of ``ids`` (teacher-forced)
+    features: Tensor | None,  # (N, S, F) the target's features of ``ids`` (teacher-forced); None: reads none
     prompts: list[list[int]],
     responses: list[list[int]],
-    tree: TreeConfig,
+    tree: TreeConfig | None,
+    sampling: SamplingConfig | None = None,
+    sizes: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy rounds of trees that a drafter grows from its own drafts (EAGLE-2's dynamic trees, D²SD's re-drafts,
     SpecBlock's rank-sized trees), replayed along greedy rollouts: τ(x) (N,), and per depth the rounds that
-    reached it and accepted it, (K,), (K,).
+    reached it and accepted it, (K,), (K,) (deeper n-gram nodes count in τ only).
+
+    Rounds whose every node is chosen, not drawn (n-gram chains and tries, best-first trees, either with n-gram
+    candidates merged in) are replayed under ``sampling`` as well: given the output such a round accepts the
+    longest root path the output follows (a chosen chain token x is accepted with p(x), and then the output is x;
+    a chosen child likewise), so the replay is exact under every sampling config. ``sizes``, when given, gets each
+    round's number of draft nodes (what its verify forward runs besides the anchor).
 
     Under greedy decoding a round is a function of the committed prefix: the drafter's state is built from the
     target's features of the committed tokens, its tree from that state, and the target accepts the longest root
@@ -172,7 +196,7 @@ def replay_tree_rounds(
     one teacher-forced target forward instead of each round's verify forward. Offline rounds are then the
     engine's rounds exactly (up to floating-point differences between the two forwards), one drafter call per
     round instead of a target forward."""
-    greedy = SamplingConfig()
+    sampling = sampling or SamplingConfig()
     k = drafter.block_size
     rounds = torch.zeros(len(prompts), dtype=torch.float64)
     reached = torch.zeros(k, dtype=torch.float64)
@@ -180,11 +204,13 @@ def replay_tree_rounds(
     for row, (prompt, response) in enumerate(zip(prompts, responses)):
         seq = prompt + response
         a = len(prompt) - 1  # the anchor's index in seq: the engine prefills the prompt without its last token
-        state = drafter.begin(features[row : row + 1, :a], ids[row : row + 1, :a])
+        state = drafter.begin(features[row : row + 1, :a] if features is not None else None, ids[row : row + 1, :a])
         while True:
             anchor = ids[row, a : a + 1]  # (1,)
-            proposal = drafter.propose_tree(state, anchor, greedy, tree)
+            proposal = draft(drafter, state, anchor, seq[: a + 1], sampling, tree)
             kids = proposal.children()
+            if sizes is not None:
+                sizes.append(proposal.num_drafted)
             tokens = proposal.tokens.tolist()
             path = [0]
             while a + len(path) < len(seq):  # the next token exists: follow the first child that drafted it
@@ -200,8 +226,10 @@ def replay_tree_rounds(
             a += depth + 1  # the accepted drafts and the target's next token
             if a >= len(seq) - 1:  # the response's last token is committed: generation ended
                 break
-            feats = features.new_zeros(1, proposal.num_drafted + 1, features.shape[-1])  # (1, T, F)
-            feats[0, path] = features[row, a - depth - 1 : a]  # the committed nodes' features
+            feats = None
+            if features is not None:
+                feats = features.new_zeros(1, proposal.num_drafted + 1, features.shape[-1])  # (1, T, F)
+                feats[0, path] = features[row, a - depth - 1 : a]  # the committed nodes' features
             drafter.extend(state, feats, path)
     return rounds, reached, accepted
 
@@ -241,7 +269,9 @@ def offline_report(
 
     start = time.perf_counter()
     target = load_target(target)
-    if isinstance(drafter, (str, Path)):
+    if drafter == "ngram":
+        drafter = NgramDrafter()
+    elif isinstance(drafter, (str, Path)):
         from lightning_spec.checkpoint import load_drafter
 
         drafter = load_drafter(drafter, target=target)
@@ -256,7 +286,7 @@ def offline_report(
             raise ValueError("offline evaluation needs sampling: the config the rollouts were drawn under.")
         sampling = recorded
     check_rollouts(data.meta, target, sampling, data.source)
-    if tree is not None and not drafter.best_first_trees and not sampling.greedy:
+    if replayed(drafter, tree) and not (drafter.chosen_drafts or drafter.best_first_trees) and not sampling.greedy:
         raise ValueError(
             f"{type(drafter).__name__} grows its tree from its own drafts, which offline evaluation replays exactly "
             "under greedy decoding only; score it on greedy rollouts (--temperature 0) or with real decoding "
