@@ -1,4 +1,5 @@
-"""Plain vs speculative decoding speed on MT-Bench prompts, and where the time goes. One process, greedy.
+"""Plain vs speculative decoding speed on MT-Bench (or HumanEval, MMATH) prompts, and where the time goes. One
+process, greedy.
 
     .venv/bin/python benchmarks/decode_speed.py                      # untrained BlockDrafter (K=8), 8 prompts
     .venv/bin/python benchmarks/decode_speed.py --drafter runs/x.ckpt --threads 1
@@ -6,6 +7,7 @@
     .venv/bin/python benchmarks/decode_speed.py --no-peers           # without the transformers peers
     .venv/bin/python benchmarks/decode_speed.py --dtype bfloat16     # the target (and verify) in bf16
     .venv/bin/python benchmarks/decode_speed.py --drafter x.ckpt --tree 16,4   # + a best-first tree, 16 nodes, top 4
+    .venv/bin/python benchmarks/decode_speed.py --no-auto --ngram 0  # without decoding auto and the n-gram modes
 
 Prints, on the same prompts and in the same process:
   * tokens/s of plain decoding (``generate(..., drafter=None)``) and of speculative decoding, their ratio, MAL;
@@ -17,6 +19,11 @@ Prints, on the same prompts and in the same process:
   * with ``--tree NODES,TOP_K[,DEPTH]``: tree decoding of the same drafter (``generate(..., tree=TreeConfig(...))``)
     interleaved with the chain and plain runs: MAL, draft nodes per verify, tokens/s, and the forward time of the
     tree's NODES + 1 query tokens under its ancestor mask;
+  * n-gram lookup (``--ngram``, ``decoding/ngram.py``): alone as a chain, and with ``--tree`` as a trie and merged
+    into the drafter's tree; and the setting decoding auto picks (``--auto``, ``decoding/auto.py``) after
+    calibrating on ``--calibration`` other prompts: one table of every mode with MAL, tokens/s over plain, whether
+    the output equals plain decoding's, and engine efficiency (the tokens/s the measured draft and verify times
+    allow round by round, over the measured); every table says whether the dtype keeps greedy identity;
   * the peers a user would try instead (``--peers``, on by default), interleaved prompt by prompt with the
     runs above: transformers' ``model.generate`` on the same target model, greedy with ``use_cache``: plain,
     prompt-lookup decoding (``prompt_lookup_num_tokens``) and assisted generation (``assistant_model``: the
@@ -69,12 +76,13 @@ def median_ms(fns: dict, repeats: int) -> dict:
     return timings.medians_ms()
 
 
-def mt_bench_prompts(target, count: int, seed: int) -> list[list[int]]:
-    """``count`` MT-Bench first-turn prompts, round-robin over its 8 categories, chat-templated."""
+def mt_bench_prompts(target, count: int, seed: int, source: str = "mt-bench") -> list[list[int]]:
+    """``count`` MT-Bench first-turn prompts, round-robin over its 8 categories, chat-templated (or those of
+    another packaged ``source``: humaneval, mmath)."""
     data = SpecDataModule(
         target=target.name,
         train_sources=["sharegpt"],  # required by the constructor, never read: only eval prompts are built
-        eval_sources=["mt-bench"],
+        eval_sources=[source],
         eval_prompts_per_domain=count,
         seed=seed,
         tokenizer=target.tokenizer,
@@ -186,6 +194,50 @@ def breakdown(target, ctx: torch.Tensor, q_lens: list[int], repeats: int) -> lis
     return rows + [("rest (norms, RoPE, cache, Python)", rest)]
 
 
+# ------------------------------------------------------------------------------ n-gram modes and decoding auto
+COSTS: list = []  # the measured costs of our modes (auto.Costs), for their engine efficiency
+CHOICE: list = []  # what decoding auto picked
+
+
+def exactness(target) -> str:
+    """The mode statement every speed table carries: greedy identity holds in fp32 only."""
+    if target.dtype == torch.float32:
+        return "float32: greedy speculative output is the plain output, token for token"
+    return (f"{str(target.dtype).replace('torch.', '')}: greedy identity NOT guaranteed (a row's low-precision "
+            "product depends on how many rows a kernel multiplies; see 'same tokens')")
+
+
+def our_modes(target, drafter, tree, calibration, args) -> dict:
+    """name -> ``auto.Setting`` of the n-gram modes and of decoding auto's pick (calibrated on ``calibration``);
+    measures their costs after a context made of those prompts."""
+    from lightning_spec.decoding.auto import Setting, choose_decoding, measure_costs
+
+    modes = {}
+    if args.ngram:
+        modes[f"n-gram lookup (K={args.ngram})"] = Setting("ngram", None, args.ngram)
+        if tree is not None:
+            modes[f"n-gram trie ({tree.nodes} nodes, top {tree.top_k})"] = Setting(
+                "ngram", TreeConfig(tree.nodes, tree.top_k), args.ngram)
+            ngram = max(2, tree.nodes // 4)
+            modes[f"tree + n-gram ({ngram} of {tree.nodes} nodes)"] = Setting(
+                "drafter", TreeConfig(tree.nodes, tree.top_k, tree.depth, ngram=ngram))
+    if args.auto:
+        choice = choose_decoding(target, drafter, calibration, max_new_tokens=args.max_new_tokens, progress=True)
+        print(choice.table())
+        CHOICE.append(choice)
+        modes[f"auto: {choice.setting.label}"] = choice.setting
+    chain = [Setting("drafter")] + ([Setting("drafter", tree)] if tree is not None else [])
+    context = context_ids(calibration, args.cache_len)[0].tolist()
+    COSTS.append(measure_costs(target, drafter, chain + list(modes.values()), context))
+    return modes
+
+
+def ideal_seconds(costs, setting, out) -> float:
+    """The seconds ``out``'s rounds take by the measured draft and verify times alone."""
+    return sum(costs.draft[setting] + costs.verify_seconds(1 + n, setting.tree is not None)
+               for n in out.draft_lengths)
+
+
 # ------------------------------------------------------------------------------ transformers' own decoders
 def first_layers_assistant(target, num_layers: int):
     """A draft model cut from the target: its first ``num_layers`` decoder layers plus its embeddings, final
@@ -241,7 +293,8 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32", help="the target's dtype (the drafter keeps its weights)")
     parser.add_argument("--prepack", action="store_true", help="prepack the target's decoder linears (Target.prepack)")
-    parser.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts (round-robin over categories)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts (round-robin over the source's categories)")
+    parser.add_argument("--source", default="mt-bench", help="the prompts' source: mt-bench, humaneval or mmath")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, help="K; default 8 untrained, the checkpoint's otherwise")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
@@ -254,12 +307,21 @@ def main() -> None:
                         help="also time transformers' generate: plain, prompt lookup, assisted")
     parser.add_argument("--assistant-layers", type=int, default=2, help="decoder layers of the assisted peer")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of that peer")
+    parser.add_argument("--ngram", type=int, default=10,
+                        help="also decode with our n-gram lookup of this many tokens (0: not); with --tree also an "
+                             "n-gram trie and the tree with a quarter of its nodes offered to n-gram candidates")
+    parser.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
+                        help="also decode with the setting decoding auto picks (choose_decoding), calibrated on "
+                             "--calibration other prompts of --source")
+    parser.add_argument("--calibration", type=int, default=4, help="calibration prompts for --auto")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     target = load_target(args.target, dtype=args.dtype, prepack=args.prepack)
-    prompts = mt_bench_prompts(target, args.prompts, args.seed)
+    everything = mt_bench_prompts(target, args.prompts + (args.calibration if args.auto else 0), args.seed,
+                                  args.source)
+    prompts, calibration = everything[: args.prompts], everything[args.prompts :]
     if args.drafter:
         drafter = load_drafter(args.drafter, target=target)
         label = f"{type(drafter).__name__} from {args.drafter}"
@@ -286,6 +348,10 @@ def main() -> None:
     peer_tokens = {name: 0 for name in peers}
     peer_s = {name: 0.0 for name in peers}
     peer_same = {name: 0 for name in peers}
+    modes = our_modes(target, drafter, tree, calibration or prompts, args)
+    for setting in modes.values():
+        generate(target, prompts[0], 8, greedy, drafter=setting.drafter(drafter), tree=setting.tree)
+    mode_sums = {name: [0, 0, 0.0, 0, 0.0] for name in modes}  # tokens, rounds, seconds, same, ideal seconds
 
     ctx = context_ids(prompts, args.cache_len)
     timings = forward_timings(target, drafter, ctx, tree)
@@ -309,6 +375,13 @@ def main() -> None:
             tree_s += grown.seconds
             tree_nodes += sum(grown.draft_lengths)
             tree_same += plain.tokens == grown.tokens
+        for name, setting in modes.items():
+            out = generate(target, ids, args.max_new_tokens, greedy, drafter=setting.drafter(drafter),
+                           tree=setting.tree)
+            sums = mode_sums[name]
+            sums[0], sums[1], sums[2] = sums[0] + len(out.tokens), sums[1] + out.rounds, sums[2] + out.seconds
+            sums[3] += out.tokens == plain.tokens
+            sums[4] += ideal_seconds(COSTS[0], setting, out)
         # the prompt's prefill alone, to split the loop's own overhead from it (in no figure above)
         start = time.perf_counter()
         target(torch.tensor([ids[:-1]]), layers=list(drafter.target_layers), cache=target.new_cache(), logits=False)
@@ -329,9 +402,12 @@ def main() -> None:
     other_s = spec_s - draft_s - verify_s - prefill_s
 
     print(f"\ndecode_speed  target={args.target}  drafter={label}  K={k}")
+    from lightning_spec.decoding.auto import machine_name
+
     print(
-        f"  {len(prompts)} MT-Bench prompts, greedy, max_new_tokens={args.max_new_tokens}, "
-        f"threads={torch.get_num_threads()}, torch {torch.__version__}"
+        f"  {len(prompts)} {args.source} prompts, greedy, max_new_tokens={args.max_new_tokens}, "
+        f"threads={torch.get_num_threads()}, torch {torch.__version__}, {machine_name(target.device)}, "
+        f"{exactness(target)}"
     )
     print(f"\n  {'':<24}{'tokens':>8}{'rounds':>8}{'MAL':>7}{'seconds':>9}{'tokens/s':>10}")
     print(
@@ -365,6 +441,27 @@ def main() -> None:
             print(f"  {name:<40}{tokens:>8}{seconds:>9.2f}{tps:>10.2f}{tps / hf_tps:>11.2f}x{tps / plain_tps:>11.2f}x"
                   f"{f'{equal}/{len(prompts)}':>13}")
         print("  same tokens = output identical to lightning_spec plain decoding")
+    if modes:
+        print(f"\n  every mode of our engine, same prompts, interleaved ({exactness(target)})")
+        print(f"  {'':<44}{'tokens':>8}{'rounds':>8}{'MAL':>7}{'tokens/s':>10}{'/ plain':>9}{'same tokens':>13}"
+              f"{'efficiency':>12}")
+        rows = [("plain", plain_tokens, plain_tokens, plain_s, len(prompts), None),
+                (f"chain (K={k})", spec_tokens, rounds, spec_s, same, None)]
+        if tree is not None:
+            rows.append((f"tree ({tree.nodes} nodes, top {tree.top_k})", tree_tokens, tree_rounds, tree_s, tree_same,
+                         None))
+        rows += [(name, *sums[:4], sums[4]) for name, sums in mode_sums.items()]
+        for name, tokens, n_rounds, seconds, equal, ideal in rows:
+            tps = tokens / max(seconds, 1e-9)
+            eff = f"{ideal / seconds:>12.0%}" if ideal else ""
+            print(f"  {name:<44}{tokens:>8}{n_rounds:>8}{tokens / max(n_rounds, 1):>7.2f}{tps:>10.2f}"
+                  f"{tps / plain_tps:>8.2f}x{f'{equal}/{len(prompts)}':>13}{eff}")
+        print("  efficiency = the tokens/s the measured draft and verify times allow, round by round, over the "
+              "measured tokens/s")
+        if CHOICE:
+            auto_name = next(name for name in modes if name.startswith("auto"))
+            sums = mode_sums[auto_name]
+            print("  " + CHOICE[0].describe(measured_speedup=(sums[0] / sums[2]) / plain_tps))
     print(f"\n  forward times, warm cache of {ctx.shape[1]} tokens, median of {repeats} (ms)")
     print(f"  {'target, 1 query token':<38}{t['target_1']:>8.1f}")
     print(

@@ -23,6 +23,11 @@ def test_decode_speed_compares_chain_tree_and_plain():
     assert "speculative / plain tokens/s" in out and "tree / chain" in out
     assert "greedy outputs identical on 2/2 prompts" in out  # chain and tree both
     assert "tree of 6+1 tokens (verify)" in out
+    # the n-gram modes and decoding auto's pick, in one table with the mode statement and engine efficiency
+    for mode in ("n-gram lookup (K=10)", "n-gram trie (6 nodes, top 2)", "tree + n-gram (2 of 6 nodes)", "auto: "):
+        assert f"\n  {mode}" in out, mode
+    assert "float32: greedy speculative output is the plain output" in out
+    assert "decoding auto: " in out and "; measured " in out
 
 
 def test_verify_cost_times_every_size_per_dtype():

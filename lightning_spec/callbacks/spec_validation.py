@@ -37,6 +37,12 @@ class SpecDecodeValidation(EvaluationCallback):
         seed: base seed; prompt i uses ``seed + i``.
         tree: decode with a best-first token tree per round (``TreeConfig`` fields: nodes, top_k, depth) instead
             of a chain; for the families with per-slot distributions (DFlash, Medusa).
+        decoding: ``fixed`` decodes with the chain (or ``tree``) only; ``auto`` also, once training has started,
+            picks the fastest decoding from measured costs (``decoding/auto.py``: plain, n-gram lookup, the chain,
+            a tree, a tree with n-gram candidates), calibrated on ``calibration_prompts`` other held-out prompts,
+            decodes the prompts with it (first sampling config) and logs ``val/auto/...`` and
+            ``val/auto/speedup``.
+        calibration_prompts: held-out prompts (not among the decoded ones) that ``decoding: auto`` calibrates on.
     """
 
     name = "spec-validation"
@@ -51,9 +57,14 @@ class SpecDecodeValidation(EvaluationCallback):
         print_summary: bool = True,
         seed: int = 0,
         tree: TreeConfig | None = None,
+        decoding: str = "fixed",
+        calibration_prompts: int = 2,
     ) -> None:
         if prompts_per_domain < 1 or max_new_tokens < 1:
             raise ValueError("SpecDecodeValidation.prompts_per_domain and max_new_tokens must be >= 1.")
+        if decoding not in ("fixed", "auto") or calibration_prompts < 1:
+            raise ValueError(f"SpecDecodeValidation.decoding must be fixed or auto (got {decoding!r}) and "
+                             f"calibration_prompts >= 1 (got {calibration_prompts}).")
         super().__init__(before_training)
         self.prompts_per_domain = prompts_per_domain
         self.max_new_tokens = max_new_tokens
@@ -62,6 +73,9 @@ class SpecDecodeValidation(EvaluationCallback):
         self.print_summary = print_summary
         self.seed = seed
         self.tree = TreeConfig.coerce(tree)
+        self.decoding = decoding
+        self.calibration_prompts = calibration_prompts
+        self.choice: Any = None  # decoding auto's last pick (decoding/auto.Choice)
         self._table_due = False  # a fit or validate ended with something to print
 
     @staticmethod
@@ -72,16 +86,23 @@ class SpecDecodeValidation(EvaluationCallback):
         return {f"{self.prefix(i, s)}/mal" for i, s in enumerate(self.sampling)}
 
     # ------------------------------------------------------------------------------------------ evaluation
-    def _prompts(self, trainer: L.Trainer) -> list[dict[str, Any]]:
+    def _prompts(self, trainer: L.Trainer, calibration: bool = False) -> list[dict[str, Any]]:
+        """The decoded prompts (``prompts_per_domain`` per domain), or the next ones of every domain, round-robin:
+        ``calibration_prompts`` of them, held out from the decoded ones (for ``decoding: auto``)."""
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "eval_prompts"):
             raise ValueError("SpecDecodeValidation needs a datamodule with eval_prompts() (SpecDataModule).")
         per_domain: dict[str, list[dict[str, Any]]] = {}
         for p in dm.eval_prompts():
-            bucket = per_domain.setdefault(p["domain"], [])
-            if len(bucket) < self.prompts_per_domain:
-                bucket.append(p)
-        return [p for domain in sorted(per_domain) for p in per_domain[domain]]
+            per_domain.setdefault(p["domain"], []).append(p)
+        if not calibration:
+            return [p for domain in sorted(per_domain) for p in per_domain[domain][: self.prompts_per_domain]]
+        rest = [per_domain[d][self.prompts_per_domain :] for d in sorted(per_domain)]
+        spread = [bucket[i] for i in range(max(map(len, rest), default=0)) for bucket in rest if i < len(bucket)]
+        if not spread:
+            raise ValueError("SpecDecodeValidation decoding: auto needs held-out prompts beyond prompts_per_domain to "
+                             "calibrate on; lower prompts_per_domain or raise the data's eval prompts per domain.")
+        return spread[: self.calibration_prompts]
 
     def evaluate(
         self, trainer: L.Trainer, module: L.LightningModule, before_training: bool = False
@@ -103,9 +124,27 @@ class SpecDecodeValidation(EvaluationCallback):
                         measure_plain=not before_training and self.measure_speedup and i == 0, tree=self.tree,
                     )
                     metrics.update(self._reduce(trainer, report, domains, self.prefix(i, sampling)))
+                if self.decoding == "auto" and not before_training:
+                    metrics.update(self._decode_auto(trainer, module, mine, domains, metrics))
         finally:
             module.drafter.train(was_training)
         return metrics
+
+    def _decode_auto(self, trainer: L.Trainer, module: L.LightningModule, mine: list[dict[str, Any]],
+                     domains: list[str], metrics: dict[str, float]) -> dict[str, float]:
+        """Pick the fastest decoding on the calibration prompts (each rank measures its own machine), decode this
+        rank's prompts with it under the first sampling config, and log ``val/auto/...``."""
+        from lightning_spec.decoding.auto import choose_decoding
+
+        sampling = self.sampling[0]
+        calibration = [p["prompt_ids"] for p in self._prompts(trainer, calibration=True)]
+        self.choice = choose_decoding(module.target, module.drafter, calibration, sampling, self.max_new_tokens)
+        report = decode_prompts(module.target, self.choice.drafter, mine, sampling, self.max_new_tokens,
+                                tree=self.choice.tree)
+        out = self._reduce(trainer, report, domains, "val/auto")
+        if "val/plain_tokens_per_s" in metrics:
+            out["val/auto/speedup"] = out["val/auto/tokens_per_s"] / metrics["val/plain_tokens_per_s"]
+        return out
 
     @staticmethod
     def _reduce(trainer: L.Trainer, report: DecodeReport, domains: list[str], prefix: str) -> dict[str, float]:
@@ -150,13 +189,15 @@ class SpecDecodeValidation(EvaluationCallback):
             bar.teardown(trainer, pl_module, stage)
         if trainer.is_global_zero and self.history:
             before = self.history[0][1] if stage == "fit" and self.before_training and self.history[0][0] == 0 else None
-            print_table(self.history[-1][1], before, self.sampling)
+            print_table(self.history[-1][1], before, self.sampling, self.choice)
             if stage == "fit":
                 print(training_summary(trainer))
 
 
-def print_table(after: dict[str, float], before: dict[str, float] | None, samplings: list[SamplingConfig]) -> None:
-    """Per-domain MAL table (rich), before/after training for every sampling config."""
+def print_table(after: dict[str, float], before: dict[str, float] | None, samplings: list[SamplingConfig],
+                choice: Any = None) -> None:
+    """Per-domain MAL table (rich), before/after training for every sampling config, the speedup, and decoding
+    auto's pick with its expected and measured speed (``choice``)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -185,6 +226,9 @@ def print_table(after: dict[str, float], before: dict[str, float] | None, sampli
             f"speculative {after['val/tokens_per_s']:.1f} tok/s vs plain {after['val/plain_tokens_per_s']:.1f} tok/s "
             f"-> speedup {after['val/speedup']:.2f}x (greedy, same prompts, same process)"
         )
+    if choice is not None and "val/auto/speedup" in after:
+        print(f"{choice.describe(measured_speedup=after['val/auto/speedup'])}: {after['val/auto/tokens_per_s']:.1f} "
+              f"tok/s, MAL {after['val/auto/mal']:.3f} on the same prompts")
 
 
 def training_summary(trainer: L.Trainer) -> str:

@@ -166,9 +166,11 @@ def run_online(
     prompts = select_prompts(model.tokenizer, [as_source(s) for s in sources], prompts_per_source, seed)
     loaded = [load_drafter(p, target=model) for p in drafters]
     for d, tree in zip(loaded, trees):
-        if tree is not None:
+        if tree is not None and tree != "auto":
             d.check_tree()
-    plan = [(None, None), *zip(loaded, trees)]  # plain decoding, then every drafter with its tree (None: a chain)
+    decoders, trees, picks = _decode_auto(model, loaded, trees, prompts, sampling, sources, prompts_per_source,
+                                          max_new_tokens, seed, progress)
+    plan = [(None, None), *zip(decoders, trees)]  # plain decoding, then every drafter with its tree (None: a chain)
     for d, tree in plan:  # warm-up: first calls pay one-off costs that are not decoding speed
         decode_prompts(model, d, prompts[:1], sampling, min(8, max_new_tokens), seed=seed, tree=tree)
     if adapt is not None:  # a second, adapting copy of every drafter (warmed up without adapting)
@@ -178,6 +180,7 @@ def run_online(
             decode_prompts(model, a.drafter, prompts[:1], sampling, min(8, max_new_tokens), seed=seed, tree=a.tree)
         loaded, trees = loaded + adapters, trees + [a.tree for a in adapters]
         names, drafters = names + [f"{n}+adapt" for n in names], drafters + drafters
+        decoders = loaded
         plan = [(None, None), *zip(loaded, trees)]
 
     # per prompt: plain, then every drafter (interleaved, so a load change on the machine hits all alike)
@@ -186,7 +189,7 @@ def run_online(
     rnd = np.zeros((len(loaded) + 1, n))
     sec = np.zeros((len(loaded) + 1, n))
     draft_sec = np.zeros((len(loaded) + 1, n))  # time inside drafter.propose
-    slots = [np.zeros((2, d.block_size)) for d in loaded]
+    slots = [np.zeros((2, d.block_size if d is not None else 1)) for d in decoders]
     with progress_bar(f"online decoding ({len(loaded)} drafters + plain)", n, progress) as bar:
         for i, prompt in enumerate(prompts):
             for j, (d, tree) in enumerate(plan):
@@ -238,6 +241,10 @@ def run_online(
             "parameters": int(sum(p.numel() for p in _module(loaded[j[0] - 1]).parameters())),
             "tree": _arm_tree(trees, names, name),
         }
+        if picks.get(j[0] - 1) is not None:  # decoding auto: what it picked and the speed it expected
+            choice = picks[j[0] - 1]
+            arms[name]["decoding"] = {"picked": choice.setting.label, "expected_mal": choice.expected.mal,
+                                      "expected_speedup": choice.expected_speedup, "machine": choice.machine}
         adapters = [loaded[i - 1] for i in j if isinstance(loaded[i - 1], CostAwareAdapter)]
         if adapters:
             arms[name]["adaptation"] = [a.summary() for a in adapters]
@@ -255,6 +262,32 @@ def run_online(
         "arms": arms,
         "comparison": comparison.to_dict(),
     }, comparison
+
+
+def _decode_auto(model: Any, loaded: list[Any], trees: list[Any], prompts: list[dict[str, Any]],
+                 sampling: SamplingConfig, sources: list[str], prompts_per_source: int, max_new_tokens: int,
+                 seed: int, progress: bool) -> tuple[list[Any], list[TreeConfig | None], dict[int, Any]]:
+    """For every drafter whose tree is ``auto``, ``choose_decoding`` on held-out prompts (the next prompt of every
+    source, not among ``prompts``): what each arm decodes with (the drafter, None for plain, an n-gram lookup),
+    its tree, and the picks by drafter index."""
+    if "auto" not in trees:
+        return loaded, trees, {}
+    from lightning_spec.data.prompts import select_prompts
+    from lightning_spec.data.sources import as_source
+    from lightning_spec.decoding.auto import choose_decoding
+
+    used = {p["id"] for p in prompts}
+    more = select_prompts(model.tokenizer, [as_source(s) for s in sources], prompts_per_source + 1, seed)
+    calibration = [p["prompt_ids"] for p in more if p["id"] not in used][:4]
+    if not calibration:
+        raise ValueError("--tree auto calibrates on prompts beyond --prompts_per_source and the sources have none "
+                         "left; lower --prompts_per_source.")
+    picks = {j: choose_decoding(model, d, calibration, sampling, max_new_tokens, progress=progress)
+             for j, (d, tree) in enumerate(zip(loaded, trees)) if tree == "auto"}
+    for choice in picks.values():
+        print(choice.describe())
+    decoders = [picks[j].drafter if j in picks else d for j, d in enumerate(loaded)]
+    return decoders, [picks[j].tree if j in picks else t for j, t in enumerate(trees)], picks
 
 
 def _module(decoder: Any) -> Any:
@@ -277,7 +310,9 @@ def _common_tree(trees: list[TreeConfig | None]) -> dict[str, Any] | None:
 
 
 def _tree_label(tree: dict[str, Any] | None) -> str:
-    return "chain" if tree is None else "tree {nodes}/{top_k}".format(**tree)
+    if tree is None:
+        return "chain"
+    return "tree {nodes}/{top_k}".format(**tree) + (f" + {tree['ngram']} n-gram" if tree.get("ngram") else "")
 
 
 def _ci(ci: tuple[float, float] | list[float]) -> str:
@@ -301,6 +336,8 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     how = "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g} top_p={s['top_p']:g} top_k={s['top_k']}"
     if result.get("tree"):
         how += ", tree of {nodes} nodes (top {top_k})".format(**result["tree"])
+        if result["tree"].get("ngram"):
+            how += f", up to {result['tree']['ngram']} of them n-gram candidates"
     what = (f"{comparison.rows} rollouts of {comparison.prompts} prompts" if mode == "offline"
             else f"{comparison.prompts} prompts, real decoding")
     console.print(f"{mode} MAL (tokens per target forward, bonus included), {how}, {what}")
@@ -415,8 +452,8 @@ def evaluate(
     target_dtype: str = "float32",
     device: str = "cpu",
     progress: bool = True,
-    tree: TreeConfig | None = None,
-    trees: list[TreeConfig | None] | None = None,
+    tree: TreeConfig | Literal["auto"] | None = None,
+    trees: list[TreeConfig | Literal["auto"] | None] | None = None,
     adapt: bool = False,
     adapt_scopes: list[str] = ["head", "last", "all"],  # noqa: B006 (never mutated; a list shows in --help)
     adapt_lr: float = 1e-4,
@@ -456,6 +493,9 @@ def evaluate(
         tree: decode (online) or score (offline, exactly) rounds that verify a token tree instead of a chain, e.g.
             --tree '{nodes: 16, top_k: 4}', built by each family's tree builder; offline, best-first trees (DFlash,
             Medusa) are scored under any sampling, the others (EAGLE-3, MTP, D²SD, SpecBlock) on greedy rollouts.
+            Online, ``auto`` picks each drafter's fastest decoding from measured costs (``decoding/auto.py``: plain,
+            n-gram lookup, its chain, a tree, a tree with n-gram candidates), calibrated on held-out prompts of the
+            same sources; the arm decodes with the pick and reports it with the speedup it expected.
         trees: one tree setting per drafter instead of ``tree`` (null: a chain), e.g. the same checkpoint twice as
             a chain and as a tree: --drafters '[a.ckpt, a.ckpt]' --names '[chain, tree]'
             --trees '[null, {nodes: 16, top_k: 4}]' (a paired comparison of the two).
@@ -471,7 +511,7 @@ def evaluate(
         adapt_exploration: the UCB constant, in MAL units.
         adapt_force: apply this scope after every prompt whatever the saving ('none': never update).
     """
-    tree = TreeConfig.coerce(tree)
+    tree = tree if tree == "auto" else TreeConfig.coerce(tree)
     if not drafters:
         raise ValueError("--drafters is empty; pass one or more checkpoints, e.g. --drafters '[runs/a/last.ckpt]'.")
     if n_resamples < 1 or not 0 < confidence < 1:
@@ -482,7 +522,11 @@ def evaluate(
     if trees is not None and len(trees) != len(drafters):
         raise ValueError(f"--trees has {len(trees)} settings for {len(drafters)} drafters; give one per drafter "
                          "(null for a chain).")
-    per_drafter = [TreeConfig.coerce(t) for t in trees] if trees is not None else [tree] * len(drafters)
+    per_drafter = [t if t == "auto" else TreeConfig.coerce(t) for t in trees] if trees is not None else [tree] * len(
+        drafters)
+    if "auto" in per_drafter and (mode != "online" or adapt):
+        raise ValueError("--tree auto picks a decoding by its measured speed: use it with --mode online and without "
+                         "--adapt.")
     sampling = _sampling(temperature, top_p, top_k)
     if adapt and mode != "online":
         raise ValueError("--adapt true adapts drafters while they decode; use it with --mode online.")
