@@ -200,11 +200,8 @@ CHOICE: list = []  # what decoding auto picked
 
 
 def exactness(target) -> str:
-    """The mode statement every speed table carries: greedy identity holds in fp32 only."""
-    if target.dtype == torch.float32:
-        return "float32: greedy speculative output is the plain output, token for token"
-    return (f"{str(target.dtype).replace('torch.', '')}: greedy identity NOT guaranteed (a row's low-precision "
-            "product depends on how many rows a kernel multiplies; see 'same tokens')")
+    """The mode statement every speed table carries (``Target.precision``): greedy identity holds in fp32 only."""
+    return target.precision
 
 
 def our_modes(target, drafter, tree, calibration, args) -> dict:
@@ -226,10 +223,16 @@ def our_modes(target, drafter, tree, calibration, args) -> dict:
         print(choice.table())
         CHOICE.append(choice)
         modes[f"auto: {choice.setting.label}"] = choice.setting
-    chain = [Setting("drafter")] + ([Setting("drafter", tree)] if tree is not None else [])
     context = context_ids(calibration, args.cache_len)[0].tolist()
-    COSTS.append(measure_costs(target, drafter, chain + list(modes.values()), context))
+    COSTS.append(measure_costs(target, drafter, list(BASE_SETTINGS(tree).values()) + list(modes.values()), context))
     return modes
+
+
+def BASE_SETTINGS(tree) -> dict:  # noqa: N802 (a table, built per tree)
+    """The rows decode_speed always decodes (plain, the chain, the tree) as ``auto.Setting``s."""
+    from lightning_spec.decoding.auto import PLAIN, Setting
+
+    return {"plain": PLAIN, "chain": Setting("drafter"), **({"tree": Setting("drafter", tree)} if tree else {})}
 
 
 def ideal_seconds(costs, setting, out) -> float:
@@ -352,6 +355,7 @@ def main() -> None:
     for setting in modes.values():
         generate(target, prompts[0], 8, greedy, drafter=setting.drafter(drafter), tree=setting.tree)
     mode_sums = {name: [0, 0, 0.0, 0, 0.0] for name in modes}  # tokens, rounds, seconds, same, ideal seconds
+    base_ideal = dict.fromkeys(BASE_SETTINGS(tree), 0.0)  # ideal seconds of plain, the chain and the tree
 
     ctx = context_ids(prompts, args.cache_len)
     timings = forward_timings(target, drafter, ctx, tree)
@@ -382,6 +386,9 @@ def main() -> None:
             sums[0], sums[1], sums[2] = sums[0] + len(out.tokens), sums[1] + out.rounds, sums[2] + out.seconds
             sums[3] += out.tokens == plain.tokens
             sums[4] += ideal_seconds(COSTS[0], setting, out)
+        base = BASE_SETTINGS(tree)
+        for name, out in (("plain", plain), ("chain", spec), *([("tree", grown)] if tree is not None else [])):
+            base_ideal[name] += ideal_seconds(COSTS[0], base[name], out)
         # the prompt's prefill alone, to split the loop's own overhead from it (in no figure above)
         start = time.perf_counter()
         target(torch.tensor([ids[:-1]]), layers=list(drafter.target_layers), cache=target.new_cache(), logits=False)
@@ -441,27 +448,27 @@ def main() -> None:
             print(f"  {name:<40}{tokens:>8}{seconds:>9.2f}{tps:>10.2f}{tps / hf_tps:>11.2f}x{tps / plain_tps:>11.2f}x"
                   f"{f'{equal}/{len(prompts)}':>13}")
         print("  same tokens = output identical to lightning_spec plain decoding")
-    if modes:
-        print(f"\n  every mode of our engine, same prompts, interleaved ({exactness(target)})")
-        print(f"  {'':<44}{'tokens':>8}{'rounds':>8}{'MAL':>7}{'tokens/s':>10}{'/ plain':>9}{'same tokens':>13}"
-              f"{'efficiency':>12}")
-        rows = [("plain", plain_tokens, plain_tokens, plain_s, len(prompts), None),
-                (f"chain (K={k})", spec_tokens, rounds, spec_s, same, None)]
-        if tree is not None:
-            rows.append((f"tree ({tree.nodes} nodes, top {tree.top_k})", tree_tokens, tree_rounds, tree_s, tree_same,
-                         None))
-        rows += [(name, *sums[:4], sums[4]) for name, sums in mode_sums.items()]
-        for name, tokens, n_rounds, seconds, equal, ideal in rows:
-            tps = tokens / max(seconds, 1e-9)
-            eff = f"{ideal / seconds:>12.0%}" if ideal else ""
-            print(f"  {name:<44}{tokens:>8}{n_rounds:>8}{tokens / max(n_rounds, 1):>7.2f}{tps:>10.2f}"
-                  f"{tps / plain_tps:>8.2f}x{f'{equal}/{len(prompts)}':>13}{eff}")
-        print("  efficiency = the tokens/s the measured draft and verify times allow, round by round, over the "
-              "measured tokens/s")
-        if CHOICE:
-            auto_name = next(name for name in modes if name.startswith("auto"))
-            sums = mode_sums[auto_name]
-            print("  " + CHOICE[0].describe(measured_speedup=(sums[0] / sums[2]) / plain_tps))
+    # every mode in one table, each row's efficiency from the same measured costs
+    print(f"\n  every mode of our engine, same prompts, interleaved ({exactness(target)})")
+    print(f"  {'':<44}{'tokens':>8}{'rounds':>8}{'MAL':>7}{'tokens/s':>10}{'/ plain':>9}{'same tokens':>13}"
+          f"{'efficiency':>12}")
+    rows = [("plain", plain_tokens, plain_tokens, plain_s, len(prompts), base_ideal["plain"]),
+            (f"chain (K={k})", spec_tokens, rounds, spec_s, same, base_ideal["chain"])]
+    if tree is not None:
+        rows.append((f"tree ({tree.nodes} nodes, top {tree.top_k})", tree_tokens, tree_rounds, tree_s, tree_same,
+                     base_ideal["tree"]))
+    rows += [(name, *sums[:4], sums[4]) for name, sums in mode_sums.items()]
+    for name, tokens, n_rounds, seconds, equal, ideal in rows:
+        tps = tokens / max(seconds, 1e-9)
+        eff = f"{(ideal + prefill_s) / seconds:>12.0%}"
+        print(f"  {name:<44}{tokens:>8}{n_rounds:>8}{tokens / max(n_rounds, 1):>7.2f}{tps:>10.2f}"
+              f"{tps / plain_tps:>8.2f}x{f'{equal}/{len(prompts)}':>13}{eff}")
+    print("  efficiency = measured tokens/s over those the measured prefill, draft and verify times allow, "
+          "round by round (what the loop itself costs)")
+    if CHOICE:
+        auto_name = next(name for name in modes if name.startswith("auto"))
+        sums = mode_sums[auto_name]
+        print("  " + CHOICE[0].describe(measured_speedup=(sums[0] / sums[2]) / plain_tps))
     print(f"\n  forward times, warm cache of {ctx.shape[1]} tokens, median of {repeats} (ms)")
     print(f"  {'target, 1 query token':<38}{t['target_1']:>8.1f}")
     print(

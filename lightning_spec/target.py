@@ -77,6 +77,18 @@ class Target(nn.Module):
         return self.model.get_output_embeddings().weight.shape[0]
 
     @property
+    def precision(self) -> str:
+        """What greedy speculative decoding guarantees in this dtype, for every speed table to state. In float32 its
+        output is plain greedy decoding's, token for token. In bf16/fp16 a row's product depends on how many rows a
+        kernel multiplies at once, so a verify forward over K + 1 tokens may round a position differently from the
+        1-token forward and the two greedy outputs can part where the target's top two logits nearly tie (sampling
+        stays lossless relative to the verify forward's own distributions)."""
+        name = str(self.dtype).replace("torch.", "")
+        if self.dtype in (torch.float32, torch.float64):
+            return f"{name}: greedy identity guaranteed"
+        return f"{name}: greedy identity NOT guaranteed (batch-variant low-precision kernels)"
+
+    @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 

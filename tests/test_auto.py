@@ -131,3 +131,10 @@ def test_evaluate_online_decodes_each_drafter_with_decoding_autos_pick(tmp_path,
     with pytest.raises(SystemExit):
         main(["evaluate", "--mode", "offline", "--rollouts", "r", "--drafters", f"[{path}]", "--tree", "auto"])
     assert "use it with --mode online" in capsys.readouterr().err
+
+
+def test_every_speed_table_can_state_the_dtypes_greedy_guarantee():
+    from lightning_spec import load_target
+
+    assert load_target("tiny-random").precision == "float32: greedy identity guaranteed"
+    assert "greedy identity NOT guaranteed" in load_target("tiny-random", dtype="bfloat16").precision

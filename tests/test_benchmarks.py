@@ -26,7 +26,7 @@ def test_decode_speed_compares_chain_tree_and_plain():
     # the n-gram modes and decoding auto's pick, in one table with the mode statement and engine efficiency
     for mode in ("n-gram lookup (K=10)", "n-gram trie (6 nodes, top 2)", "tree + n-gram (2 of 6 nodes)", "auto: "):
         assert f"\n  {mode}" in out, mode
-    assert "float32: greedy speculative output is the plain output" in out
+    assert "float32: greedy identity guaranteed" in out
     assert "decoding auto: " in out and "; measured " in out
 
 

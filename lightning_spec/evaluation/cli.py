@@ -252,6 +252,7 @@ def run_online(
         "mode": "online",
         "target": spec,
         "target_fingerprint": model.fingerprint,
+        "precision": model.precision,
         "sampling": sampling.to_dict(),
         "tree": _common_tree(trees),
         "sources": [str(s) for s in sources],
@@ -339,7 +340,7 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
         if result["tree"].get("ngram"):
             how += f", up to {result['tree']['ngram']} of them n-gram candidates"
     what = (f"{comparison.rows} rollouts of {comparison.prompts} prompts" if mode == "offline"
-            else f"{comparison.prompts} prompts, real decoding")
+            else f"{comparison.prompts} prompts, real decoding, {result.get('precision', '')}")
     console.print(f"{mode} MAL (tokens per target forward, bonus included), {how}, {what}")
     table = Table()
     table.add_column("domain")
