@@ -340,7 +340,8 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
     out = capsys.readouterr().out
     assert "tree 6/3" in out and "chain" in out
     result = json.loads((tmp_path / "off.json").read_text())
-    assert result["tree"] is None and result["arms"]["tree"]["tree"] == {"nodes": 6, "top_k": 3, "depth": None, "ngram": 0}
+    assert result["tree"] is None
+    assert result["arms"]["tree"]["tree"] == {"nodes": 6, "top_k": 3, "depth": None, "ngram": 0}
     tree = offline_rounds(tiny_target, path, tmp_path / "g", tree=TreeConfig(nodes=6, top_k=3)).tolist()
     chain = offline_rounds(tiny_target, path, tmp_path / "g").tolist()
     assert result["arms"]["tree"]["rounds"] == pytest.approx(tree)

@@ -121,14 +121,18 @@ class Costs:
 _VERIFY_COSTS: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}  # kept for the process
 
 
-def _median_seconds(fn: Any, repeats: int) -> float:
-    fn()  # warm-up: first calls pay one-off costs
-    times = []
+def _median_seconds(fns: dict[Any, Any], repeats: int) -> dict[Any, float]:
+    """The median seconds of every function, timed in turn within each repeat: a change of load on the machine
+    hits every figure alike, so their ratios (what the choice turns on) hold."""
+    for fn in fns.values():
+        fn()  # warm-up: first calls pay one-off costs
+    times: dict[Any, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _token_counts(most: int) -> list[int]:
@@ -136,9 +140,10 @@ def _token_counts(most: int) -> list[int]:
 
 
 @torch.no_grad()
-def measure_costs(target: Any, drafter: Any, settings: list[Setting], context: list[int], repeats: int = 5) -> Costs:
+def measure_costs(target: Any, drafter: Any, settings: list[Setting], context: list[int], repeats: int = 7) -> Costs:
     """Time the target's verify forwards for every query length the settings can need (once per process for this
-    target, dtype, machine, thread count and context length) and each setting's proposal, after ``context``."""
+    target, dtype, machine, thread count and context length) and each setting's proposal, after ``context``,
+    interleaved (``_median_seconds``)."""
     most = max([1] + [1 + (s.tree.nodes if s.tree else (s.block_size or drafter.block_size))
                       for s in settings if s.kind != "plain"])
     layers = list(drafter.target_layers) if drafter is not None else []
@@ -148,9 +153,9 @@ def measure_costs(target: Any, drafter: Any, settings: list[Setting], context: l
     past = cache.get_seq_length()
     key = (machine_name(target.device), str(target.dtype), torch.get_num_threads(), target.fingerprint, len(layers),
            past // 64, most)
+    fns: dict[Any, Any] = {}
     if key not in _VERIFY_COSTS:
         gen = torch.Generator().manual_seed(0)
-        verify, tree_verify = {}, {}
         for t in _token_counts(most):
             block = torch.randint(0, target.vocab_size, (1, t), generator=gen).to(target.device)
             mask = torch.ones(t, t, dtype=torch.bool).tril()  # an ancestor mask (a chain-shaped tree)
@@ -160,24 +165,25 @@ def measure_costs(target: Any, drafter: Any, settings: list[Setting], context: l
                 target(block, layers=lay, cache=cache, positions=positions, tree_mask=mask)
                 target.crop(cache, past)
 
-            verify[t] = _median_seconds(step, repeats)
+            fns["verify", t] = step
             if t > 1:
-                tree_verify[t] = _median_seconds(lambda step=step, mask=mask: step(mask=mask), repeats)
-        _VERIFY_COSTS[key] = verify, tree_verify or dict(verify)
-    verify, tree_verify = _VERIFY_COSTS[key]
-    costs = Costs(verify=verify, tree_verify=tree_verify, machine=key[0])
+                fns["tree", t] = lambda step=step, mask=mask: step(mask=mask)
     anchor = torch.tensor(context[-1:], device=target.device)
     greedy = SamplingConfig()
     for setting in settings:
         d = setting.drafter(drafter)
-        if d is None:
-            costs.draft[setting] = 0.0
-            continue
-        d.use_target(target)
-        state = d.begin(out.features, ids)
-        costs.draft[setting] = _median_seconds(lambda d=d, state=state, s=setting: draft(
-            d, state, anchor, context, greedy, s.tree), repeats)
-    return costs
+        if d is not None:
+            d.use_target(target)
+            state = d.begin(out.features, ids)
+            fns["draft", setting] = lambda d=d, state=state, s=setting: draft(d, state, anchor, context, greedy, s.tree)
+    seconds = _median_seconds(fns, repeats)
+    if key not in _VERIFY_COSTS:
+        verify = {t: v for (kind, t), v in seconds.items() if kind == "verify"}
+        tree_verify = {t: v for (kind, t), v in seconds.items() if kind == "tree"}
+        _VERIFY_COSTS[key] = verify, tree_verify or dict(verify)
+    verify, tree_verify = _VERIFY_COSTS[key]
+    draft_seconds = {s: seconds.get(("draft", s), 0.0) for s in settings}  # plain drafts nothing
+    return Costs(verify=verify, tree_verify=tree_verify, draft=draft_seconds, machine=key[0])
 
 
 # -------------------------------------------------------------------------------------------- the choice
