@@ -69,6 +69,17 @@ def test_a_store_of_other_weights_layers_data_or_dtype_is_refused(tmp_path):
     assert read_spec(tmp_path) == spec()  # nothing rewritten by the refusals
 
 
+def test_two_ranks_creating_one_store_at_once_both_open_it(tmp_path, monkeypatch):
+    """DDP ranks open a new store together: one may find no spec yet and then see the other's spec (or its temporary
+    file) in the folder; that is the same store being created, not other files (a race seen in tests/test_ddp.py)."""
+    import lightning_spec.features.store as store_module
+
+    FeatureStore.open(tmp_path, spec())  # the other rank's spec, written
+    (tmp_path / "store.json.tmp4242").write_text("{}")  # and its temporary file of a second write, not yet renamed
+    monkeypatch.setattr(store_module, "read_spec", lambda directory: None)  # this rank looked before it was there
+    assert FeatureStore.open(tmp_path, spec()).spec == spec()
+
+
 def test_a_store_without_the_final_hidden_state_refuses_objectives_that_need_the_distribution(tmp_path):
     layers_only = spec(holds=["features"], producer="vllm")
     check_holds(layers_only, needs_distribution=False, objective="CE", directory=tmp_path)

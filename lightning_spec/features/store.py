@@ -133,7 +133,10 @@ class FeatureStore:
         directory = Path(directory).expanduser()
         found = read_spec(directory)
         if found is None:
-            if directory.is_dir() and any(p.name != SHARD_DIR for p in directory.iterdir()):
+            # another rank may be creating the same store right now: its spec (or the spec's temporary file, or a
+            # folder-write probe) is not "other files"; the spec both write is the same
+            ours = (SHARD_DIR, SPEC_FILE, f"{SPEC_FILE}.tmp", ".write-test-")
+            if directory.is_dir() and any(not p.name.startswith(ours) for p in directory.iterdir()):
                 raise ValueError(f"{field_name} '{directory}' is a folder that holds other files, not a feature "
                                  "store; name a new or empty folder.")
             atomic_write_json(directory / SPEC_FILE, asdict(spec))
