@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_spec.decoding.engine import draft, generate
+from lightning_spec.decoding.engine import _as_ids, draft, generate
 from lightning_spec.decoding.ngram import NgramDrafter
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.progress import progress_bar
@@ -296,7 +296,8 @@ def choose_decoding(
     Args:
         target: a loaded ``Target``.
         drafter: the trained drafter (bound to ``target``), or None (plain and n-gram settings only).
-        prompts: calibration prompts (token ids): a few the decoding will not be judged on.
+        prompts: calibration prompts (each as ``generate`` takes it: token ids or a tokenizer's output), a few the
+            decoding will not be judged on.
         sampling: the decoding's sampling config (None: greedy).
         max_new_tokens: tokens the target answers each calibration prompt with.
         settings: the settings to compare (default ``candidates(drafter)``); plain is always among them.
@@ -307,6 +308,7 @@ def choose_decoding(
     sampling = SamplingConfig.coerce(sampling)
     if not prompts:
         raise ValueError("choose_decoding needs calibration prompts: a few prompts like those it will decode.")
+    prompts = [_as_ids(p, target.vocab_size, target.device)[0].tolist() for p in prompts]  # what generate takes
     settings = list(settings or candidates(drafter))
     if PLAIN not in settings:
         settings.insert(0, PLAIN)
