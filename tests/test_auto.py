@@ -124,8 +124,9 @@ def test_evaluate_online_decodes_each_drafter_with_decoding_autos_pick(tmp_path,
     main(["evaluate", "--mode", "online", "--drafters", f"[{path}, {path}]", "--names", "[auto, chain]",
           "--trees", "[auto, null]", "--sources", "[mt-bench]", "--prompts_per_source", "2", "--max_new_tokens", "6",
           "--n_resamples", "20", "--output", "on.json", "--progress", "false"])
-    assert "decoding auto: " in capsys.readouterr().out
+    out = capsys.readouterr().out
     arms = json.loads((tmp_path / "on.json").read_text())["arms"]
+    assert "decoding auto: " in out and f"auto: {arms['auto']['decoding']['picked']}" in out  # the table says so
     assert arms["auto"]["decoding"]["expected_speedup"] >= 1.0 and arms["auto"]["tokens"] > 0
     assert "decoding" not in arms["chain"] and arms["chain"]["tree"] is None
     with pytest.raises(SystemExit):

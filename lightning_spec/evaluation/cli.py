@@ -310,6 +310,13 @@ def _common_tree(trees: list[TreeConfig | None]) -> dict[str, Any] | None:
     return dataclasses.asdict(trees[0]) if trees[0] is not None and len(set(trees)) == 1 else None
 
 
+def _arm_label(arm: dict[str, Any]) -> str:
+    """How an arm decoded: decoding auto's pick, or its tree setting."""
+    if arm.get("decoding"):
+        return f"auto: {arm['decoding']['picked']}"
+    return _tree_label(arm.get("tree"))
+
+
 def _tree_label(tree: dict[str, Any] | None) -> str:
     if tree is None:
         return "chain"
@@ -360,7 +367,8 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     for col in ["drafter", "MAL", f"{pct} CI", "ΔMAL", f"{pct} CI of Δ", "p"]:
         width = max(map(len, names)) if col == "drafter" else None  # names in full, the figures wrap instead
         summary.add_column(col, justify="left" if col == "drafter" else "right", min_width=width)
-    per_arm = result.get("tree") is None and any(arm.get("tree") for arm in result["arms"].values())
+    per_arm = result.get("tree") is None and any(arm.get("tree") or arm.get("decoding")
+                                                 for arm in result["arms"].values())
     if per_arm:
         summary.add_column("decoding", justify="right")
     if mode == "online":
@@ -373,7 +381,7 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
                "-" if base else _ci(a.delta_ci), "-" if base else _p(a.p_value, comparison.n_resamples)]
         arm = result["arms"][a.name]
         if per_arm:
-            row.append(_tree_label(arm.get("tree")))
+            row.append(_arm_label(arm))
         if mode == "online":
             row += [f"{arm['tokens_per_s']:.1f}", f"{arm['speedup']:.2f}x", _ci(arm["speedup_ci"])]
         summary.add_row(*row)
@@ -411,7 +419,7 @@ def log_mlflow(result: dict[str, Any], comparison: Comparison, tracking_uri: str
                             "online/speedup_lo": arm["speedup_ci"][0], "online/speedup_hi": arm["speedup_ci"][1]})
         params = {
             "mode": mode, "target": result["target"], "target_fingerprint": result["target_fingerprint"],
-            "decoding": _tree_label(arm.get("tree")),
+            "decoding": _arm_label(arm),
             **{f"sampling.{k}": v for k, v in result["sampling"].items()},
             "checkpoints": ",".join(arm["checkpoints"])[:500], "rows": comparison.rows,
             "prompts": comparison.prompts, "baseline": comparison.baseline,
