@@ -150,7 +150,7 @@ class DraftModule(L.LightningModule):
         # a frozen copy of the starting drafter for objectives that need it (GRPO's KL to the reference); in a list,
         # so it is neither a submodule nor in checkpoints
         self._reference: list[Drafter] = []
-        if getattr(self.objective, "needs_reference", False):
+        if self.objective.needs_reference:  # declared by the objective, a Mixture's by any component
             self._reference.append(copy.deepcopy(self.drafter).eval().requires_grad_(False))
         # Record what was trained, so MLflow can compare runs by block size, loss, gamma... (the objects
         # themselves are not hyperparameters: the drafter is a module, the objective a tree of parts).
@@ -189,7 +189,7 @@ class DraftModule(L.LightningModule):
             self.drafter.vocab.set_from_counts(dm.token_counts(self.target.vocab_size))
             self.drafter.on_vocab_chosen()
         on_policy = getattr(dm, "on_policy", False)  # the data is a replay buffer (callbacks/on_policy.py)
-        if stage == "fit" and getattr(self.objective, "needs_rollouts", False) and not on_policy:
+        if stage == "fit" and self.objective.needs_rollouts and not on_policy:
             raise ValueError(
                 f"model.objective {type(self.objective).__name__} trains on the rounds of on-policy rollouts; add "
                 "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."

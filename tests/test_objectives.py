@@ -209,3 +209,19 @@ def test_objective_rejects_unknown_normalize():
     with pytest.raises(ValueError, match="objective.normalize"):
         Objective(normalize="tokens")
     assert Objective(KL()).needs_target and not Objective(CE()).needs_target
+
+
+def test_a_mixture_declares_what_its_components_need(tiny_target):
+    """``needs_rollouts`` and ``needs_reference`` are declared on every objective; a ``Mixture`` has its components'
+    needs, so a GRPO inside a mixture still gets the frozen starting drafter from the module."""
+    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.module import DraftModule
+    from lightning_spec.objectives import GRPO, DraftOPD, Mixture
+
+    assert not Objective().needs_rollouts and not Objective().needs_reference
+    assert Mixture([Objective(CE()), GRPO()], [0.5, 0.5]).needs_reference
+    assert Mixture([Objective(CE()), DraftOPD()], [0.5, 0.5]).needs_rollouts
+    assert not Mixture([Objective(CE()), Objective(CE())], [0.5, 0.5]).needs_reference
+    module = DraftModule(BlockDrafter(block_size=3, num_layers=1), Mixture([Objective(CE()), GRPO()], [0.5, 0.5]),
+                         target=tiny_target)
+    assert len(module._reference) == 1

@@ -98,6 +98,11 @@ class Objective:
             raise ValueError(f"objective.normalize must be one of {choices}, got {normalize!r}.")
         self.normalize = normalize
 
+    #: trains on the rounds of on-policy rollouts (``DraftOPD``): the module refuses a fit without ``OnPolicyRollouts``
+    needs_rollouts: bool = False
+    #: reads the frozen starting drafter's logits (``GRPO``'s KL, ``draft.reference_logits``): the module keeps a copy
+    needs_reference: bool = False
+
     @property
     def parts(self) -> tuple[Any, ...]:
         return self.loss, self.position_weight, self.anchor_weight
@@ -271,6 +276,14 @@ class Mixture(Objective):
     @property
     def parts(self) -> tuple[Any, ...]:
         return tuple(self.objectives)
+
+    @property
+    def needs_rollouts(self) -> bool:  # any component's needs are the mixture's
+        return any(o.needs_rollouts for o in self.objectives)
+
+    @property
+    def needs_reference(self) -> bool:
+        return any(o.needs_reference for o in self.objectives)
 
     def select_anchors(self, batch, draft_fn, target):
         chosen = [c for c in (o.select_anchors(batch, draft_fn, target) for o in self.objectives) if c is not None]
