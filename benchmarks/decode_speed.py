@@ -195,21 +195,18 @@ def breakdown(target, ctx: torch.Tensor, q_lens: list[int], repeats: int) -> lis
 
 
 # ------------------------------------------------------------------------------ n-gram modes and decoding auto
-COSTS: list = []  # the measured costs of our modes (auto.Costs), for their engine efficiency
-CHOICE: list = []  # what decoding auto picked
-
-
 def exactness(target) -> str:
     """The mode statement every speed table carries (``Target.precision``): greedy identity holds in fp32 only."""
     return target.precision
 
 
-def our_modes(target, drafter, tree, calibration, args) -> dict:
-    """name -> ``auto.Setting`` of the n-gram modes and of decoding auto's pick (calibrated on ``calibration``);
-    measures their costs after a context made of those prompts."""
+def our_modes(target, drafter, tree, calibration, args) -> tuple[dict, object, object]:
+    """name -> ``auto.Setting`` of the n-gram modes and of decoding auto's pick (calibrated on ``calibration``), the
+    measured costs (``auto.Costs``) of those and of plain, the chain and the tree (after a context made of those
+    prompts), and auto's ``Choice`` (None without ``--auto``)."""
     from lightning_spec.decoding.auto import Setting, choose_decoding, measure_costs
 
-    modes = {}
+    modes, choice = {}, None
     if args.ngram:
         modes[f"n-gram lookup (K={args.ngram})"] = Setting("ngram", None, args.ngram)
         if tree is not None:
@@ -221,14 +218,13 @@ def our_modes(target, drafter, tree, calibration, args) -> dict:
     if args.auto:
         choice = choose_decoding(target, drafter, calibration, max_new_tokens=args.max_new_tokens, progress=True)
         print(choice.table())
-        CHOICE.append(choice)
         modes[f"auto: {choice.setting.label}"] = choice.setting
     context = context_ids(calibration, args.cache_len)[0].tolist()
-    COSTS.append(measure_costs(target, drafter, list(BASE_SETTINGS(tree).values()) + list(modes.values()), context))
-    return modes
+    costs = measure_costs(target, drafter, list(base_settings(tree).values()) + list(modes.values()), context)
+    return modes, costs, choice
 
 
-def BASE_SETTINGS(tree) -> dict:  # noqa: N802 (a table, built per tree)
+def base_settings(tree) -> dict:
     """The rows decode_speed always decodes (plain, the chain, the tree) as ``auto.Setting``s."""
     from lightning_spec.decoding.auto import PLAIN, Setting
 
@@ -351,11 +347,11 @@ def main() -> None:
     peer_tokens = {name: 0 for name in peers}
     peer_s = {name: 0.0 for name in peers}
     peer_same = {name: 0 for name in peers}
-    modes = our_modes(target, drafter, tree, calibration or prompts, args)
+    modes, costs, choice = our_modes(target, drafter, tree, calibration or prompts, args)
     for setting in modes.values():
         generate(target, prompts[0], 8, greedy, drafter=setting.drafter(drafter), tree=setting.tree)
     mode_sums = {name: [0, 0, 0.0, 0, 0.0] for name in modes}  # tokens, rounds, seconds, same, ideal seconds
-    base_ideal = dict.fromkeys(BASE_SETTINGS(tree), 0.0)  # ideal seconds of plain, the chain and the tree
+    base_ideal = dict.fromkeys(base_settings(tree), 0.0)  # ideal seconds of plain, the chain and the tree
 
     ctx = context_ids(prompts, args.cache_len)
     timings = forward_timings(target, drafter, ctx, tree)
@@ -385,10 +381,10 @@ def main() -> None:
             sums = mode_sums[name]
             sums[0], sums[1], sums[2] = sums[0] + len(out.tokens), sums[1] + out.rounds, sums[2] + out.seconds
             sums[3] += out.tokens == plain.tokens
-            sums[4] += ideal_seconds(COSTS[0], setting, out)
-        base = BASE_SETTINGS(tree)
+            sums[4] += ideal_seconds(costs, setting, out)
+        base = base_settings(tree)
         for name, out in (("plain", plain), ("chain", spec), *([("tree", grown)] if tree is not None else [])):
-            base_ideal[name] += ideal_seconds(COSTS[0], base[name], out)
+            base_ideal[name] += ideal_seconds(costs, base[name], out)
         # the prompt's prefill alone, to split the loop's own overhead from it (in no figure above)
         start = time.perf_counter()
         target(torch.tensor([ids[:-1]]), layers=list(drafter.target_layers), cache=target.new_cache(), logits=False)
@@ -465,10 +461,9 @@ def main() -> None:
               f"{tps / plain_tps:>8.2f}x{f'{equal}/{len(prompts)}':>13}{eff}")
     print("  efficiency = measured tokens/s over those the measured prefill, draft and verify times allow, "
           "round by round (what the loop itself costs)")
-    if CHOICE:
-        auto_name = next(name for name in modes if name.startswith("auto"))
-        sums = mode_sums[auto_name]
-        print("  " + CHOICE[0].describe(measured_speedup=(sums[0] / sums[2]) / plain_tps))
+    if choice is not None:
+        sums = mode_sums[f"auto: {choice.setting.label}"]
+        print("  " + choice.describe(measured_speedup=(sums[0] / sums[2]) / plain_tps))
     print(f"\n  forward times, warm cache of {ctx.shape[1]} tokens, median of {repeats} (ms)")
     print(f"  {'target, 1 query token':<38}{t['target_1']:>8.1f}")
     print(
