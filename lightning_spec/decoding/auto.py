@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_spec.decoding.engine import _as_ids, draft, generate
 from lightning_spec.decoding.ngram import NgramDrafter
@@ -250,9 +251,10 @@ class Choice:
 
 @torch.no_grad()
 def estimate(target: Any, drafter: Any, setting: Setting, outputs: list[tuple[list[int], list[int]]],
-             sampling: SamplingConfig, costs: Costs) -> Estimate | None:
+             sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None = None) -> Estimate | None:
     """The setting's exact rounds on ``outputs`` (prompt, response) and their expected seconds; None when they
-    cannot be scored exactly (a tree grown from drawn drafts, under sampling)."""
+    cannot be scored exactly (a tree grown from drawn drafts, under sampling). ``features``: the target's features
+    of each output for the drafter's layers, computed once for every setting (None: computed here)."""
     from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
 
     tokens = sum(len(r) for _, r in outputs)
@@ -266,18 +268,26 @@ def estimate(target: Any, drafter: Any, setting: Setting, outputs: list[tuple[li
     if chosen:  # replay every round: exact, with each round's size
         sizes: list[int] = []
         layers = list(d.target_layers)
-        for prompt, response in outputs:
-            if not response:
-                continue
-            ids = torch.tensor([prompt + response], device=target.device)
-            features = target(ids, layers=layers, logits=False).features if layers else None
-            replay_tree_rounds(d, ids, features, [prompt], [response], tree, sampling, sizes)
+        features = features or output_features(target, layers, outputs)
+        for (prompt, response), feats in zip(outputs, features):
+            if response:
+                ids = torch.tensor([prompt + response], device=target.device)
+                replay_tree_rounds(d, ids, feats if layers else None, [prompt], [response], tree, sampling, sizes)
         seconds = sum(per_round_draft + costs.verify_seconds(1 + n, tree is not None) for n in sizes)
         return Estimate(setting, tokens, len(sizes), seconds)
     if tree is not None:
         return None
     rounds = float(offline_report(target, d, outputs, sampling).rounds.sum())  # drawn chains: exact expected rounds
     return Estimate(setting, tokens, rounds, rounds * (per_round_draft + costs.verify_seconds(1 + d.block_size, False)))
+
+
+def output_features(target: Any, layers: list[int], outputs: list[tuple[list[int], list[int]]]
+                    ) -> list[Tensor | None]:
+    """The target's features (1, S, F) of each prompt + response for ``layers`` (None without layers)."""
+    if not layers:
+        return [None] * len(outputs)
+    return [target(torch.tensor([p + r], device=target.device), layers=layers, logits=False).features
+            for p, r in outputs]
 
 
 def choose_decoding(
@@ -318,10 +328,12 @@ def choose_decoding(
     if costs is None:
         longest = max(pairs, key=lambda pr: len(pr[0]) + len(pr[1]))
         costs = measure_costs(target, drafter, settings, longest[0] + longest[1][: len(longest[1]) // 2])
+    # one target forward per output for every drafter setting (n-gram lookup reads no features)
+    features = output_features(target, list(drafter.target_layers) if drafter is not None else [], pairs)
     estimates = []
     with progress_bar("decoding auto: scoring settings", len(settings), progress) as bar:
         for setting in settings:
-            e = estimate(target, drafter, setting, pairs, sampling, costs)
+            e = estimate(target, drafter, setting, pairs, sampling, costs, features)
             if e is not None:
                 estimates.append(e)
             bar.advance(1)
