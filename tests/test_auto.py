@@ -4,6 +4,7 @@
   cost and free drafts it picks the setting that commits the most tokens per round;
 - with costs measured on this machine it never picks a setting its cost model predicts slower than plain, and the
   MAL it expects on its calibration prompts is the MAL the engine then reaches on them (exact calibration);
+- under sampling each estimate's rounds are the offline evaluator's on the same outputs;
 - the verify interpolation and the report.
 """
 
@@ -58,13 +59,22 @@ def test_measured_costs_never_pick_a_setting_predicted_slower_than_plain(diverse
     assert "<- picked" in choice.table()
 
 
-@pytest.mark.parametrize("setting", [Setting("ngram", None, 4), Setting("drafter")])
-def test_every_setting_is_calibrated_exactly_under_sampling(diverse_target, drafter, prompts, setting):
-    """Under sampling a chosen setting is replayed and a drawn chain scored by the exact evaluator."""
-    choice = choose_decoding(diverse_target, drafter, prompts, {"temperature": 1.0}, max_new_tokens=MAX_NEW,
-                             settings=[setting], costs=flat_or_linear(drafter, per_token=0.0))
-    (est,) = [e for e in choice.estimates if e.setting == setting]
-    assert 1.0 <= est.mal and est.rounds > 0
+def test_under_sampling_settings_are_calibrated_with_the_exact_rounds(diverse_target, drafter, prompts):
+    """Under sampling a chosen setting (n-gram lookup) is replayed and a drawn chain scored by the exact evaluator:
+    each estimate's rounds are the offline evaluator's on the same sampled outputs."""
+    from lightning_spec import SamplingConfig, generate, offline_rounds
+    from lightning_spec.decoding.ngram import NgramDrafter
+
+    t1 = SamplingConfig(temperature=1.0)
+    outputs = [generate(diverse_target, p, MAX_NEW, t1, seed=i).tokens for i, p in enumerate(prompts)]
+    pairs = list(zip(prompts, outputs))
+    settings = [Setting("ngram", None, 4), Setting("drafter")]
+    choice = choose_decoding(diverse_target, drafter, prompts, t1, settings=settings, outputs=outputs,
+                             costs=flat_or_linear(drafter, per_token=0.0))
+    rounds = {e.setting: e.rounds for e in choice.estimates}
+    assert rounds[settings[0]] == pytest.approx(float(offline_rounds(diverse_target, NgramDrafter(4), pairs, t1).sum()))
+    assert rounds[settings[1]] == pytest.approx(float(offline_rounds(diverse_target, drafter, pairs, t1).sum()))
+    assert rounds[settings[1]] < sum(map(len, outputs))  # the drafter's chain was accepted on these outputs
 
 
 def test_verify_seconds_interpolate_between_measured_lengths():
