@@ -95,6 +95,9 @@ def main() -> None:
     parser.add_argument("--serve-script", default=str(ROOT / "benchmarks/serve_vllm.py"),
                         help="the engine runner (tests pass a stand-in that decodes with our engine)")
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--target-options", type=json.loads, default=None,
+                        help='the fit\'s model.target_options as JSON, e.g. \'{"chat_template_kwargs": '
+                             '{"enable_thinking": false}}\' (the prompts are templated with them)')
     parser.add_argument("--work", default=str(ROOT / "serve-check"), help="checkpoints, exports and logs")
     parser.add_argument("--families", nargs="+", default=DEFAULT_FAMILIES, choices=list(FAMILIES))
     parser.add_argument("--prompts", type=int, default=16)
@@ -109,7 +112,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     target_name = args.target
-    target = load_target(target_name)
+    target = load_target(target_name, options=args.target_options)
     folder = resolve_target_folder(target_name)
     prompts = mt_bench_prompts(target, args.prompts, seed=0)
     base = {"target": folder, "dtype": "float32", "prompts": prompts, "max_new_tokens": args.max_new_tokens}

@@ -21,7 +21,7 @@ import torch
 
 from lightning_spec.drafters.base import Drafter, drafter_record, init_arguments
 from lightning_spec.export import is_serving_folder, read_serving_folder
-from lightning_spec.target import live_target, load_target
+from lightning_spec.target import TargetOptions, live_target, load_target
 
 CKPT_KEY = "lightning_spec"
 PACKAGE = "lightning_spec"
@@ -94,14 +94,16 @@ def read_checkpoint(path: str | Path, what: str = "checkpoint") -> dict[str, Any
     return ckpt
 
 
-def recorded_target(path: str | Path, what: str = "checkpoint") -> str:
-    """The target spec a checkpoint or exported folder was trained for."""
+def recorded_target(path: str | Path, what: str = "checkpoint") -> tuple[str, TargetOptions]:
+    """The target spec a checkpoint or exported folder was trained for, and the options it was loaded with."""
     path = Path(path)
     if path.is_dir() and is_serving_folder(path):
-        return read_serving_folder(path, what)[0]["target"]
-    if path.is_dir():
-        return _read_folder_meta(path, what)["target"]
-    return read_checkpoint(path, what)[CKPT_KEY]["target"]
+        meta = read_serving_folder(path, what)[0]
+    elif path.is_dir():
+        meta = _read_folder_meta(path, what)
+    else:
+        meta = read_checkpoint(path, what)[CKPT_KEY]
+    return meta["target"], TargetOptions.of(meta.get("target_options"))
 
 
 def _read_folder_meta(folder: Path, what: str) -> dict[str, Any]:
@@ -148,9 +150,12 @@ def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, wha
         drafter: Drafter = cls(**config)
     except TypeError as err:
         raise ValueError(f"{what} drafter_config does not fit {cls.__name__} ({err}).") from None
-    if target is None:  # an equal target the user already loaded (same weights fingerprint), else the recorded one
-        target = live_target(meta.get("target_fingerprint")) or meta["target"]
-    target = load_target(target)
+    options = meta.get("target_options")  # revision, trust_remote_code, ... of the recorded target (older: none)
+    if target is None:  # an equal target the user already loaded (same weights fingerprint), else the recorded one,
+        # its embedding, final norm and LM head only: the drafter then decodes with any target of the same weights
+        target = live_target(meta.get("target_fingerprint")) or load_target(meta["target"], options=options,
+                                                                            layers=False)
+    target = load_target(target, options=options) if isinstance(target, str) else load_target(target)
     if target.vocab_size != meta["target_vocab_size"]:
         raise ValueError(
             f"The drafter was trained for a target with a {meta['target_vocab_size']}-token vocabulary, but this "
@@ -243,8 +248,9 @@ def load_drafter(path: str | Path, target: Any = None) -> Drafter:
 
     ``target`` (a ``Target``, name, folder or model) defaults to a target already loaded in this process with the
     weights the drafter was trained for (same fingerprint), so ``load_target(name)`` then ``load_drafter(path)``
-    holds one copy of the target; when none is loaded, the recorded target is loaded. ``generate`` also accepts a
-    drafter bound to another copy of the same weights."""
+    holds one copy of the target; when none is loaded, only the recorded target's embedding, final norm and LM head
+    are read (``load_target(..., layers=False)``: its layers never enter memory), which is all a drafter holds of
+    it. ``generate(target, ..., drafter=drafter)`` then binds it to the user's target of the same weights."""
     what = "load_drafter path"
     meta, state = read_drafter_state(path, what)
     return _bind(meta, state, target, what)

@@ -32,7 +32,7 @@ from lightning_spec.data.rollouts import is_rollouts_folder, load_rollouts, sft_
 from lightning_spec.data.sources import Source, as_source, held_out_keys, load_source
 from lightning_spec.data.tokenized import Examples, cache_key, source_identity, tokenized_set, tokenizer_identity
 from lightning_spec.loaders import DomainSampler, TrainLoader, check_val_check_interval, collate, example_weights
-from lightning_spec.target import load_tokenizer
+from lightning_spec.target import TargetOptions, load_tokenizer
 
 
 class SpecDataModule(L.LightningDataModule):
@@ -57,8 +57,9 @@ class SpecDataModule(L.LightningDataModule):
         eval_sources: sources of held-out prompts that validation decodes for real (MAL per domain); their
             first user message must not appear in training, and matching training conversations are dropped.
         eval_prompts_per_domain: prompts per domain for speculative decoding during validation.
-        chat_template_kwargs: keyword arguments for the chat template, everywhere it is applied (training
-            conversations, eval prompts), e.g. ``{enable_thinking: false}`` for Qwen3.
+        target_options: how the target's tokenizer is loaded (revision, trust_remote_code) and its chat template
+            applied (``chat_template_kwargs``, e.g. ``{enable_thinking: false}`` for Qwen3, everywhere: training
+            conversations, eval prompts): ``TargetOptions``, linked from ``model.target_options`` by the CLI.
         num_proc: processes that tokenise the conversations; null: one per 4000 conversations, up to the CPUs.
         tokenizer: an already built tokenizer (Python use; overrides ``target``'s tokenizer).
     """
@@ -75,12 +76,14 @@ class SpecDataModule(L.LightningDataModule):
         seed: int = 0,
         eval_sources: list[Source | str] = ["mt-bench", "humaneval", "mmath"],  # noqa: B006
         eval_prompts_per_domain: int = 8,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        target_options: TargetOptions | None = None,
         num_proc: int | None = None,
         tokenizer: Any = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["tokenizer"])
+        self.save_hyperparameters(ignore=["tokenizer", "target_options"])
+        self.target_options = TargetOptions.of(target_options)
+        self.hparams["target_options"] = self.target_options.to_dict()
         self.target = target
         self.train_sources = [as_source(s) for s in train_sources]
         self.eval_sources = [as_source(s) for s in eval_sources]
@@ -91,7 +94,7 @@ class SpecDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.eval_prompts_per_domain = eval_prompts_per_domain
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.chat_template_kwargs = dict(self.target_options.chat_template_kwargs)
         self.num_proc = num_proc
         self.on_policy = False  # the training set is the replay buffer (use_replay_buffer); no feature store then
         self._tokenizer = tokenizer
@@ -131,7 +134,7 @@ class SpecDataModule(L.LightningDataModule):
     def tokenizer(self) -> Any:
         """The target's tokenizer (loaded on first use)."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.target)
+            self._tokenizer = load_tokenizer(self.target, self.target_options)
         return self._tokenizer
 
     @property

@@ -41,7 +41,7 @@ from lightning_spec.features.store import FeatureStore, StoreSpec, check_holds, 
 from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.schedule import TrainingClock
-from lightning_spec.target import Target, load_target, resolve_dtype
+from lightning_spec.target import Target, TargetOptions, load_target, resolve_dtype
 from lightning_spec.tracking import checkpoint_record
 
 
@@ -85,6 +85,9 @@ class DraftModule(L.LightningModule):
         drafter: the draft model (e.g. ``lightning_spec.drafters.BlockDrafter``).
         objective: the training objective (``lightning_spec.objectives.Objective`` and its parts).
         target: packaged name (``smollm2-135m-instruct``, ``tiny-random``), HF hub id or local folder.
+        target_options: how that target is loaded and prompted (``TargetOptions``): ``revision``,
+            ``trust_remote_code`` (off), ``attn_implementation``, ``chat_template_kwargs``; the data module gets the
+            same options (``data.target_options`` is linked to this field).
         target_dtype: dtype of the frozen target: ``float32`` on CPU, ``bfloat16`` on GPUs, ``auto``: bf16 where the
             device multiplies it natively (``target.resolve_dtype``).
         lr: peak AdamW learning rate.
@@ -116,6 +119,7 @@ class DraftModule(L.LightningModule):
         drafter: Drafter,
         objective: Objective | None = None,
         target: str = "smollm2-135m-instruct",
+        target_options: TargetOptions | None = None,
         target_dtype: str = "float32",
         lr: float = 6e-4,
         weight_decay: float = 0.0,
@@ -129,14 +133,17 @@ class DraftModule(L.LightningModule):
         init_from: str | None = None,
     ) -> None:
         super().__init__()
-        ignore = ["drafter", "objective"] + ([] if isinstance(target, str) else ["target"])
+        ignore = ["drafter", "objective", "target_options"] + ([] if isinstance(target, str) else ["target"])
         self.save_hyperparameters(ignore=ignore)  # drafter and objective are recorded below via describe()
+        options = TargetOptions.of(target_options)
+        self.hparams["target_options"] = options.to_dict()  # plain values: checkpoints are read weights_only
         if feature_cache not in ("memory", "disk", "off"):
             raise ValueError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
         check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio)
         if loss_chunk is not None and loss_chunk < 1:
             raise ValueError(f"model.loss_chunk is {loss_chunk}; it must be >= 1 anchors, or null for no chunks.")
-        self.target = load_target(target, dtype=target_dtype) if isinstance(target, str) else load_target(target)
+        self.target = load_target(target, dtype=target_dtype, options=options) if isinstance(target, str) else \
+            load_target(target, options=options)
         self.target_spec = target if isinstance(target, str) else self.target.name
         wanted = self.target.dtype if feature_dtype == "target" else resolve_dtype(feature_dtype, self.target.device)
         # training features come from this target: the target itself, or a copy in the feature dtype (in a list:

@@ -15,9 +15,12 @@ import functools
 import gc
 import hashlib
 import inspect
+import json
 import os
+import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +30,54 @@ from torch import Tensor, nn
 from lightning_spec.assets import PACKAGED_TARGETS, resolve_target_folder
 
 _LIVE: weakref.WeakSet[Target] = weakref.WeakSet()  # every Target of this process, for ``live_target``
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """How a target named by a string is loaded and prompted, beyond its name (``model.target_options``; the data
+    module, rollouts and evaluation read the same options, and checkpoints record them).
+
+    Args:
+        revision: the hub branch, tag or commit of a hub id (ignored for packaged names and local folders).
+        trust_remote_code: run the Python code a model ships in its folder or repository (its config's
+            ``auto_map``), as ``transformers`` does with the same flag. Off: such a model is refused in one
+            sentence naming this option. Turn it on only for code you trust.
+        attn_implementation: ``eager``, ``sdpa``, ``flash_attention_2``, ... (``transformers``' names); null keeps
+            transformers' default, with our shared-KV SDPA variant on CPU (same outputs, faster verify forwards).
+        chat_template_kwargs: keyword arguments for the chat template wherever it is applied (training
+            conversations, eval prompts, rollouts, evaluation), e.g. ``{enable_thinking: false}`` for Qwen3.
+    """
+
+    revision: str | None = None
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, options: TargetOptions | dict | None) -> TargetOptions:
+        """Options from a ``TargetOptions``, a plain dict (YAML, a checkpoint's record) or None (the defaults)."""
+        if options is None or isinstance(options, TargetOptions):
+            return options or cls()
+        if not isinstance(options, dict):
+            raise TypeError(f"model.target_options must be a mapping, got {type(options).__name__}.")
+        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"model.target_options has unknown keys {unknown}; the keys are "
+                             f"{sorted(cls.__dataclass_fields__)}.")
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain values (hyperparameters, checkpoint records); only those that differ from the
+        defaults, so a default target records ``{}``."""
+        default = TargetOptions()
+        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
+
+    def loading(self) -> dict[str, Any]:
+        """The keyword arguments of ``from_pretrained`` (model, config and tokenizer) these options set."""
+        kwargs: dict[str, Any] = {"trust_remote_code": self.trust_remote_code}
+        if self.revision is not None:
+            kwargs["revision"] = self.revision
+        return kwargs
 
 
 @dataclass
@@ -41,13 +92,16 @@ class TargetOutput:
 class Target(nn.Module):
     """A frozen HF causal LM. Eval mode, grads off, never saved in a drafter checkpoint."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any = None, name: str | None = None) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any = None, name: str | None = None,
+                 options: TargetOptions | None = None, fingerprint: str | None = None) -> None:
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.options = options or TargetOptions()
         self._cache_kw = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
-        self._fingerprint: str | None = None
+        self._fingerprint: str | None = fingerprint
+        self._layers_loaded = not any(p.is_meta for p in self.base.parameters())  # False: head-only (export)
         _LIVE.add(self)
 
     def train(self, mode: bool = True) -> Target:
@@ -89,6 +143,17 @@ class Target(nn.Module):
         return f"{name}: greedy identity NOT guaranteed (batch-variant low-precision kernels)"
 
     @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for this target's chat template (``TargetOptions.chat_template_kwargs``)."""
+        return dict(self.options.chat_template_kwargs)
+
+    @property
+    def has_layer_weights(self) -> bool:
+        """False for a target loaded with ``layers=False`` (export, reattaching a drafter): its decoder layers sit on
+        the meta device, only the embedding, final norm and LM head hold weights, and it cannot run a forward."""
+        return self._layers_loaded
+
+    @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
@@ -110,7 +175,7 @@ class Target(nn.Module):
         if any(isinstance(m, PrepackedLinear) for m in self.base.modules()):
             raise ValueError("a prepacked target cannot be converted to another dtype; load it without prepack=True.")
         model = copy.deepcopy(self.model).to(dtype)
-        return Target(model, tokenizer=self.tokenizer, name=self.name)
+        return Target(model, tokenizer=self.tokenizer, name=self.name, options=self.options)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -161,6 +226,9 @@ class Target(nn.Module):
         tokens as a token tree (METHODS §1.2): token i sees the whole cached prefix and the tokens j with
         tree_mask[i, j] (its ancestors and itself), so each root-to-leaf path computes what it would as a chain."""
         kwargs: dict[str, Any] = {"input_ids": input_ids, "output_hidden_states": bool(layers)}
+        if not self._layers_loaded:
+            raise ValueError(f"target '{self.name}' was loaded without its layer weights (load_target(..., "
+                             "layers=False), for export); load it with load_target(spec) to run it.")
         if tree_mask is not None:
             if cache is None or attention_mask is not None or input_ids.shape[0] != 1:
                 raise ValueError("Target.forward runs a tree_mask for one sequence over a KV cache (cache=...), "
@@ -284,6 +352,9 @@ def live_target(fingerprint: str | None) -> Target | None:
 
 def _unknown_target(spec: str, err: BaseException) -> ValueError:
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "trust_remote_code" in str(err):  # transformers' own refusal of a hub model's code
+        return ValueError(f"model.target {spec!r} needs the Python code of its repository; set "
+                          "model.target_options.trust_remote_code: true if you trust that code.")
     offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
     return ValueError(
         f"model.target {spec!r} is not a packaged name ({', '.join(PACKAGED_TARGETS)}), a local model folder, or a "
@@ -291,14 +362,42 @@ def _unknown_target(spec: str, err: BaseException) -> ValueError:
     )
 
 
-def load_tokenizer(spec: str):
-    """The one tokenizer loader: the tokenizer of a packaged name, a local folder or a hub id."""
+def load_tokenizer(spec: str, options: TargetOptions | dict | None = None):
+    """The one tokenizer loader: the tokenizer of a packaged name, a local folder or a hub id (at ``options``'
+    revision, with its remote code only when ``options.trust_remote_code``)."""
     from transformers import AutoTokenizer
 
+    options = TargetOptions.of(options)
+    folder = resolve_target_folder(spec)
+    refuse_remote_code(spec, folder, options)
     try:
-        return AutoTokenizer.from_pretrained(resolve_target_folder(spec))
+        return AutoTokenizer.from_pretrained(folder, **options.loading())
     except (OSError, ValueError) as err:
         raise _unknown_target(spec, err) from None
+
+
+def _local_config(folder: str) -> dict[str, Any] | None:
+    """The config.json of a local model folder, or None (a hub id: transformers reads it remotely)."""
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def refuse_remote_code(spec: str, folder: str, options: TargetOptions) -> None:
+    """Refuse, in one sentence, a model whose classes are its own Python code (``auto_map`` naming a model type that
+    transformers does not have) unless ``trust_remote_code`` is on. A hub id's config is checked by transformers
+    itself, whose error is reworded by ``_unknown_target``."""
+    config = _local_config(folder)
+    if options.trust_remote_code or not config or "auto_map" not in config:
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config.get("model_type") in CONFIG_MAPPING:  # transformers has the class: no code from the folder runs
+        return
+    code = config["auto_map"].get("AutoModelForCausalLM") or next(iter(config["auto_map"].values()), "?")
+    raise ValueError(
+        f"model.target {spec!r} needs the Python code in its folder ({code}, model type "
+        f"{config.get('model_type')!r}); set model.target_options.trust_remote_code: true if you trust that code."
+    )
 
 
 def native_bf16(device: str | torch.device = "cpu") -> bool:
@@ -329,7 +428,12 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") 
 
 
 def load_target(
-    spec: Any, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", prepack: bool = False
+    spec: Any,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    prepack: bool = False,
+    options: TargetOptions | dict | None = None,
+    layers: bool = True,
 ) -> Target:
     """A frozen ``Target`` from a packaged name, an HF hub id, a local folder, or a built ``transformers`` model.
 
@@ -337,11 +441,16 @@ def load_target(
     (2 layers, hidden 64, for tests). ``dtype``: fp32 by default on CPU (the exact guarantees are tested there);
     ``"auto"`` picks bf16 where the device multiplies it natively (``resolve_dtype``); ``torch.bfloat16`` on GPUs.
     ``prepack``: run the decoder's linear layers through oneDNN with converted weights (``Target.prepack``), CPU only.
+    ``options``: revision, trust_remote_code, attn_implementation, chat-template arguments (``TargetOptions``).
+    ``layers=False``: build the model on the meta device and read only the embedding, the final norm and the LM head
+    from its safetensors files, with the weights fingerprint streamed tensor by tensor: what a drafter needs to be
+    reattached and exported, never the whole target in memory (``Target.has_layer_weights`` is then False).
     """
+    options = TargetOptions.of(options)
     if isinstance(spec, Target):
         return spec.prepack() if prepack else spec
     if isinstance(spec, nn.Module):
-        target = Target(spec.to(device), tokenizer=None)
+        target = Target(spec.to(device), tokenizer=None, options=options)
         return target.prepack() if prepack else target
     if not isinstance(spec, str):
         raise TypeError(f"model.target must be a name, a folder or a transformers model, not {type(spec).__name__}.")
@@ -351,14 +460,84 @@ def load_target(
     folder = resolve_target_folder(spec)
     if spec not in PACKAGED_TARGETS and not os.path.isdir(folder) and "/" not in spec.strip("/"):
         raise _unknown_target(spec, ValueError("no such folder, and hub ids have the form org/name"))
+    refuse_remote_code(spec, folder, options)
+    attention = {} if options.attn_implementation is None else {"attn_implementation": options.attn_implementation}
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+        heads = None if layers else _heads_only(spec, folder, dtype, attention, options)
+        if heads is None:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **attention, **options.loading())
+            model = model.to(device)
+        else:
+            model, fingerprint = heads
     except (OSError, ValueError) as err:  # transformers reports an unknown name as a failed download
         raise _unknown_target(spec, err) from None
-    if getattr(model.config, "_attn_implementation", None) == "sdpa" and _register_shared_kv_sdpa():
+    if options.attn_implementation is None and getattr(model.config, "_attn_implementation", None) == "sdpa" \
+            and layers and _register_shared_kv_sdpa():
         model.set_attn_implementation(SHARED_KV_SDPA)  # same outputs, faster verify forwards on CPU
-    target = Target(model, tokenizer=load_tokenizer(spec), name=spec)
+    target = Target(model, tokenizer=load_tokenizer(spec, options), name=spec, options=options,
+                    fingerprint=None if heads is None else fingerprint)
     return target.prepack() if prepack else target
+
+
+def _heads_only(spec: str, folder: str, dtype: torch.dtype, attention: dict[str, Any],
+                options: TargetOptions) -> tuple[nn.Module, str] | None:
+    """(the model on the meta device with its embedding, final norm and LM head read from the safetensors files,
+    the weights fingerprint ``Target.fingerprint`` would compute) without holding more than one tensor of the rest
+    in memory at a time. Local folders and the hub cache (``snapshot_download``'s files) alike. None, with a
+    warning, where the weights are not safetensors under the model's own parameter names: load it whole then."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files = _safetensors_files(folder, options)
+    if not files:
+        warnings.warn(f"target {spec!r} has no .safetensors weights; loading it whole to read its LM head.",
+                      stacklevel=3)
+        return None
+    config = AutoConfig.from_pretrained(folder, **options.loading())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attention,
+                                                 trust_remote_code=options.trust_remote_code)
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), path))
+
+    missing = [n for n, _ in model.named_parameters() if n not in where]
+    if missing:  # a checkpoint layout transformers renames on load (e.g. fused experts)
+        warnings.warn(f"target {spec!r}: its safetensors names differ from the model's ({missing[0]}, ...); loading "
+                      "it whole to read its LM head.", stacklevel=3)
+        return None
+
+    def read(name: str) -> Tensor:
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name).to(dtype)
+
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter under its first (stored) name
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    heads = [model.get_input_embeddings(), model.get_output_embeddings(), getattr(decoder, "norm", None)]
+    loaded: dict[int, nn.Parameter] = {}  # a tied head and embedding share one parameter: read it once
+    for module in (m for m in heads if m is not None):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in loaded:
+                loaded[id(param)] = nn.Parameter(read(names[id(param)]), requires_grad=False)
+            setattr(module, pname, loaded[id(param)])
+    h = hashlib.sha256(spec.encode())  # Target.fingerprint's recipe, one tensor at a time
+    h.update(config.to_json_string(use_diff=False).encode())
+    for name, _ in model.named_parameters():
+        flat = read(name).reshape(-1)
+        h.update(flat[:: max(1, flat.numel() // 64)].double().numpy().tobytes())
+        del flat
+    return model, h.hexdigest()[:16]
+
+
+def _safetensors_files(folder: str, options: TargetOptions) -> list[Path]:
+    """The safetensors files of a local folder or of a hub id (in the hub cache, downloaded if missing)."""
+    local = Path(folder)
+    if not local.is_dir():
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(folder, revision=options.revision, allow_patterns=["*.json", "*.safetensors"]))
+    return sorted(local.glob("*.safetensors"))
 
 
 # ----------------------------------------------------------------------------------------------- attention

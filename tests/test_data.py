@@ -438,7 +438,7 @@ def test_chat_template_arguments_reach_training_conversations_and_eval_prompts(t
                          "{{ '' if add_generation_prompt else mood | default('') }}")
     path = write_jsonl(tmp_path / "t.jsonl", chat_rows(6))
     dm = SpecDataModule(tokenizer=tok, train_sources=[path], eval_sources=["mt-bench"], max_length=96,
-                        eval_prompts_per_domain=1, chat_template_kwargs={"mood": "[calm]"})
+                        eval_prompts_per_domain=1, target_options={"chat_template_kwargs": {"mood": "[calm]"}})
     dm.setup("fit")
     assert tok.decode(dm.eval_prompts()[0]["prompt_ids"]).endswith("assistant\n[calm]")
     assert tok.decode(dm.train_dataset[0]["input_ids"]).endswith("[calm]")

@@ -41,7 +41,7 @@ from lightning_spec.data.sources import Source, as_source
 from lightning_spec.files import atomic_write, atomic_write_json, writable_dir
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
-from lightning_spec.target import load_target
+from lightning_spec.target import TargetOptions, load_target
 
 SHARD_SECONDS = 30.0  # the longest finished conversations wait in memory before a shard holds them
 
@@ -390,7 +390,7 @@ def rollouts(
     server_url: str = "http://127.0.0.1:8000",
     server_model: str | None = None,
     concurrency: int = 64,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    target_options: TargetOptions | None = None,
     target_dtype: str = "float32",
     device: str = "cpu",
     progress: bool = True,
@@ -427,7 +427,9 @@ def rollouts(
         server_url: the server's base URL (backend server).
         server_model: the model name the server serves; null = its only one.
         concurrency: conversations in flight at once (backend server).
-        chat_template_kwargs: keyword arguments for the chat template, e.g. {enable_thinking: false} for Qwen3.
+        target_options: how the target is loaded (revision, trust_remote_code, attn_implementation) and prompted
+            (chat_template_kwargs, e.g. {enable_thinking: false} for Qwen3, for every prompt and later turn): the
+            fit's model.target_options.
         target_dtype: dtype of the local target: float32 on CPU, bfloat16 on GPUs, auto: bf16 where native.
         device: where the local target runs (cpu, cuda, cuda:1, ...).
         progress: print the work ahead and an estimate, and show the progress bar.
@@ -441,9 +443,10 @@ def rollouts(
         raise ValueError(f"--max_prompt_tokens={max_prompt_tokens} must be at least 1, or null for no limit.")
     _check_out(out)  # before the target is loaded and hours of decoding start
     engine = ServerEngine(server_url, server_model, concurrency) if backend == "server" else None
-    model = load_target(target, dtype=target_dtype, device=device)
+    model = load_target(target, dtype=target_dtype, device=device, options=target_options)
     if model.tokenizer is None:
         raise ValueError(f"--target {target} has no tokenizer; rollouts need one to build chat prompts.")
+    chat_template_kwargs = model.chat_template_kwargs
     source_list = [as_source(s) for s in sources]
     prompts = select_prompts(model.tokenizer, source_list, prompts_per_source, seed, max_prompt_tokens,
                              chat_template_kwargs=chat_template_kwargs)

@@ -462,6 +462,7 @@ def drafter_record(drafter: Drafter, target_spec: str) -> dict[str, Any]:
         "target": target_spec,
         "target_fingerprint": drafter.target.fingerprint,
         "target_vocab_size": drafter.target.vocab_size,
+        "target_options": drafter.target.options.to_dict(),  # how to load it again: revision, remote code, ...
     }
 
 

@@ -349,7 +349,7 @@ class BlockDrafter(Drafter):
         table = target.embed_tokens.weight
         start = table.mean(0) if self.mask_token_id is None else table[self.mask_token_id]
         self.mask_embedding.copy_(start.expand_as(self.mask_embedding))
-        if self.init_from_target:
+        if self.init_from_target and target.has_layer_weights:  # a head-only target: the weights come from a file
             self._copy_target_layers(target)
 
     @torch.no_grad()

@@ -29,6 +29,7 @@ from lightning_spec.evaluation.offline import OfflineReport, offline_report
 from lightning_spec.evaluation.paired import Comparison, bootstrap_mal, compare, compare_reports, percentile_interval
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
+from lightning_spec.target import TargetOptions
 
 
 def arm_names(drafters: list[str], names: list[str] | None) -> list[str]:
@@ -42,8 +43,9 @@ def arm_names(drafters: list[str], names: list[str] | None) -> list[str]:
     return [s if stems.count(s) == 1 else str(d) for s, d in zip(stems, drafters)]
 
 
-def _recorded_target(path: str) -> str:
-    """The target a checkpoint or exported drafter folder was trained for (read as data: checkpoint.py)."""
+def _recorded_target(path: str) -> tuple[str, TargetOptions]:
+    """The target a checkpoint or exported drafter folder was trained for, and its options (read as data:
+    checkpoint.py)."""
     from lightning_spec.checkpoint import recorded_target
 
     return recorded_target(path, what="--drafters entry")
@@ -76,6 +78,7 @@ def run_offline(
     device: str,
     progress: bool,
     trees: list[TreeConfig | None],
+    options: TargetOptions | None = None,
 ) -> tuple[dict[str, Any], Comparison]:
     from lightning_spec.checkpoint import load_drafter
     from lightning_spec.target import load_target
@@ -85,7 +88,8 @@ def run_offline(
     spec = target or meta.get("target")
     if spec is None:
         raise ValueError("--target is needed: the rollouts record none.")
-    model = load_target(spec, dtype=target_dtype, device=device)
+    options = options or _recorded_target(drafters[0])[1]  # the options the first drafter's target was loaded with
+    model = load_target(spec, dtype=target_dtype, device=device, options=options)
     sampling = sampling or rollout_sampling(data.meta)
     check_rollouts(data.meta, model, sampling, data.source)
     data = spread(data, max_rollouts)
@@ -148,6 +152,7 @@ def run_online(
     progress: bool,
     trees: list[TreeConfig | None],
     adapt: dict[str, Any] | None = None,
+    options: TargetOptions | None = None,
 ) -> tuple[dict[str, Any], Comparison]:
     """Real decoding of the prompts by plain decoding and every drafter, interleaved prompt by prompt. ``adapt``
     (``CostAwareAdapter`` settings) adds an arm ``<name>+adapt`` per drafter: its own copy, adapted while it
@@ -159,11 +164,13 @@ def run_online(
     from lightning_spec.evaluation.benchmark import decode_prompts
     from lightning_spec.target import load_target
 
-    spec = target or _recorded_target(drafters[0])
-    model = load_target(spec, dtype=target_dtype, device=device)
+    recorded, recorded_options = _recorded_target(drafters[0])
+    spec, options = target or recorded, options or recorded_options
+    model = load_target(spec, dtype=target_dtype, device=device, options=options)
     if model.tokenizer is None:
         raise ValueError(f"--target {spec} has no tokenizer; online evaluation builds chat prompts with it.")
-    prompts = select_prompts(model.tokenizer, [as_source(s) for s in sources], prompts_per_source, seed)
+    prompts = select_prompts(model.tokenizer, [as_source(s) for s in sources], prompts_per_source, seed,
+                             chat_template_kwargs=model.chat_template_kwargs)
     loaded = [load_drafter(p, target=model) for p in drafters]
     for d, tree in zip(loaded, trees):
         if tree is not None and tree != "auto":
@@ -444,6 +451,7 @@ def evaluate(
     rollouts: str | None = None,
     max_rollouts: int | None = None,
     target: str | None = None,
+    target_options: TargetOptions | None = None,
     sources: list[str] = ["mt-bench", "humaneval", "mmath"],  # noqa: B006 (never mutated; a list shows in --help)
     prompts_per_source: int = 8,
     max_new_tokens: int = 128,
@@ -482,6 +490,8 @@ def evaluate(
         rollouts: offline: a rollouts folder (`lightning-spec rollouts`).
         max_rollouts: offline: evaluate at most this many rollouts (round-robin over domains).
         target: the target (default: the rollouts' target offline, the first drafter's target online).
+        target_options: how to load and prompt it (revision, trust_remote_code, attn_implementation,
+            chat_template_kwargs; ``TargetOptions``); default: the options the first drafter's target was trained with.
         sources: online: prompt sources (packaged names, local files, hub ids), as `lightning-spec rollouts`.
         prompts_per_source: online: prompts per source (the same selection as `lightning-spec rollouts`).
         max_new_tokens: online: generation budget per prompt.
@@ -544,7 +554,7 @@ def evaluate(
             raise ValueError("--mode offline needs --rollouts: a folder made by `lightning-spec rollouts`.")
         result, comparison = run_offline(
             rollouts, drafters, labels, baseline, target, sampling, max_rollouts, batch_size, n_resamples,
-            confidence, seed, target_dtype, device, progress, per_drafter,
+            confidence, seed, target_dtype, device, progress, per_drafter, options=target_options,
         )
     elif mode == "online":
         if prompts_per_source < 1 or max_new_tokens < 1:
@@ -554,6 +564,7 @@ def evaluate(
             max_new_tokens, n_resamples, confidence, seed, target_dtype, device, progress, per_drafter,
             adapt=dict(scopes=adapt_scopes, lr=adapt_lr, steps=adapt_steps, horizon_tokens=adapt_horizon,
                        exploration=adapt_exploration, force=adapt_force) if adapt else None,
+            options=target_options,
         )
     else:
         raise ValueError(f"--mode must be offline or online, got {mode!r}.")
