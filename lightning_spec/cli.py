@@ -25,7 +25,14 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.module import DraftModule
-from lightning_spec.tracking import DEFAULT_LOGGER, SaveConfigToTracker, checkpoint_run_id, prepare_loggers, run_summary
+from lightning_spec.tracking import (
+    DEFAULT_LOGGER,
+    SaveConfigToTracker,
+    checkpoint_run_id,
+    log_drafter,
+    prepare_loggers,
+    run_summary,
+)
 
 TRAINER_DEFAULTS = {
     # checkpoints go to runs/<mlflow experiment id>/<mlflow run id>/checkpoints (MLflow has no log folder)
@@ -38,6 +45,7 @@ class SpecCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # the tokenizer of the data is the target's: one place to say which target
         parser.link_arguments("model.target", "data.target")
+        parser.link_arguments("model.target_options", "data.target_options")
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
@@ -82,6 +90,8 @@ class SpecCLI(LightningCLI):
             return
         paths = [c.last_model_path or c.best_model_path for c in self.trainer.checkpoint_callbacks]
         lines = [f"checkpoint: {p}" for p in paths if p]
+        if paths and paths[0]:  # the drafter itself in the run, not only its curves: what to load or serve
+            lines += log_drafter(self.trainer.loggers, paths[0], self.model.target, self.model.target_spec)
         print("\n".join(lines + run_summary(self.trainer.loggers)), flush=True)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:

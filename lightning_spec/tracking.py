@@ -15,6 +15,9 @@ the sweep's study tracker (``sweeps/tracker.py``) opens its store here too.
 - ``SaveConfigToTracker``: the resolved YAML as the run's ``config.yaml``, and the ``error`` tag of a failed fit.
 - ``checkpoint_record`` (into every checkpoint), ``run_summary`` (printed when ``fit`` ends), ``log_runs``
   (``evaluate --mlflow``).
+- ``log_drafter``: when ``fit`` ends, the trained drafter as the run's artifact ``drafter/``: the folder vLLM serves
+  where the family exports (``lightning-spec export``'s speculators layout), else the drafter's own folder
+  (``save_drafter``), each with a ``README.md`` card saying what it is and how to load or serve it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import contextlib
 import importlib
 import os
 import re
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -268,3 +272,41 @@ def log_runs(tracking_uri: str, experiment_name: str, runs: list[dict[str, Any]]
         client.set_terminated(run_id)
         run_ids.append(run_id)
     return run_ids
+
+
+# ------------------------------------------------------------------------------------------ the drafter artifact
+DRAFTER_ARTIFACT = "drafter"  # the artifact path of a fit's trained drafter in its MLflow run
+
+
+def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Any, target_spec: str) -> list[str]:
+    """Log the drafter of ``ckpt`` (a finished fit's last checkpoint) to each MLflow run as the artifact
+    ``drafter/`` with a card; returns the lines ``fit`` prints about it. Rank 0 only (the caller's)."""
+    from lightning_spec.checkpoint import load_drafter, save_drafter
+    from lightning_spec.export import codec_for, export_drafter
+
+    runs = [logger for logger in mlflow_loggers(loggers) if started_run(logger)]
+    if not runs:
+        return []
+    drafter = load_drafter(ckpt, target=target)
+    family, k = type(drafter).__name__, drafter.block_size
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / DRAFTER_ARTIFACT
+        try:
+            export_drafter(drafter, folder, "speculators", target_spec, parent={"path": str(ckpt)})
+            codec = codec_for(drafter, "speculators")
+            layout = "speculators (vLLM)"
+            use = (f"`load_drafter(folder)`, or serve it: `vllm.LLM(model=<target>, speculative_config={{'method': "
+                   f"'{codec.vllm}', 'model': <this folder>, 'num_speculative_tokens': {k}}})`" if codec.vllm else
+                   "`load_drafter(folder)`; no serving engine runs this family from the format yet")
+        except ValueError as err:  # the format cannot express this drafter: its own layout, and why
+            save_drafter(drafter, folder, target_spec)
+            layout = "lightning_spec (drafter.json + drafter.pt)"
+            use = f"`load_drafter(folder)`; not exported for serving: {err}"
+        card = (f"# {family} drafter (K = {k}) for {target_spec}\n\n"
+                f"- checkpoint: `{ckpt}`\n- layout: {layout}\n- use: {use}\n"
+                f"- target weights fingerprint: {drafter.target.fingerprint}\n")
+        (folder / "README.md").write_text(card)
+        for logger in runs:
+            logger.experiment.log_artifacts(logger.run_id, str(folder), DRAFTER_ARTIFACT)
+            logger.experiment.set_tag(logger.run_id, "drafter_layout", layout)
+    return [f"drafter: MLflow artifact '{DRAFTER_ARTIFACT}/' of the run, {layout}"]

@@ -125,18 +125,26 @@ def test_fit_tiny_logs_an_mlflow_run(in_tmp, capsys):
     mal_steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/mal")]
     assert mal_steps == [0, 3, 6]  # before training, then every val_check_interval=3 of max_steps=6
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 6
-    assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert {"config.yaml", "drafter"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    # the drafter itself, not only its curves: the tiny fit's BlockDrafter is not the served DFlash layout, so its
+    # own folder with a card saying why it is not exported; it loads back as the checkpoint's drafter
+    files = {a.path for a in client.list_artifacts(run.info.run_id, "drafter")}
+    assert files == {"drafter/README.md", "drafter/drafter.json", "drafter/drafter.pt"}
+    assert run.data.tags["drafter_layout"].startswith("lightning_spec")
+    card = Path(client.download_artifacts(run.info.run_id, "drafter/README.md", str(in_tmp))).read_text()
+    assert "not exported for serving" in card and "qk_norm" in card
     # the checkpoint holds a drafter that loads for its target by name
     (last,) = in_tmp.rglob("last.ckpt")
     drafter = load_drafter(last)
     assert drafter.block_size == 4 and drafter.target.vocab_size == 320
     # fit ends with where the checkpoint is and how to see the run, after the MAL table (printed at train end)
-    assert out[-3:] == [
+    assert out[-4:] == [
         f"checkpoint: {last.relative_to(in_tmp)}",
+        "drafter: MLflow artifact 'drafter/' of the run, lightning_spec (drafter.json + drafter.pt)",
         f"MLflow run: {run.info.run_id} (experiment 'lightning_spec', id {experiment.experiment_id})",
         "see it: mlflow ui --backend-store-uri sqlite:///mlflow.db",
     ]
-    assert any(line.startswith("└") for line in out[:-3])  # the table's last border came before
+    assert any(line.startswith("└") for line in out[:-4])  # the table's last border came before
 
 
 def test_fits_from_two_folders_in_one_process_log_to_their_own_stores(in_tmp, monkeypatch):

@@ -251,6 +251,9 @@ def test_tiny_sweep_lands_in_optuna_and_mlflow(tmp_path, monkeypatch):
     tagged = [r for r in children if r.data.tags.get("best_trial") == "true"]
     assert [int(r.data.tags["optuna.trial_number"]) for r in tagged] == [study.best_trial.number]
     assert parent.data.tags["best_trial"] == str(study.best_trial.number)
+    (best,) = tagged  # the best trial's drafter is marked on the parent: what the sweep says to load or serve
+    assert parent.data.tags["best_drafter"] == f"runs:/{best.info.run_id}/drafter"
+    assert "drafter/drafter.pt" in {a.path for a in client.list_artifacts(best.info.run_id, "drafter")}
     plots = {a.path for a in client.list_artifacts(parent.info.run_id, "plots")}
     assert plots == {"plots/metric_vs_block_size.png", "plots/per_domain.png", "plots/optimization_history.png"}
     assert {"base.yaml", "sweep.json", "trials.json"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}

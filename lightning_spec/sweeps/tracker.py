@@ -19,7 +19,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from lightning_spec.sweeps.plots import comparison_plots
 from lightning_spec.sweeps.workers import counts
-from lightning_spec.tracking import absolute_sqlite_uri, mask_uri, open_store
+from lightning_spec.tracking import DRAFTER_ARTIFACT, absolute_sqlite_uri, mask_uri, open_store
 
 PARENT_ATTR = "mlflow_parent_run_id"  # study user attr: the MLflow parent run of the study
 STATUS = {"complete": "FINISHED", "pruned": "KILLED", "failed": "FAILED", "interrupted": "KILLED"}
@@ -116,7 +116,10 @@ class Tracker:
             self.client.set_tag(parent, "best_trial", str(best.number))
             self.client.set_tag(parent, "best_params", json.dumps(best.params)[:5000])
             if best.user_attrs.get("mlflow_run_id"):
-                self.client.set_tag(parent, "best_run_id", best.user_attrs["mlflow_run_id"])
+                best_run = best.user_attrs["mlflow_run_id"]
+                self.client.set_tag(parent, "best_run_id", best_run)
+                if self.client.list_artifacts(best_run, DRAFTER_ARTIFACT):  # the best trial's drafter (log_drafter)
+                    self.client.set_tag(parent, "best_drafter", f"runs:/{best_run}/{DRAFTER_ARTIFACT}")
             if best.user_attrs.get("checkpoint"):
                 self.client.set_tag(parent, "best_checkpoint", best.user_attrs["checkpoint"])
             done = sum(counts(t) for t in trials)
