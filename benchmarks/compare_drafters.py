@@ -46,6 +46,8 @@ EXTRAS = {
     # AUF against the position decay on DFlash (README "Reproductions"): both with CE, as the paper's pair
     "dflash_ce_decay": ("dflash", "experiments/objectives/ce_decay.yaml"),
     "dflash_auf": ("dflash", "experiments/objectives/auf.yaml"),
+    # the quickstart's drafter as DFlash's released layout, which `export` writes (README "Serving your drafter")
+    "dflash_export": ("dflash", "experiments/drafters/dflash_export.yaml"),
 }
 EXPERIMENT = "drafters-compare"
 
@@ -77,9 +79,10 @@ def run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"failed ({proc.returncode}); see {log}")
 
 
-def fit(arm: str, minutes: float, out: Path, steps: int | None = None) -> Path:
+def fit(arm: str, minutes: float, out: Path, steps: int | None = None, store: Path | None = None) -> Path:
     """Train one arm for ``minutes`` (or exactly ``steps`` optimizer steps); returns its last.ckpt (copied to
-    ``out/<arm>.ckpt``)."""
+    ``out/<arm>.ckpt``). ``store``: a feature store every arm reads (``lightning-spec features --out``), so no arm
+    pays the target's forwards and arms with the same target layers share them."""
     target = out / f"{arm}.ckpt"
     if target.exists():
         print(f"{arm}: {target} exists, not retrained", flush=True)
@@ -88,7 +91,8 @@ def fit(arm: str, minutes: float, out: Path, steps: int | None = None) -> Path:
     seconds = int(minutes * 60)
     budget = ([f"--trainer.max_steps={steps}", "--trainer.max_time=null"] if steps else
               ["--trainer.max_steps=1000000", f"--trainer.max_time=00:00:{seconds // 60:02d}:{seconds % 60:02d}"])
-    cmd = [exe, "fit"] + [a for f in overlays(arm) for a in ("-c", f)] + budget + [
+    features = ["--model.feature_cache=disk", f"--model.feature_store={store}"] if store else []
+    cmd = [exe, "fit"] + [a for f in overlays(arm) for a in ("-c", f)] + budget + features + [
         "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
         f"--trainer.logger.init_args.experiment_name={EXPERIMENT}", f"--trainer.logger.init_args.run_name={arm}",
         f"--trainer.default_root_dir={out / 'runs' / arm}",
@@ -109,6 +113,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None,
                     help="train every arm for exactly this many optimizer steps instead of a time budget (results "
                          "then do not depend on the machine's load; the time each arm took is reported)")
+    ap.add_argument("--feature-store", type=Path, default=None,
+                    help="a feature store written ahead (lightning-spec features -c experiments/quickstart.yaml --out "
+                         "DIR): every arm reads it instead of running the target (arms whose target layers differ "
+                         "from the store's are refused by the fit)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "drafters-compare")
     ap.add_argument("--rollouts", type=Path, default=None, help="default: <out>/eval_mt80_g96 (made if missing)")
     args = ap.parse_args()
@@ -127,7 +135,7 @@ def main() -> None:
     ckpts, seconds = {}, {}
     for arm in arms:
         start = time.perf_counter()
-        ckpts[arm] = fit(arm, args.minutes, args.out, args.steps)
+        ckpts[arm] = fit(arm, args.minutes, args.out, args.steps, args.feature_store)
         seconds[arm] = time.perf_counter() - start
     paths = "[" + ", ".join(str(ckpts[a]) for a in arms) + "]"
     names = "[" + ", ".join(arms) + "]"

@@ -61,8 +61,10 @@ class Timings:
     def run(self, repeats: int, keep: bool = True) -> None:
         for _ in range(repeats):
             for name, fn in self.fns.items():
+                synchronize()
                 start = time.perf_counter()
                 fn()
+                synchronize()
                 if keep:
                     self.samples[name].append(time.perf_counter() - start)
 
@@ -86,6 +88,7 @@ def mt_bench_prompts(target, count: int, seed: int, source: str = "mt-bench") ->
         eval_prompts_per_domain=count,
         seed=seed,
         tokenizer=target.tokenizer,
+        target_options=target.options,  # its chat-template arguments (e.g. Qwen3's enable_thinking)
     )
     return [p["prompt_ids"] for p in data.eval_prompts()][:count]
 
@@ -105,6 +108,12 @@ def context_ids(prompts: list[list[int]], length: int) -> torch.Tensor:
     flat = [t for p in prompts for t in p]
     flat = (flat * (length // max(len(flat), 1) + 1))[:length]
     return torch.tensor([flat])
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work before reading the clock (a no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def forward_timings(target, drafter, ctx: torch.Tensor, tree: TreeConfig | None = None) -> Timings:
@@ -291,6 +300,7 @@ def main() -> None:
     parser.add_argument("--drafter", help="a fit checkpoint (.ckpt) or exported folder; default: untrained")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32", help="the target's dtype (the drafter keeps its weights)")
+    parser.add_argument("--device", default="cpu", help="where the target and drafter run: cpu, cuda, cuda:1, ...")
     parser.add_argument("--prepack", action="store_true", help="prepack the target's decoder linears (Target.prepack)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts (round-robin over the source's categories)")
     parser.add_argument("--source", default="mt-bench", help="the prompts' source: mt-bench, humaneval or mmath")
@@ -317,7 +327,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = load_target(args.target, dtype=args.dtype, prepack=args.prepack)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, prepack=args.prepack)
     everything = mt_bench_prompts(target, args.prompts + (args.calibration if args.auto else 0), args.seed,
                                   args.source)
     prompts, calibration = everything[: args.prompts], everything[args.prompts :]
@@ -353,7 +363,7 @@ def main() -> None:
     mode_sums = {name: [0, 0, 0.0, 0, 0.0] for name in modes}  # tokens, rounds, seconds, same, ideal seconds
     base_ideal = dict.fromkeys(base_settings(tree), 0.0)  # ideal seconds of plain, the chain and the tree
 
-    ctx = context_ids(prompts, args.cache_len)
+    ctx = context_ids(prompts, args.cache_len).to(target.device)
     timings = forward_timings(target, drafter, ctx, tree)
     per_prompt = -(-args.repeats // len(prompts))  # the forward timings run between the prompts
 
@@ -386,8 +396,11 @@ def main() -> None:
         for name, out in (("plain", plain), ("chain", spec), *([("tree", grown)] if tree is not None else [])):
             base_ideal[name] += ideal_seconds(costs, base[name], out)
         # the prompt's prefill alone, to split the loop's own overhead from it (in no figure above)
+        synchronize()
         start = time.perf_counter()
-        target(torch.tensor([ids[:-1]]), layers=list(drafter.target_layers), cache=target.new_cache(), logits=False)
+        target(torch.tensor([ids[:-1]], device=target.device), layers=list(drafter.target_layers),
+               cache=target.new_cache(), logits=False)
+        synchronize()
         prefill_s += time.perf_counter() - start
         for name, run in peers.items():
             tokens, seconds = run(ids)

@@ -70,3 +70,17 @@ def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target
     for row in rows:  # MAL vLLM (the stand-in's count) = ours = offline: one accounting on every side
         cells = [c.strip() for c in row.split("|")]
         assert cells[4] == cells[5] == cells[6] and float(cells[4]) > 1.2, row
+
+
+def test_gpu_check_runs_its_cpu_parts(tmp_path):
+    """benchmarks/gpu_check.sh --cpu: the fit, the decoding table from its checkpoint, and the FSDP part's reason for
+    skipping, all on the tiny target; the GPU run uses the same steps with SmolLM2 and CUDA."""
+    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out"), "PY": sys.executable,
+           "LS": str(Path(sys.executable).with_name("lightning-spec"))}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "gpu_check: no GPU" in out and "== 1. fit (cpu)" in out and "checkpoint " in out
+    assert "speculative / plain tokens/s" in out and "float32: greedy identity guaranteed" in out
+    assert "fsdp: skipped on CPU" in out

@@ -128,10 +128,15 @@ def _median_seconds(fns: dict[Any, Any], repeats: int) -> dict[Any, float]:
     for fn in fns.values():
         fn()  # warm-up: first calls pay one-off costs
     times: dict[Any, list[float]] = {name: [] for name in fns}
+    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()  # wait for queued kernels around each timing
     for _ in range(repeats):
         for name, fn in fns.items():
+            if gpu:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             fn()
+            if gpu:
+                torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
