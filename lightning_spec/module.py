@@ -108,6 +108,11 @@ class DraftModule(L.LightningModule):
         loss_chunk: compute the objective this many anchors at a time, each chunk's draft and target logits
             recomputed in the backward pass: memory grows with loss_chunk x K x Vd instead of anchors x K x Vd,
             for one more head forward per step (``benchmarks/objective_memory.py``). None: all anchors at once.
+        shard_target: under DDP over several ranks, shard the frozen target's decoder layers across them (FSDP2
+            ``fully_shard`` per layer, ``Target.shard_layers``): a target larger than one device trains a drafter,
+            each rank gathering one layer at a time for its own batch. Every rank then runs the target in step, so it
+            needs ``feature_cache: off``, and callbacks that decode or roll out on one rank's prompts refuse it
+            (evaluate the checkpoint with ``lightning-spec evaluate`` instead). docs/scaling.md has the memory.
         init_from: start from a trained drafter, a ``fit`` checkpoint or an exported folder: its weights only (this
             fit has its own optimizer, schedule and steps), so "SFT, then X" is two YAMLs. Checkpoints of this fit
             record it as their ``parent``. An objective that regularises towards a reference drafter (GRPO's KL)
@@ -131,6 +136,7 @@ class DraftModule(L.LightningModule):
         feature_dtype: str = "target",
         loss_chunk: int | None = None,
         init_from: str | None = None,
+        shard_target: bool = False,
     ) -> None:
         super().__init__()
         ignore = ["drafter", "objective", "target_options"] + ([] if isinstance(target, str) else ["target"])
@@ -140,6 +146,12 @@ class DraftModule(L.LightningModule):
         if feature_cache not in ("memory", "disk", "off"):
             raise ValueError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
         check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio)
+        if shard_target and (feature_cache != "off" or feature_dtype not in ("target", target_dtype)):
+            raise ValueError(
+                "model.shard_target runs the target's forward on every rank in step, so each rank must compute the "
+                "features of every batch: set model.feature_cache: off and model.feature_dtype: target (or write the "
+                "features ahead with `lightning-spec features` and train without shard_target)."
+            )
         if loss_chunk is not None and loss_chunk < 1:
             raise ValueError(f"model.loss_chunk is {loss_chunk}; it must be >= 1 anchors, or null for no chunks.")
         self.target = load_target(target, dtype=target_dtype, options=options) if isinstance(target, str) else \
@@ -245,13 +257,28 @@ class DraftModule(L.LightningModule):
         return store
 
     def configure_model(self) -> None:
-        """Under FSDP, shard the drafter only: the frozen target stays whole on every device, as under DDP.
+        """With ``shard_target`` over several ranks (DDP), shard the frozen target's decoder layers across them
+        (``Target.shard_layers``): each rank holds 1/world of the target's layer weights, the drafter is replicated.
+
+        Under FSDP, shard the drafter only: the frozen target stays whole on every device, as under DDP.
 
         The drafter reads the target's embedding and LM head outside the target's own forward (and decoding runs
         outside any FSDP forward), and one FSDP flat parameter cannot mix a bf16 target with the fp32 drafter.
         FSDP does not move ignored modules, so the target goes to the device here.
         """
         strategy = self._trainer.strategy if self._trainer is not None else None
+        if self.hparams.shard_target and strategy is not None and self._trainer.world_size > 1:
+            if isinstance(strategy, FSDPStrategy):
+                raise ValueError("model.shard_target shards the target under trainer.strategy: ddp (the drafter is "
+                                 "replicated); under fsdp the target stays whole. Use ddp, or shard_target: false.")
+            if not self.target.sharded:
+                self.target.to(strategy.root_device).shard_layers()
+                world, layers = self._trainer.world_size, sum(p.numel() for p in self.target.base.layers.parameters())
+                rank_zero_info(f"target: decoder layers sharded over {world} ranks, {layers / world / 1e6:.1f}M of "
+                               f"their {layers / 1e6:.1f}M parameters on each (model.shard_target)")
+            # DDP would broadcast every parameter from rank 0 when it wraps the module: the target's shards differ
+            self._ddp_params_and_buffers_to_ignore = [f"target.{name}" for name, _ in self.target.named_parameters()]
+            self._ddp_params_and_buffers_to_ignore += [f"target.{name}" for name, _ in self.target.named_buffers()]
         if isinstance(strategy, FSDPStrategy):
             strategy.kwargs.setdefault("ignored_modules", [self.target])
             self.target.to(strategy.root_device)

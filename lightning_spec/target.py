@@ -102,6 +102,7 @@ class Target(nn.Module):
         self._cache_kw = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
         self._fingerprint: str | None = fingerprint
         self._layers_loaded = not any(p.is_meta for p in self.base.parameters())  # False: head-only (export)
+        self._sharded = False  # shard_layers: each rank holds a shard of the decoder layers
         _LIVE.add(self)
 
     def train(self, mode: bool = True) -> Target:
@@ -279,6 +280,33 @@ class Target(nn.Module):
                 if type(child) is nn.Linear:
                     setattr(module, name, PrepackedLinear(child))
         return self
+
+    def shard_layers(self) -> Target:
+        """Shard the decoder layers' weights across the ranks of the default process group (FSDP2 ``fully_shard``,
+        one unit per layer): each rank keeps 1/world of them, and a forward gathers one layer at a time and frees
+        it again after that layer (a hook reshards it: a layer alone is an FSDP root, which FSDP2 otherwise keeps
+        gathered). The embedding, final norm and LM head stay whole on every rank (drafters read them outside the
+        target's forward). Every rank must then run every target forward together, in the same order: training
+        steps do; decoding one rank's own prompts would not (``DraftModule(shard_target=True)`` refuses it).
+        Outputs are unchanged (the same products on gathered weights). In place; returns the target."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("shard_target needs the ranks' process group (trainer.strategy: ddp, several devices).")
+        _ = self.fingerprint  # of the whole weights, before each rank holds a shard
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        for layer in self.base.layers:
+            fully_shard(layer, mesh=mesh)
+            layer.register_forward_hook(lambda module, args, out: module.reshard())
+        self._sharded = True
+        return self
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ``shard_layers`` spread the decoder layers over the ranks (forwards are then collective)."""
+        return self._sharded
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

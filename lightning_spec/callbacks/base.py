@@ -97,6 +97,7 @@ class EvaluationCallback(MetricsCallback):
         """The evaluation before training runs here, before Lightning's ``Timer`` starts the ``max_time`` clock at
         ``on_train_start``: decoding with an untrained drafter takes none of the training budget, so runs compare at
         the steps their budget buys. A resumed fit (its history restored from the checkpoint) does not repeat it."""
+        refuse_sharded_target(pl_module, type(self).__name__)
         if self.before_training and not self.history and trainer.ckpt_path is None:
             self.measure(trainer, pl_module, step=0, before_training=True)
 
@@ -107,6 +108,15 @@ class EvaluationCallback(MetricsCallback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.last_step != trainer.global_step:  # the last steps were never evaluated
             self.measure(trainer, pl_module, step=trainer.global_step)
+
+
+def refuse_sharded_target(module: L.LightningModule, callback: str) -> None:
+    """A sharded target runs a forward only when every rank runs it (``Target.shard_layers``); a callback that
+    decodes each rank's own prompts would wait forever on the others, so it stops here in one sentence."""
+    if module.target.sharded:
+        raise ValueError(f"{callback} decodes on each rank's own prompts, which a sharded target cannot (every rank "
+                         "must run each forward together); drop it from trainer.callbacks with model.shard_target, "
+                         "and evaluate the checkpoint with `lightning-spec evaluate`.")
 
 
 def full_parameters(trainer: L.Trainer) -> contextlib.AbstractContextManager:

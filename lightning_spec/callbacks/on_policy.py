@@ -34,7 +34,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_spec.callbacks.base import MetricsCallback, full_parameters
+from lightning_spec.callbacks.base import MetricsCallback, full_parameters, refuse_sharded_target
 from lightning_spec.data.replay import prompt_of, replay_example
 from lightning_spec.decoding.engine import generate
 from lightning_spec.sampling import SamplingConfig
@@ -114,6 +114,7 @@ class OnPolicyRollouts(MetricsCallback):
         dm.announce_replay_buffer()  # before the module sets up: it opens no feature store for a changing buffer
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        refuse_sharded_target(pl_module, type(self).__name__)
         if len(self.buffer) != self.buffer_size:  # a fresh run (a resumed one restored its buffer)
             self.buffer = self._rollouts(trainer, pl_module, self.buffer_size)
             self.cursor = 0
