@@ -56,8 +56,6 @@ NEEDS = {
     "server": "starts a server (vLLM, MLflow's UI) or needs one running",
     "minutes": "takes minutes (a make target or a full-size run)",
 }
-# Pages written in parallel (issue 24: targets, scaling): a link to one passes while it does not exist yet.
-WRITTEN_ELSEWHERE = {DOCS / "targets.md", DOCS / "scaling.md"}
 
 
 # --------------------------------------------------------------------------------------------- the blocks
@@ -157,8 +155,6 @@ def test_every_relative_link_and_anchor_resolves(page):
             continue
         path, _, anchor = link.partition("#")
         target = (page.parent / path).resolve() if path else page
-        if target in WRITTEN_ELSEWHERE and not target.exists():
-            continue
         assert target.exists(), f"{page.name}: the link {link!r} points to no file"
         if anchor:
             assert target.suffix == ".md", f"{page.name}: {link!r} has an anchor into a file that is no page"
