@@ -40,9 +40,9 @@ long: setup
 clean-cache:
 	rm -rf $${LIGHTNING_SPEC_CACHE:-$$HOME/.cache/lightning_spec}/features $${LIGHTNING_SPEC_CACHE:-$$HOME/.cache/lightning_spec}/data
 
-# Serving check (README "Serving your drafter"): a separate venv with vLLM's CPU build and the speculators library.
-# Both pin torch 2.13 only when the install is constrained to it (a plain install pulls a 6 GB CUDA torch 2.14);
-# torchvision/torchaudio/torchcodec come along and break `import transformers` on this torch, so they go.
+# Serving check (docs/serving.md, "The serving check"): a separate venv with vLLM's CPU build and the speculators
+# library. Both pin torch 2.13 only when the install is constrained to it (a plain install pulls a 6 GB CUDA torch
+# 2.14); torchvision/torchaudio/torchcodec come along and break `import transformers` on this torch, so they go.
 SERVE_VENV ?= .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.setup-done
 
@@ -61,10 +61,10 @@ $(SERVE_STAMP): Makefile
 serve-check: setup serve-setup
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/serve_check.py --serve-python $(SERVE_VENV)/bin/python $(SERVE_ARGS)
 
-# Regeneration through a serving engine (README "Regenerating the target's answers"): vLLM's OpenAI-compatible server
-# for the packaged target on 127.0.0.1, from .venv-serve. `make serve-target` serves in the foreground until Ctrl-C;
-# `make regenerate` starts it, draws the target's answers to ShareGPT prompts with `lightning-spec rollouts --backend
-# server` (resumable: rerun after a kill), and stops it, whatever the command did.
+# Regeneration through a serving engine (docs/data.md, "Regenerating with a serving engine"): vLLM's
+# OpenAI-compatible server for the packaged target on 127.0.0.1, from .venv-serve. `make serve-target` serves in the
+# foreground until Ctrl-C; `make regenerate` starts it, draws the target's answers to ShareGPT prompts with
+# `lightning-spec rollouts --backend server` (resumable: rerun after a kill), and stops it, whatever the command did.
 SERVE_PORT ?= 8000
 REGEN_OUT ?= rollouts/sharegpt-regen
 REGEN_ARGS ?= --sources '[sharegpt]' --prompts_per_source 2000 --temperature 0 --max_new_tokens 256
@@ -77,9 +77,10 @@ regenerate: setup serve-setup
 		$(VENV)/bin/lightning-spec rollouts --backend server --server_url http://127.0.0.1:$(SERVE_PORT) \
 		--out $(REGEN_OUT) $(REGEN_ARGS)
 
-# The testbed drafter (README "The testbed drafter"): regenerates ShareGPT answers through vLLM, writes the feature
-# store, trains the quickstart's drafter on them with experiments/testbed.yaml, and prints exact offline MAL on the
-# 80 MT-Bench greedy rollouts and real decoding speed against plain decoding. Resumable: rerun after a kill.
+# The testbed drafter (docs/reproductions.md, "The testbed drafter"): regenerates ShareGPT answers through vLLM,
+# writes the feature store, trains the quickstart's drafter on them with experiments/testbed.yaml, and prints exact
+# offline MAL on the 80 MT-Bench greedy rollouts and real decoding speed against plain decoding. Resumable: rerun
+# after a kill.
 TESTBED_OUT ?= testbed
 TESTBED_ARGS ?=
 

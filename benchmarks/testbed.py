@@ -18,9 +18,10 @@ rollouts and the store also resume within a step; the speed measurement always r
 6. real greedy decoding speed against plain decoding, chain and tree, on 6 MT-Bench prompts
    (``decode_speed.py``, fp32 and, where the CPU multiplies bf16 natively, bf16).
 
-With ``--compare-sharegpt`` (README "Reproductions": does regeneration help?) the same drafter, objective and steps
-also train on ShareGPT's own answers to the same prompts, cut to the same token budget (``sharegpt-answers.jsonl``,
-its own store), and the two are compared on ``mtbench-greedy``, paired over prompts.
+With ``--compare-sharegpt`` (does regeneration help? docs/reproductions.md, "Training on the target's own answers
+beats the dataset's answers to the same prompts") the same drafter, objective and steps also train on ShareGPT's
+own answers to the same prompts, cut to the same token budget (``sharegpt-answers.jsonl``, its own store), and the
+two are compared on ``mtbench-greedy``, paired over prompts.
 
 The figures go to stdout and ``<out>/summary.json``; the logs of every step to ``<out>/logs``.
 """

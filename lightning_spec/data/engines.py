@@ -15,7 +15,8 @@ Both engines yield finished conversations (``Regenerated``) for the writer (``ro
   template play no part), ``concurrency`` conversations in flight, a per-request seed, and the generated token ids
   back (vLLM's ``return_token_ids``; SGLang and others: the ``token_id:N`` tokens of ``return_tokens_as_token_ids``).
   Sampled tokens follow the target's distribution but not our seeds' streams; greedy ones equal ours up to the two
-  engines' float rounding (measured in README "Regenerating with a serving engine").
+  engines' float rounding (measured in benchmarks/README.md, "``regeneration_speed.py``: our engine against vLLM's
+  server on the same prompts"; usage in docs/data.md, "Regenerating with a serving engine").
 """
 
 from __future__ import annotations

@@ -242,7 +242,8 @@ class BlockDrafter(Drafter):
         init_from_target: start draft layer i from the weights of target layer L - num_layers + i (the last
             layers, whose output the frozen final norm and LM head expect) instead of random; needs the
             target's layer shapes (the default ``intermediate_size``). Measured on the quickstart setting: MAL
-            -0.029 after 500 steps, so it is off by default (README, "What moves MAL").
+            -0.029 after 500 steps, so it is off by default (docs/quickstart.md, "What moves MAL at the
+            quickstart's scale").
         length_head: add AdaFlash's adaptive length head (``LengthHead``, arXiv 2607.19223): the training forward
             gives its prediction as ``aux["length"]`` (N, A) and the cut as ``drafted``; a chain round submits
             k = clamp(round(pred * K * length_rate), length_min, K) tokens. Train it with

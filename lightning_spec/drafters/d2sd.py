@@ -39,7 +39,8 @@ catnanami/D2-SD ``generation/d3_generator.py``; tested in tests/test_drafter_d2s
   repeat the trunk's token there (the authors' loop does not exclude it); it then merges and its later slots
   become alternatives under the trunk's node. ``distinct_branches=True`` (ours, off by default) makes slot i + 1
   of branch i the best token other than d_{i+1}: at this scale (slot-1 acceptance ~0.2) r(i) puts the likely
-  rejection at slot 1, where a re-draft from the same distribution proposes d_1 again (the README's reproduction).
+  rejection at slot 1, where a re-draft from the same distribution proposes d_1 again (docs/reproductions.md,
+  "D²SD's shared-prefix tree beats the diffusion drafter alone").
 - ``TreeConfig``: ``nodes`` caps the draft nodes (the trunk first, then the branches by decreasing r(i), a branch
   cut where the budget ends); ``depth`` truncates every path at that slot (boundaries i < depth only);
   ``top_k`` is not used (the tree's width is ``branches``).

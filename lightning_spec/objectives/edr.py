@@ -15,8 +15,9 @@ every start) is ``lightning_spec/rounds.py``, shared with the offline evaluator.
 - The parts: ``EDROccupancy`` (a_n = sg(ω_{n,n+1} / π_n); it also chooses the anchors), ``EDRReach``
   (b = sg(Π_{s<t} A)), ``EDRCost`` (ℓ = c + A·sg(V_{n,t+1} - V_{t,t+1})), assembled by ``EDR``.
 
-Train on target rollouts (``lightning-spec rollouts``, README "Rollouts") for the estimate to be the expected
-rounds of real decoding: on other data, where the warped target gives the data's token probability 0, A = 0.
+Train on target rollouts (``lightning-spec rollouts``, docs/data.md "Rollouts: the target's own answers") for the
+estimate to be the expected rounds of real decoding: on other data, where the warped target gives the data's token
+probability 0, A = 0.
 """
 
 from __future__ import annotations
