@@ -43,7 +43,8 @@ FAMILIES = ["dflash", "eagle3", "dspark", "dfly", "domino", "medusa", "mtp", "d2
 # extra arms: name -> (family overlay, more overlay text)
 EXTRAS = {
     "domino_auf": ("domino", "experiments/drafters/domino_auf.yaml"),
-    # AUF against the position decay on DFlash (README "Reproductions"): both with CE, as the paper's pair
+    # AUF against the position decay on DFlash (the Domino claim of docs/reproductions.md, "AUF's support weight
+    # beats the position decay on Domino"): both with CE, as the paper's pair
     "dflash_ce_decay": ("dflash", "experiments/objectives/ce_decay.yaml"),
     "dflash_auf": ("dflash", "experiments/objectives/auf.yaml"),
     # the quickstart's drafter as DFlash's released layout, which `export` writes (README "Serving your drafter")

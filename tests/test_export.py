@@ -319,7 +319,8 @@ def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
     """Every family we write in the speculators format loads with the library's own classes: no weight missing or
     unexpected, every shipped tensor held as written but one: the library loads the verifier's embedding over a
     shipped one, so DSpark's learned mask vector, written into the mask token's row for vLLM, is the target's
-    embedding there (the README says so). Runs where the serving venv exists (`make serve-setup`)."""
+    embedding there (docs/serving.md, "DSpark and MTP", says so). Runs where the serving venv exists
+    (`make serve-setup`)."""
     import subprocess
 
     if not SERVE_PYTHON.is_file():
