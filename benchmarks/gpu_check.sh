@@ -12,7 +12,7 @@
 #   benchmarks/gpu_check.sh            # on a machine with a CUDA GPU; output under gpu-check/
 #   benchmarks/gpu_check.sh --cpu      # every part shrunk to the tiny target on CPU (seconds; what the test runs),
 #                                      # the FSDP part skipped with its reason (Lightning's FSDP needs CUDA)
-# Figures go to benchmarks/README.md ("On a GPU"), with the GPU's name this script prints.
+# Figures go to benchmarks/README.md ("`gpu_check.sh`: the check the first GPU session runs"), with the GPU name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

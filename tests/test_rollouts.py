@@ -295,6 +295,8 @@ def test_cli_writes_a_rollouts_folder(tmp_path, monkeypatch, capsys):
         "2",
         "--max_new_tokens",
         "8",
+        "--target_options",
+        "{chat_template_kwargs: {flavour: calm}}",  # model.target_options' form: they reach every prompt's template
         "--out",
         str(out),
         "--batch_size",
@@ -307,6 +309,7 @@ def test_cli_writes_a_rollouts_folder(tmp_path, monkeypatch, capsys):
     main(args)
     ds, meta = load_rollouts(out)
     assert len(ds) == 4 and meta["sources"] == [source] and meta["sampling"]["temperature"] == 0.8
+    assert meta["chat_template_kwargs"] == {"flavour": "calm"}
     with pytest.raises(SystemExit) as exit_:
         main([*args[:-4], "--temperature", "0.5", "--progress", "false"])
     assert exit_.value.code == 2 and "choose another --out" in capsys.readouterr().err
