@@ -277,21 +277,32 @@ def toy_draft_fn(q_logits: torch.Tensor, ids: torch.Tensor):
     return draft_fn
 
 
-def test_theorem1_eos_aware_cost_is_unbiased_over_all_rollouts():
-    """E_X[1 + Σ ω c] = E_X[τ(X)] with c of Def. 1, over every rollout of a 3-token toy target (EOS forced at
-    the last position). A cost that ignores EOS (plain TV) is visibly biased: the negative control."""
-    prompt, gen_max, k, vocab = 2, 5, 2, 3
+@pytest.mark.parametrize("vocab,draft_size", [(3, None), (4, 3)], ids=["full", "reduced"])
+def test_theorem1_eos_aware_cost_is_unbiased_over_all_rollouts(vocab, draft_size):
+    """E_X[1 + Σ ω c] = E_X[τ(X)] with c of Def. 1, over every rollout of a toy target (EOS forced at the last
+    position). A cost that ignores EOS (plain TV) is visibly biased: the negative control. ``reduced``: the draft
+    vocabulary lacks token 3, which the target emits; the drafter can never propose it, so its mass p_outside is
+    part of every slot's cost (a cost that drops that term is biased too, checked below)."""
+    prompt, gen_max, k = 2, 5, 2
     s = prompt + gen_max
     g = torch.Generator().manual_seed(0)
     log_p = torch.randn(s, vocab, generator=g, dtype=torch.float64)
     log_p[:, EOS] -= 1.0
-    log_p[s - 2] = torch.tensor([-1e9, -1e9, 0.0])  # the last position is EOS for sure
-    q_logits = torch.randn(s, k, vocab, generator=g, dtype=torch.float64)
+    log_p[s - 2] = torch.full((vocab,), -1e9, dtype=torch.float64)
+    log_p[s - 2, EOS] = 0.0  # the last position is EOS for sure
+    target = toy_target(s, log_p, k)
+    if draft_size is not None:  # the draft vocabulary: the most frequent tokens, here all but the last
+        target.vocab = DraftVocab(draft_size)
+        target.vocab.build(vocab)
+        target.vocab.set_from_counts(torch.arange(vocab, 0, -1, dtype=torch.float))
+        assert not bool(target.vocab.t2d[vocab - 1]) and bool(target.vocab.t2d[EOS])
+    q_logits = torch.randn(s, k, draft_size or vocab, generator=g, dtype=torch.float64)
     sampling = SamplingConfig(temperature=1.0)
     p = log_p.softmax(-1)
     rollouts, probs = [], []
+    others = [t for t in range(vocab) if t != EOS]
     for length in range(1, gen_max + 1):
-        for body in itertools.product([0, 1], repeat=length - 1):
+        for body in itertools.product(others, repeat=length - 1):
             tokens = list(body) + [EOS]
             pr = math.prod(float(p[prompt + i - 1, x]) for i, x in enumerate(tokens))
             if pr > 0:
@@ -303,7 +314,6 @@ def test_theorem1_eos_aware_cost_is_unbiased_over_all_rollouts():
     for i, r in enumerate(rollouts):
         mask[i, prompt : prompt + r[prompt:].index(EOS) + 1] = True
     n = ids.shape[0]
-    target = toy_target(s, log_p, k)
     target.last_hidden = target.last_hidden.expand(n, s, s)
     table = table_of(target, ids, mask, sampling)
     anchors = torch.arange(s).expand(n, s)
@@ -315,9 +325,15 @@ def test_theorem1_eos_aware_cost_is_unbiased_over_all_rollouts():
     assert surrogate == pytest.approx(true_rounds, rel=1e-6)
     q = q_logits[anchors].softmax(-1)
     pt = torch.stack([p[(anchors + 1 + h).clamp(max=s - 1) - 1] for h in range(k)], 2)  # (N, S, K, V)
-    plain_tv = (pt - q).clamp_min(0).sum(-1)
+    q_full = torch.zeros_like(pt)
+    q_full[..., target.vocab.ids] = q  # q over the target vocabulary: 0 outside the draft vocabulary
+    plain_tv = (pt - q_full).clamp_min(0).sum(-1)
     naive = float((w * chain_dp(accept, plain_tv, ch).rounds).sum())
     assert abs(naive - true_rounds) > 1e-2
+    if draft_size is not None:  # the same cost without the mass outside the draft vocabulary: biased
+        table.p_outside = torch.zeros_like(table.p_outside)
+        _, dropped = slot_statistics(q_logits[anchors], table, anchors, sampling)
+        assert abs(float((w * chain_dp(accept, dropped, ch).rounds).sum()) - true_rounds) > 1e-2
 
 
 # ----------------------------------------------------------------------------- (b) Theorem 2's gradient
@@ -356,6 +372,7 @@ def rollout_case(seed, s=14, k=3, vocab=6):
     return ids, mask, log_p, q_logits
 
 
+@pytest.mark.parametrize("draft_size", [None, 4], ids=["full", "reduced"])
 @pytest.mark.parametrize(
     "sampling,draft_sampling",
     [
@@ -363,10 +380,18 @@ def rollout_case(seed, s=14, k=3, vocab=6):
         (SamplingConfig(temperature=0.7, top_k=4), SamplingConfig(temperature=0.7)),  # the EDR paper's set-up
     ],
 )
-def test_td_surrogate_gradient_is_the_gradient_of_expected_rounds(sampling, draft_sampling):
+def test_td_surrogate_gradient_is_the_gradient_of_expected_rounds(sampling, draft_sampling, draft_size):
+    """``reduced``: a draft vocabulary of 4 of the 6 tokens (the rollout emits the other two), so the costs carry
+    the target's mass outside it."""
     ids, mask, log_p, q_logits = rollout_case(0)
     s, k = ids.shape[1], q_logits.shape[1]
     target = toy_target(s, log_p, k)
+    if draft_size is not None:
+        target.vocab = DraftVocab(draft_size)
+        target.vocab.build(log_p.shape[-1])
+        target.vocab.set_from_counts(torch.tensor([5.0, 4, 6, 3, 2, 1]))  # EOS (2) kept; tokens 4, 5 outside
+        assert bool((~target.vocab.t2d[ids[0][mask[0]]]).any())  # the rollout holds tokens it cannot draft
+        q_logits = q_logits[..., :draft_size].detach().requires_grad_(True)
     draft_fn = toy_draft_fn(q_logits, ids)
     objective = EDR(sampling=sampling, draft_sampling=draft_sampling, max_anchors=64, chunk_size=5)
     chosen, extra = objective.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
