@@ -125,8 +125,8 @@ def forward_timings(target, drafter, ctx: torch.Tensor, tree: TreeConfig | None 
     out = target(ctx, layers=layers, cache=cache, logits=False)
     past = cache.get_seq_length()
     gen = torch.Generator().manual_seed(0)
-    one = torch.randint(0, target.vocab_size, (1, 1), generator=gen)
-    block = torch.randint(0, target.vocab_size, (1, k + 1), generator=gen)
+    one = torch.randint(0, target.vocab_size, (1, 1), generator=gen).to(target.device)
+    block = torch.randint(0, target.vocab_size, (1, k + 1), generator=gen).to(target.device)
 
     def step(ids, lay, positions=None, mask=None):
         target(ids, layers=lay, cache=cache, positions=positions, tree_mask=mask)
