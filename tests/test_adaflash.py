@@ -28,6 +28,7 @@ from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, o
 from lightning_spec.checkpoint import init_weights, save_drafter
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import Anchors, BlockDrafter, DraftOutput
+from lightning_spec.evaluation.offline import offline_report
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import AdaFlashLoss, ExpDecay, LengthMSE, Mixture, Objective
 from lightning_spec.objectives.adaflash import greedy_accepted_length
@@ -283,16 +284,17 @@ def test_sampled_offline_rounds_equal_brute_force_enumeration_with_cut_blocks(sm
     cuts = set()
     pairs = [(p, generate(small_target, p, 7 + i, T1, seed=i).tokens)
              for i, p in enumerate([[1, 5, 3, 0], [6], [2, 2, 7]])]
-    got = offline_rounds(small_target, drafter, pairs, T1, batch_size=2).tolist()
-    for (prompt, response), rounds in zip(pairs, got):
+    report = offline_report(small_target, drafter, pairs, T1, batch_size=2)
+    reached, accepted = [0.0] * k, [0.0] * k
+    for (prompt, response), rounds in zip(pairs, report.rounds.tolist()):
         x = torch.tensor(prompt + response)
         s = len(x)
         p = T1.probs(small_target(x[None]).logits[0].double()).double()  # (S, V): row t - 1 gives p_t
         features = small_target(x[None], layers=drafter.target_layers, logits=False).features
-        accept = {}
+        accept, drafted = {}, {}
         for n in range(len(prompt) - 1, s - 1):
             proposal = drafter.propose(drafter.begin(features[:, :n]), x[n : n + 1], T1)
-            cut = proposal.num_drafted
+            cut = drafted[n] = proposal.num_drafted
             cuts.add(cut)
             row = []
             for h in range(min(k, s - 1 - n)):
@@ -300,9 +302,14 @@ def test_sampled_offline_rounds_equal_brute_force_enumeration_with_cut_blocks(sm
                 q_x = float(proposal.probs[h, x[n + 1 + h]]) if h < cut else 0.0
                 row.append(min(1.0, q_x / p_x) if p_x > 0 else 0.0)
             accept[n] = row + [0.0] * (k - len(row))
-        want, _, _ = enumerate_rounds(accept, len(prompt) - 1, s - 1, k)
+        want, re, ac = enumerate_rounds(accept, len(prompt) - 1, s - 1, k, drafted)
         assert rounds == pytest.approx(want, rel=1e-5, abs=1e-6)
+        reached = [a + b for a, b in zip(reached, re)]
+        accepted = [a + b for a, b in zip(accepted, ac)]
     assert len(cuts) >= 3, cuts
+    # per slot too: AR_k's denominator counts only the rounds that submitted slot k
+    assert report.slot_reached.tolist() == pytest.approx(reached, rel=1e-5, abs=1e-6)
+    assert report.slot_accepted.tolist() == pytest.approx(accepted, rel=1e-5, abs=1e-6)
 
 
 def test_sampling_is_lossless_with_the_head(make_random_llama, make_block_drafter):

@@ -49,10 +49,12 @@ def engine_acceptances(target, drafter, prompt, response, sampling):
     return accept
 
 
-def enumerate_rounds(accept, first, last, k):
+def enumerate_rounds(accept, first, last, k, drafted=None):
     """E[#rounds] and E[#rounds verifying / accepting slot h] by walking every acceptance pattern: a round
     anchored at n verifies n+1.. in order; a rejection at t starts the next round at t; K acceptances commit
-    the bonus n+K+1, which starts the next round; the round that verifies (or commits) ``last`` is the final."""
+    the bonus n+K+1, which starts the next round; the round that verifies (or commits) ``last`` is the final.
+    ``drafted[n]``: the slots a variable-length drafter submits from anchor n (``accept`` is 0 past them); a slot
+    it does not submit is neither reached nor accepted."""
     total = [0.0]
     reached, accepted = [0.0] * k, [0.0] * k
 
@@ -61,9 +63,10 @@ def enumerate_rounds(accept, first, last, k):
         alive = prob  # probability of reaching slot h with all before it accepted
         for h in range(k):
             t = n + 1 + h
-            reached[h] += alive
             a = accept[n][h]
-            accepted[h] += alive * a
+            if drafted is None or h < drafted[n]:
+                reached[h] += alive
+                accepted[h] += alive * a
             if t == last:  # the final token: generation ends whatever the verdict
                 total[0] += alive * rounds
                 return
