@@ -30,6 +30,7 @@ from lightning_spec.drafters.dspark import (
     prefix_length,
     sequential_temperature_scaling,
 )
+from lightning_spec.evaluation.offline import offline_report
 from lightning_spec.objectives import CE, TV, ConfidenceBCE, ExpDecay, Mixture, Objective
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,6 +254,20 @@ def test_cut_blocks_keep_greedy_output_and_offline_rounds_exact(cutting_drafter,
         drafted += out.draft_lengths
     assert any(0 < d < K for d in drafted) and K in drafted, drafted  # cut and full blocks both ran
     assert offline_rounds(diverse_target, drafter, pairs, GREEDY).tolist() == real
+    # per slot too (greedy: exactly the real rounds'): slot k is reached by the rounds that submitted it and accepted
+    # every slot before it (AR_k's denominator), accepted by those that also accepted it
+    # (within the response: the last round's slots past its final token are not scored offline)
+    reached, accepted = [0.0] * K, [0.0] * K
+    for prompt, response in pairs:
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter)
+        anchor, last = len(prompt) - 1, len(prompt) + len(response) - 1
+        for submitted, kept in zip(out.draft_lengths, out.accept_lengths):
+            for h in range(min(K, last - anchor)):
+                reached[h] += h < submitted and h <= kept
+                accepted[h] += h < kept
+            anchor += kept + 1
+    report = offline_report(diverse_target, drafter, pairs, GREEDY)
+    assert report.slot_reached.tolist() == reached and report.slot_accepted.tolist() == accepted
 
 
 def test_calibration_is_saved_with_the_drafter_and_moves_the_cuts(cutting_drafter, diverse_target, tmp_path):
