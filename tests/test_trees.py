@@ -15,6 +15,7 @@
   settings, each in one sentence.
 """
 
+import contextlib
 import itertools
 import math
 from pathlib import Path
@@ -29,6 +30,7 @@ from lightning_spec import SamplingConfig, TreeConfig, generate, offline_rounds
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
 from lightning_spec.drafters import Anchors
 from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
+from lightning_spec.target import Target
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 BEST_FIRST = ["dflash", "medusa"]  # per-slot distributions: best-first trees, scored offline exactly
@@ -125,16 +127,42 @@ def prompts(diverse_target):
     return random_prompts(diverse_target.vocab_size)
 
 
+@contextlib.contextmanager
+def committed_paths():
+    """The node paths the engine commits (``Target.keep``'s argument), round by round."""
+    paths: list[list[int]] = []
+    keep = Target.keep.__func__
+
+    def spy(cls, cache, past, path):
+        paths.append(list(path))
+        return keep(cls, cache, past, path)
+
+    Target.keep = classmethod(spy)
+    try:
+        yield paths
+    finally:
+        Target.keep = classmethod(keep)
+
+
+def off_the_first_branch(paths: list[list[int]]) -> int:
+    """Rounds whose committed path is not a prefix of the nodes' order: the cache compacts, keeping nodes past a
+    branch the path left (the case a wrong compaction breaks while chain-shaped paths still pass)."""
+    return sum(path != list(range(len(path))) for path in paths)
+
+
 def assert_greedy_tree_is_the_argmax_loop(drafter, target, prompts, tree: TreeConfig) -> None:
-    """Greedy tree decoding of every prompt equals the independent argmax loop, within the node budget, and some
-    drafts were accepted (the tree's paths, not only the target's own tokens). Shared by every tree family's tests."""
+    """Greedy tree decoding of every prompt equals the independent argmax loop, within the node budget, some
+    drafts were accepted (the tree's paths, not only the target's own tokens), and some round committed a path
+    off the first branch (so the KV compaction ran). Shared by every tree family's tests."""
     accepted = 0
-    for prompt in prompts:
-        out = generate(target, prompt, MAX_NEW, drafter=drafter, tree=tree)
-        assert out.tokens == argmax_reference(target, prompt, MAX_NEW), prompt
-        accepted += sum(out.accept_lengths)
-        assert max(out.draft_lengths) <= tree.nodes
+    with committed_paths() as paths:
+        for prompt in prompts:
+            out = generate(target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+            assert out.tokens == argmax_reference(target, prompt, MAX_NEW), prompt
+            accepted += sum(out.accept_lengths)
+            assert max(out.draft_lengths) <= tree.nodes
     assert accepted > 0
+    assert off_the_first_branch(paths) > 0, paths
 
 
 @pytest.mark.parametrize("tree", [TreeConfig(nodes=6, top_k=2), TreeConfig(nodes=12, top_k=3, depth=2)])
@@ -146,9 +174,11 @@ def test_greedy_tree_decoding_equals_the_argmax_loop(tree_family, diverse_target
 def test_sampled_tree_decoding_is_lossless(tree_family, make_random_llama):
     target = make_random_llama(vocab_size=8, hidden_size=16, init=0.5, seed=0)
     drafter = build(tree_family, target, k=2)
-    counts, first = tree_empirical(target, drafter)
+    with committed_paths() as paths:
+        counts, first = tree_empirical(target, drafter)
     assert_matches(counts, exact_joint(target, PROMPT, T1), target.vocab_size, NEW, tree_family)
     assert any(a == 0 for a in first) and any(a > 0 for a in first), first[:50]
+    assert off_the_first_branch(paths) > 0  # sampled rounds committed through later children too
 
 
 def tree_empirical(target, drafter, runs: int = 800):
