@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/compare_drafters.py --extra domino_auf    # + the AUF-on-Domino arm
     .venv/bin/python benchmarks/compare_drafters.py --families dflash --extra dflash_ce_decay dflash_auf
     .venv/bin/python benchmarks/compare_drafters.py --steps 200 --extra domino_auf   # equal steps, not equal time
+    .venv/bin/python benchmarks/compare_drafters.py --families dflash --extra dflash_shortcut --steps 500 \
+        --feature-store DIR   # the exportable default against the slot inputs, from one store written ahead
 
 Each family trains with ``lightning-spec fit -c experiments/quickstart.yaml -c experiments/drafters/<family>.yaml``
 (DFlash is the quickstart itself) in its own process, with the quickstart's ``trainer.max_time`` as the budget
