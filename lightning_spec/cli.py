@@ -91,7 +91,10 @@ class SpecCLI(LightningCLI):
         paths = [c.last_model_path or c.best_model_path for c in self.trainer.checkpoint_callbacks]
         lines = [f"checkpoint: {p}" for p in paths if p]
         if paths and paths[0]:  # the drafter itself in the run, not only its curves: what to load or serve
-            lines += log_drafter(self.trainer.loggers, paths[0], self.model.target, self.model.target_spec)
+            try:
+                lines += log_drafter(self.trainer.loggers, paths[0], self.model.target, self.model.target_spec)
+            except Exception as err:  # the fit is done and its checkpoint written: say so, do not fail it here
+                lines.append(f"drafter: not logged to MLflow ({type(err).__name__}: {err}); the checkpoint holds it")
         print("\n".join(lines + run_summary(self.trainer.loggers)), flush=True)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:

@@ -106,6 +106,20 @@ def test_experiment_overlays_say_only_what_differs(path):
 # ------------------------------------------------------------------------------------------- a tiny fit
 
 
+def test_a_drafter_that_cannot_be_logged_does_not_fail_the_finished_fit(in_tmp, capsys, monkeypatch):
+    import lightning_spec.cli
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the artifact store is full")
+
+    monkeypatch.setattr(lightning_spec.cli, "log_drafter", broken)
+    assert exit_code(["fit", "-c", str(TINY), "--trainer.max_steps=1", "--trainer.callbacks=[]",
+                      "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false"]) == 0
+    out = capsys.readouterr().out
+    assert "drafter: not logged to MLflow (RuntimeError: the artifact store is full); the checkpoint holds it" in out
+    assert list(in_tmp.glob("runs/*/*/checkpoints/last.ckpt"))
+
+
 def test_fit_tiny_logs_an_mlflow_run(in_tmp, capsys):
     import mlflow
 
