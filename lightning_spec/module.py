@@ -36,6 +36,7 @@ from torch import Tensor
 
 from lightning_spec.assets import cache_dir
 from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record, init_weights
+from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters.base import Drafter, DraftOutput
 from lightning_spec.features.store import FeatureStore, StoreSpec, check_holds, dtype_name, human
 from lightning_spec.metrics import RatioOfSums
@@ -187,10 +188,10 @@ class DraftModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self._anchor_seed is None:  # seed_everything's seed (LightningCLI: `seed_everything:`), else 0
             self._anchor_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if dm is None:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if not isinstance(dm, SpecDataModule):  # plain dataloaders (Python use): nothing of the data to check
             return
-        for meta in getattr(dm, "rollout_meta", None) or []:  # target-regenerated SFT: the same weights only
+        for meta in dm.rollout_meta:  # target-regenerated SFT: the same weights only
             if meta.get("target_fingerprint") != self.target.fingerprint:
                 raise ValueError(
                     f"data.train_sources '{meta['folder']}' holds rollouts of target '{meta.get('target')}' with "
@@ -198,22 +199,20 @@ class DraftModule(L.LightningModule):
                     f"{self.target.fingerprint}; regenerate them with `lightning-spec rollouts --target "
                     f"{self.target_spec} ...`."
                 )
-        max_length = getattr(dm, "max_length", None)
-        if max_length is not None and self.drafter.block_size + 2 > max_length:
+        if self.drafter.block_size + 2 > dm.max_length:
             raise ValueError(
                 f"model.drafter.block_size={self.drafter.block_size} needs data.max_length >= block_size + 2 "
-                f"(got {max_length}); raise data.max_length or lower model.drafter.block_size."
+                f"(got {dm.max_length}); raise data.max_length or lower model.drafter.block_size."
             )
         if stage == "fit" and not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens
             self.drafter.vocab.set_from_counts(dm.token_counts(self.target.vocab_size))
             self.drafter.on_vocab_chosen()
-        on_policy = getattr(dm, "on_policy", False)  # the data is a replay buffer (callbacks/on_policy.py)
-        if stage == "fit" and self.objective.needs_rollouts and not on_policy:
+        if stage == "fit" and self.objective.needs_rollouts and not dm.on_policy:  # not a replay buffer
             raise ValueError(
                 f"model.objective {type(self.objective).__name__} trains on the rounds of on-policy rollouts; add "
                 "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."
             )
-        if stage == "fit" and self.hparams.feature_cache != "off" and hasattr(dm, "fingerprint") and not on_policy:
+        if stage == "fit" and self.hparams.feature_cache != "off" and not dm.on_policy:
             self._features = self.open_feature_store(dm.fingerprint, len(dm.train_dataset))
 
     @property

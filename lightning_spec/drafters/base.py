@@ -386,16 +386,20 @@ class Drafter(nn.Module):
     #: offline replay scores it exactly under sampling too. No trained family is.
     chosen_drafts: bool = False
 
-    @property
-    def dynamic_trees(self) -> bool:
-        return type(self).tree_start is not Drafter.tree_start
+    #: True for autoregressive families that implement ``tree_start`` and ``tree_step``: ``propose_tree`` grows
+    #: EAGLE-2's dynamic tree through them.
+    dynamic_trees: bool = False
+
+    #: True for families whose ``propose_tree`` builds a tree of their own (D²SD's shared prefix, SpecBlock's block
+    #: expansion) instead of the best-first or dynamic tree above.
+    own_trees: bool = False
 
     @property
     def best_first_trees(self) -> bool:
         """True when ``propose_tree`` is the best-first tree over ``position_logits``: a function of one anchor's
         slot distributions, which the offline evaluator scores exactly under sampling too (``rounds.tree_accept``).
         Other trees (dynamic, or a family's own) are replayed offline under greedy decoding."""
-        return self.parallel_slots and type(self).propose_tree is Drafter.propose_tree
+        return self.parallel_slots and not self.own_trees
 
     @torch.no_grad()
     def propose_tree(

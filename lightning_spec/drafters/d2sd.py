@@ -119,6 +119,8 @@ class VPDrafter(BlockDrafter):
             replace, and then merge into the trunk; see the module docstring).
     """
 
+    own_trees = True  # propose_tree: D²SD's shared-prefix tree, not the best-first tree over the block
+
     def __init__(
         self,
         block_size: int = 8,

@@ -171,6 +171,8 @@ class Eagle3Drafter(Drafter):
             target's frozen head, as every family here.
     """
 
+    dynamic_trees = True  # tree_start / tree_step below: EAGLE-2's dynamic tree
+
     def __init__(
         self,
         block_size: int = 7,

@@ -288,6 +288,8 @@ class MTPDrafter(LastHiddenDrafter):
             one module and the full vocabulary (experiments/drafters/mtp_export.yaml).
     """
 
+    dynamic_trees = True  # tree_start / tree_step below: EAGLE-2's dynamic tree over the chained modules
+
     def __init__(
         self,
         block_size: int = 8,

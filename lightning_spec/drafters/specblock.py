@@ -141,6 +141,8 @@ class SpecBlockDrafter(Drafter):
             trains 3). 1 = the single-block drafter. ``block_size`` must be a multiple of it.
     """
 
+    own_trees = True  # propose_tree: block expansion over the rank head
+
     def __init__(
         self,
         block_size: int = 4,
