@@ -10,8 +10,8 @@ transformers the entry of the *last* layer is already passed through the final n
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import functools
 import gc
 import hashlib
 import inspect
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.assets import PACKAGED_TARGETS, resolve_target_folder
+from lightning_spec.cpu_kernels import SHARED_KV_SDPA, PrepackedLinear, register_shared_kv_sdpa
 
 _LIVE: weakref.WeakSet[Target] = weakref.WeakSet()  # every Target of this process, for ``live_target``
 
@@ -354,21 +354,6 @@ class Target(nn.Module):
         return out.last_hidden_state
 
 
-class PrepackedLinear(nn.Module):
-    """A frozen ``nn.Linear`` computed by oneDNN's inner product on weights converted to its tensor format once,
-    instead of every call (``Target.prepack``). Inference only: no gradients flow to the weight."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        bias = linear.bias if linear.bias is not None else torch.zeros(linear.out_features)
-        self.register_buffer("weight", linear.weight.detach().to_mkldnn(), persistent=False)
-        self.register_buffer("bias", bias.detach().float().to_mkldnn(), persistent=False)  # oneDNN wants fp32 bias
-
-    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
-
-
 def live_target(fingerprint: str | None) -> Target | None:
     """A target already loaded in this process with this weight fingerprint, or None (``load_drafter`` binds a
     drafter to the user's own target instead of loading a second copy)."""
@@ -500,7 +485,7 @@ def load_target(
     except (OSError, ValueError) as err:  # transformers reports an unknown name as a failed download
         raise _unknown_target(spec, err) from None
     if options.attn_implementation is None and getattr(model.config, "_attn_implementation", None) == "sdpa" \
-            and layers and _register_shared_kv_sdpa():
+            and layers and register_shared_kv_sdpa():
         model.set_attn_implementation(SHARED_KV_SDPA)  # same outputs, faster verify forwards on CPU
     target = Target(model, tokenizer=load_tokenizer(spec, options), name=spec, options=options,
                     fingerprint=None if heads is None else fingerprint)
@@ -525,36 +510,34 @@ def _heads_only(spec: str, folder: str, dtype: torch.dtype, attention: dict[str,
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attention,
                                                  trust_remote_code=options.trust_remote_code)
-    where: dict[str, Path] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            where.update(dict.fromkeys(f.keys(), path))
+    with contextlib.ExitStack() as stack:  # each file opened once (memory-mapped), read tensor by tensor
+        opened = [stack.enter_context(safe_open(str(path), framework="pt")) for path in files]
+        where = {name: f for f in opened for name in f.keys()}
+        missing = [n for n, _ in model.named_parameters() if n not in where]
+        if missing:  # a checkpoint layout transformers renames on load (e.g. fused experts)
+            warnings.warn(f"target {spec!r}: its safetensors names differ from the model's ({missing[0]}, ...); "
+                          "loading it whole to read its LM head.", stacklevel=3)
+            return None
 
-    missing = [n for n, _ in model.named_parameters() if n not in where]
-    if missing:  # a checkpoint layout transformers renames on load (e.g. fused experts)
-        warnings.warn(f"target {spec!r}: its safetensors names differ from the model's ({missing[0]}, ...); loading "
-                      "it whole to read its LM head.", stacklevel=3)
-        return None
+        def read(name: str) -> Tensor:
+            return where[name].get_tensor(name).to(dtype)
 
-    def read(name: str) -> Tensor:
-        with safe_open(str(where[name]), framework="pt") as f:
-            return f.get_tensor(name).to(dtype)
-
-    names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter under its first (stored) name
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    heads = [model.get_input_embeddings(), model.get_output_embeddings(), getattr(decoder, "norm", None)]
-    loaded: dict[int, nn.Parameter] = {}  # a tied head and embedding share one parameter: read it once
-    for module in (m for m in heads if m is not None):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            if id(param) not in loaded:
-                loaded[id(param)] = nn.Parameter(read(names[id(param)]), requires_grad=False)
-            setattr(module, pname, loaded[id(param)])
-    h = hashlib.sha256(spec.encode())  # Target.fingerprint's recipe, one tensor at a time
-    h.update(config.to_json_string(use_diff=False).encode())
-    for name, _ in model.named_parameters():
-        flat = read(name).reshape(-1)
-        h.update(flat[:: max(1, flat.numel() // 64)].double().numpy().tobytes())
-        del flat
+        names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter under its first (stored) name
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        heads = [model.get_input_embeddings(), model.get_output_embeddings(), getattr(decoder, "norm", None)]
+        loaded: dict[str, nn.Parameter] = {}  # by name: a tied head and embedding share one parameter, read once
+        for module in (m for m in heads if m is not None):
+            for pname, param in list(module.named_parameters(recurse=False)):
+                name = names[id(param)]
+                if name not in loaded:
+                    loaded[name] = nn.Parameter(read(name), requires_grad=False)
+                setattr(module, pname, loaded[name])
+        h = hashlib.sha256(spec.encode())  # Target.fingerprint's recipe, one tensor at a time
+        h.update(config.to_json_string(use_diff=False).encode())
+        for name, param in model.named_parameters():
+            flat = (param.detach() if name in loaded else read(name)).reshape(-1)  # the heads are already read
+            h.update(flat[:: max(1, flat.numel() // 64)].double().numpy().tobytes())
+            del flat
     return model, h.hexdigest()[:16]
 
 
@@ -566,60 +549,3 @@ def _safetensors_files(folder: str, options: TargetOptions) -> list[Path]:
 
         local = Path(snapshot_download(folder, revision=options.revision, allow_patterns=["*.json", "*.safetensors"]))
     return sorted(local.glob("*.safetensors"))
-
-
-# ----------------------------------------------------------------------------------------------- attention
-SHARED_KV_SDPA = "lightning_spec_sdpa"
-
-
-def sdpa_shared_kv(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-):
-    """transformers' SDPA attention, except for a masked multi-token query on CPU (a verify block against the
-    KV cache): there SDPA reads each key/value head for its whole query-head group (``enable_gqa``) instead of
-    transformers copying keys and values ``num_key_value_groups`` times (``repeat_kv``, SDPA's CPU kernels with a
-    mask do not get ``enable_gqa`` from transformers). Same products and sums: bit-identical outputs, measured.
-    Everything else (one query token, no mask, GPUs, softcap, position bias) is transformers' own function."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if (
-        query.device.type != "cpu"
-        or attention_mask is None
-        or query.shape[2] == 1
-        or query.shape[1] == key.shape[1]
-        or kwargs.get("softcap") is not None
-        or kwargs.get("position_bias") is not None
-    ):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )  # (N, heads, T, D)
-    return out.transpose(1, 2).contiguous(), None  # (N, T, heads, D), no attention weights
-
-
-@functools.cache
-def _register_shared_kv_sdpa() -> bool:
-    """Register ``sdpa_shared_kv`` (with transformers' SDPA mask builder) under ``SHARED_KV_SDPA``, once per process
-    (transformers' attention registry is global). False where this torch/transformers lacks a piece
-    (``enable_gqa`` needs torch 2.5): keep plain ``sdpa``."""
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
-        return False
-    try:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401 (used above)
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError:
-        return False
-    AttentionInterface.register(SHARED_KV_SDPA, sdpa_shared_kv)
-    AttentionMaskInterface.register(SHARED_KV_SDPA, sdpa_mask)
-    return True

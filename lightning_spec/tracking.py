@@ -287,7 +287,7 @@ def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Any, target_spec: 
     runs = [logger for logger in mlflow_loggers(loggers) if started_run(logger)]
     if not runs:
         return []
-    drafter = load_drafter(ckpt, target=target)
+    drafter = load_drafter(ckpt, target=target)  # from the file, not the module: whole even if FSDP sharded it
     family, k = type(drafter).__name__, drafter.block_size
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / DRAFTER_ARTIFACT

@@ -65,7 +65,7 @@ def test_prepacked_linears_give_the_same_outputs_and_keep_the_guarantees(diverse
     from test_trees import assert_greedy_tree_is_the_argmax_loop
 
     from lightning_spec import TreeConfig
-    from lightning_spec.target import PrepackedLinear
+    from lightning_spec.cpu_kernels import PrepackedLinear
 
     packed = copy.deepcopy(diverse_target)
     packed._fingerprint = None

@@ -18,10 +18,10 @@ import torch
 from test_lossless_sampling import NEW, PROMPT, assert_matches, chi_square, empirical, exact_joint
 
 from lightning_spec import SamplingConfig, generate
+from lightning_spec.cpu_kernels import SHARED_KV_SDPA, register_shared_kv_sdpa
 from lightning_spec.decoding import verify
 from lightning_spec.decoding.proposals import TreeProposal
 from lightning_spec.drafters import Drafter, DraftVocab
-from lightning_spec.target import SHARED_KV_SDPA, _register_shared_kv_sdpa
 
 F64 = torch.float64
 GREEDY, T1 = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)
@@ -41,7 +41,7 @@ def root_path(parents: list[int], node: int) -> list[int]:
 def target(request, make_random_llama):
     target = make_random_llama(seed=3)
     if request.param == SHARED_KV_SDPA:
-        assert _register_shared_kv_sdpa()
+        assert register_shared_kv_sdpa()
     target.model.set_attn_implementation(request.param)
     return target
 
