@@ -350,7 +350,8 @@ def test_distinct_branches_replace_the_trunk_token_at_their_boundary(diverse_tar
 def test_greedy_tree_decoding_equals_the_argmax_loop(accepted_drafter, diverse_target, prompts, tree, distinct):
     accepted_drafter.distinct_branches = distinct
     try:
-        assert_greedy_tree_is_the_argmax_loop(accepted_drafter, diverse_target, prompts, tree)
+        # the paper's tree merges every re-draft into the trunk (module docstring): its paths stay on the first branch
+        assert_greedy_tree_is_the_argmax_loop(accepted_drafter, diverse_target, prompts, tree, off_branch=distinct)
     finally:
         accepted_drafter.distinct_branches = False
 
