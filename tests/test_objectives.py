@@ -211,6 +211,19 @@ def test_objective_rejects_unknown_normalize():
     assert Objective(KL()).needs_target and not Objective(CE()).needs_target
 
 
+def test_parts_declare_their_needs_on_the_base_classes():
+    """``needs_target`` and ``select_anchors`` are declared by ``Part`` (False, None) and overridden where true, so
+    ``Objective`` reads them from every part without probing."""
+    from lightning_spec.objectives import PositionProduct, ValidPrefix
+    from lightning_spec.objectives.part import Part
+
+    assert not Part.needs_target and Part().select_anchors({}, None, None) is None
+    assert not CE().needs_target and KL().needs_target and not ExpDecay().needs_target
+    assert PositionProduct([ExpDecay(), ValidPrefix()]).needs_target
+    assert not PositionProduct([ExpDecay(), ExpDecay()]).needs_target
+    assert Objective(CE(), PositionProduct([ExpDecay(), ValidPrefix()])).needs_target
+
+
 def test_a_mixture_declares_what_its_components_need(tiny_target):
     """``needs_rollouts`` and ``needs_reference`` are declared on every objective; a ``Mixture`` has its components'
     needs, so a GRPO inside a mixture still gets the frozen starting drafter from the module."""
@@ -222,6 +235,11 @@ def test_a_mixture_declares_what_its_components_need(tiny_target):
     assert Mixture([Objective(CE()), GRPO()], [0.5, 0.5]).needs_reference
     assert Mixture([Objective(CE()), DraftOPD()], [0.5, 0.5]).needs_rollouts
     assert not Mixture([Objective(CE()), Objective(CE())], [0.5, 0.5]).needs_reference
+    # every need, at any depth: the target's logits (GRPO's parts), a reference inside a nested mixture
+    assert Mixture([Objective(CE()), GRPO()], [0.5, 0.5]).needs_target
+    assert not Mixture([Objective(CE()), Objective(CE())], [0.5, 0.5]).needs_target
+    nested = Mixture([Objective(CE()), Mixture([Objective(KL()), GRPO()], [1.0, 1.0])], [0.5, 0.5])
+    assert nested.needs_reference and nested.needs_target and not nested.needs_rollouts
     module = DraftModule(BlockDrafter(block_size=3, num_layers=1), Mixture([Objective(CE()), GRPO()], [0.5, 0.5]),
                          target=tiny_target)
     assert len(module._reference) == 1

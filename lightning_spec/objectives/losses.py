@@ -13,13 +13,12 @@ import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
+from lightning_spec.objectives.part import Part
 from lightning_spec.sampling import SamplingConfig
 
 
-class Loss:
-    """A per-slot loss. ``needs_target`` asks the module for target logits at every slot."""
-
-    needs_target: bool = False
+class Loss(Part):
+    """A per-slot loss. ``needs_target`` asks the module for target logits at every slot (``Part``)."""
 
     def __call__(self, draft: DraftOutput) -> Tensor:  # (N, A, K)
         raise NotImplementedError

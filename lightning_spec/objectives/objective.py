@@ -77,10 +77,12 @@ class Objective:
             with at least one valid slot; ``slots`` = number of valid slots (vLLM speculators); ``sequences`` =
             number of sequences with at least one valid slot (EDR: the loss per rollout).
 
-    Hooks the module calls (both optional for parts):
-        ``select_anchors(batch, draft_fn, target) -> (anchors, keep, extra) | None``: a part that chooses the
-        anchors itself (EDR) implements it; ``None`` lets the drafter sample them. ``extra`` lands in
-        ``draft.extra`` for the parts to read; ``extra["metrics"]`` is returned in ``LossTerms.metrics``.
+    What the module reads, aggregated from the parts' declarations (``part.Part``):
+        ``needs_target``: any part reads the target's logits per slot.
+        ``select_anchors(batch, draft_fn, target) -> (anchors, extra) | None``: a part that chooses the anchors
+        itself (EDR) returns them; ``None`` lets the drafter sample them. ``extra`` lands in ``draft.extra`` for the
+        parts to read; ``extra["metrics"]`` is returned in ``LossTerms.metrics``.
+    And declared by the objective itself: ``needs_rollouts``, ``needs_reference`` (below).
     """
 
     def __init__(
@@ -109,17 +111,18 @@ class Objective:
 
     @property
     def needs_target(self) -> bool:
-        """Whether any part reads ``draft.target_logits`` (the OR over the parts)."""
-        return any(getattr(part, "needs_target", False) for part in self.parts)
+        """Whether any part reads ``draft.target_logits`` (the OR over the parts' declarations)."""
+        return any(part.needs_target for part in self.parts)
 
     def select_anchors(
         self, batch: dict[str, Tensor], draft_fn: DraftFn, target: TargetInfo
     ) -> tuple[Anchors, dict[str, Any]] | None:
         """Anchors chosen by a part (the anchor weight first), or None: the drafter samples them."""
-        choosers = [p for p in (self.anchor_weight, self.position_weight, self.loss) if hasattr(p, "select_anchors")]
-        if len(choosers) > 1:
+        parts = (self.anchor_weight, self.position_weight, self.loss)
+        chosen = [c for c in (p.select_anchors(batch, draft_fn, target) for p in parts) if c is not None]
+        if len(chosen) > 1:
             raise ValueError("At most one part of an objective may choose the anchors (select_anchors).")
-        return choosers[0].select_anchors(batch, draft_fn, target) if choosers else None
+        return chosen[0] if chosen else None
 
     def slot_mask(self, draft: DraftOutput) -> Tensor:
         """(N, A, K) bool: the slots that count. Default: the drafter's ``valid`` (supervised, in the draft vocab)."""

@@ -9,14 +9,13 @@ from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.objectives.losses import _TOKENS, _draft_logprobs, _gold_or_argmax, _target_and_draft, acceptance
+from lightning_spec.objectives.part import Part
 from lightning_spec.sampling import SamplingConfig
 
 
-class PositionWeight:
+class PositionWeight(Part):
     """b_{n,t}: returns (N, A, K); the template multiplies it by the valid mask. ``needs_target`` asks the
-    module for target logits (``draft.target_logits``), as for losses."""
-
-    needs_target: bool = False
+    module for target logits (``draft.target_logits``), as for losses (``Part``)."""
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         raise NotImplementedError
@@ -225,7 +224,7 @@ class PositionProduct(PositionWeight):
 
     @property
     def needs_target(self) -> bool:
-        return any(getattr(w, "needs_target", False) for w in self.weights)
+        return any(w.needs_target for w in self.weights)
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         out = self.weights[0](draft)
@@ -234,10 +233,8 @@ class PositionProduct(PositionWeight):
         return out  # (N, A, K)
 
 
-class AnchorWeight:
-    """a_n: returns (N, A). ``needs_target`` as for the other parts."""
-
-    needs_target: bool = False
+class AnchorWeight(Part):
+    """a_n: returns (N, A). ``needs_target`` and ``select_anchors`` as for the other parts (``Part``)."""
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         raise NotImplementedError
