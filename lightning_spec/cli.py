@@ -51,8 +51,10 @@ class SpecCLI(LightningCLI):
         super().instantiate_classes()
         # Checked here, before Lightning sets up the data (which would fail first with a less useful message).
         block = self.model.drafter.block_size
-        max_length = getattr(self.datamodule, "max_length", None)
-        if max_length is not None and block + 2 > max_length:
+        if not isinstance(self.datamodule, SpecDataModule):  # a user's data module: DraftModule.setup has no check
+            return
+        max_length = self.datamodule.max_length
+        if block + 2 > max_length:
             raise ValueError(
                 f"model.drafter.block_size={block} needs data.max_length >= block_size + 2 (got {max_length}); "
                 "raise data.max_length or lower model.drafter.block_size."

@@ -309,8 +309,9 @@ class SpecDataModule(L.LightningDataModule):
         self.on_policy = True
 
     def use_replay_buffer(self, buffer: list[dict]) -> None:
-        """Train on ``buffer`` (on-policy rollouts) instead of the data from now on: the list itself, which the
-        callback refreshes in place. The draft vocabulary and ``fingerprint`` keep coming from the data."""
+        """Train on ``buffer`` (on-policy rollouts) instead of the data from now on: the list itself, not a copy, so
+        the caller (``OnPolicyRollouts``) refreshes it by replacing its entries in place (its length, the epoch
+        length, stays). The draft vocabulary and ``fingerprint`` keep coming from the data."""
         self._require_setup("use_replay_buffer")
         self.announce_replay_buffer()
         self.train_dataset = buffer

@@ -75,10 +75,16 @@ class DomainSampler(DistributedSampler):
         super().__init__(datamodule.train_dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.datamodule = datamodule
         self.drawn_with: dict[str, float] | None = None  # the domain weights of the last pass
-        # set by TrainLoader on resume, for the next pass only: indices of this rank's shard already consumed, and
-        # (weights,) that the interrupted pass drew with (a callback may have changed them since)
+        # for the next pass only (``resume_pass``): indices of this rank's shard already consumed, and (weights,)
+        # that the interrupted pass drew with (a callback may have changed them since)
         self.skip = 0
         self.replay: tuple[dict[str, float] | None] | None = None
+
+    def resume_pass(self, skip: int, drawn_with: tuple[dict[str, float] | None] | None) -> None:
+        """Make the next pass the rest of an interrupted one: skip its first ``skip`` indices of this rank's shard,
+        and draw its order with ``drawn_with[0]``, the weights the interrupted pass drew with (``(None,)``: the
+        plain shuffle), instead of the current ones; ``drawn_with=None`` draws with the current weights."""
+        self.skip, self.replay = skip, drawn_with
 
     def __len__(self) -> int:
         return math.ceil(len(self.datamodule.train_dataset) / self.num_replicas)
@@ -129,9 +135,8 @@ class TrainLoader(DataLoader):
         resume, self._resume = self._resume, None
         if resume is not None and resume["epoch"] == epoch and resume["batches"] > 0:
             done = resume["batches"]
-            sampler.skip = done * self.batch_size
-            if "domain_weights" in resume:
-                sampler.replay = (resume["domain_weights"],)
+            replay = (resume["domain_weights"],) if "domain_weights" in resume else None
+            sampler.resume_pass(done * self.batch_size, replay)
         self._progress = {"epoch": epoch, "batches": done, "domain_weights": None}
         for batch in super().__iter__():
             done += 1
@@ -157,7 +162,7 @@ def example_weights(domains: list[str], domain_weights: dict[str, float] | None)
 def check_val_check_interval(trainer: Any, loader: DataLoader) -> None:
     """An int ``trainer.val_check_interval`` counts training batches within an epoch: one beyond the epoch would
     never validate, which Lightning refuses from deep inside its fit loop; refuse it here, naming the field."""
-    interval = getattr(trainer, "val_check_interval", None)
+    interval = trainer.val_check_interval if trainer is not None else None
     if not isinstance(interval, int) or isinstance(interval, bool):
         return  # no trainer, a fraction of the epoch, or a time
     if trainer.check_val_every_n_epoch is None or not trainer.limit_val_batches > 0 or trainer.overfit_batches:

@@ -183,6 +183,9 @@ class DraftModule(L.LightningModule):
         self._anchor_seed: int | None = None  # run seed of anchor_seeds; set in setup, restored from checkpoints
         self._target_work = [0.0, 0]  # seconds and examples of target forwards since the last optimizer step
         self._last_step_time: float | None = None
+        self._clock: TrainingClock | None = None  # the LR schedule's clock, built in configure_optimizers
+        self._clock_state: dict[str, Any] | None = None  # a checkpoint's clock, restored when the clock is built
+        self._quiet: Any = None  # the warnings filter of a running fit (on_fit_start .. teardown)
 
     # --------------------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
@@ -377,10 +380,9 @@ class DraftModule(L.LightningModule):
 
     def training_progress(self) -> float:
         """The share 0..1 of training done: by the LR schedule's clock (steps, or time when ``max_time`` binds)."""
-        clock = getattr(self, "_clock", None)
-        if clock is None or self._trainer is None:
+        if self._clock is None or self._trainer is None:
             return 0.0
-        return clock.run_progress(self.global_step)
+        return self._clock.run_progress(self.global_step)
 
     # ------------------------------------------------------------------------------------------- training
     def seeded(self, batch: dict[str, Tensor], salt: int) -> dict[str, Tensor]:
@@ -434,14 +436,13 @@ class DraftModule(L.LightningModule):
         last, self._last_step_time = self._last_step_time, now
         seconds, examples = self._target_work
         self._target_work = [0.0, 0]
-        clock = getattr(self, "_clock", None)
-        if last is None or clock is None:
+        if last is None or self._clock is None:
             return
         uncached = 0
-        dataset = getattr(getattr(self.trainer, "datamodule", None), "train_dataset", None)
-        if self._features is not None and dataset is not None:
-            uncached = max(len(dataset) - len(self._features), 0)
-        clock.record(self.global_step + 1, now - last, seconds, examples, uncached)
+        dm = self.trainer.datamodule
+        if self._features is not None and isinstance(dm, SpecDataModule):  # a store opens only for a SpecDataModule
+            uncached = max(len(dm.train_dataset) - len(self._features), 0)
+        self._clock.record(self.global_step + 1, now - last, seconds, examples, uncached)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._tick()
@@ -465,7 +466,7 @@ class DraftModule(L.LightningModule):
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
 
     def teardown(self, stage: str) -> None:
-        quiet = self.__dict__.pop("_quiet", None)
+        quiet, self._quiet = self._quiet, None
         if quiet is not None:
             quiet.__exit__(None, None, None)
 
@@ -510,7 +511,7 @@ class DraftModule(L.LightningModule):
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup_ratio * total)
         self._clock = TrainingClock(total, warmup, self._time_budget())
-        if getattr(self, "_clock_state", None):  # a resumed run keeps a switch to the time schedule
+        if self._clock_state:  # a resumed run keeps a switch to the time schedule
             self._clock.load_state_dict(self._clock_state)
 
         def schedule(step: int) -> float:  # linear warm-up, then cosine to min_lr_ratio; ends on time (schedule.py)
@@ -526,7 +527,7 @@ class DraftModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
         checkpoint[CKPT_KEY] = {**drafter_record(self.drafter, self.target_spec), "parent": self._parent}
         checkpoint["anchor_seed"] = self._anchor_seed
-        if getattr(self, "_clock", None) is not None:
+        if self._clock is not None:
             checkpoint["training_clock"] = self._clock.state_dict()
         if self._trainer is not None and self.trainer.is_global_zero:  # rank 0 writes the file and owns the run
             checkpoint.update(checkpoint_record(self.trainer.loggers))

@@ -30,6 +30,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_spec.callbacks.base import MetricsCallback
+from lightning_spec.datamodule import SpecDataModule
 
 LOG_PREFIX = "train/domain_weight"
 
@@ -145,7 +146,7 @@ class DomainReweighting(MetricsCallback):
         if stage != "fit":
             return
         dm = trainer.datamodule
-        if dm is None or not hasattr(dm, "set_domain_weights") or getattr(dm, "train_dataset", None) is None:
+        if not isinstance(dm, SpecDataModule):  # plain dataloaders or another data module: no domains to weight
             raise ValueError(
                 "DomainReweighting needs a SpecDataModule (it sets its domain weights); fit with data: / datamodule=."
             )

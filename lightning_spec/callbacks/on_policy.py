@@ -36,6 +36,7 @@ import torch
 
 from lightning_spec.callbacks.base import MetricsCallback, full_parameters, refuse_sharded_target
 from lightning_spec.data.replay import prompt_of, replay_example
+from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.engine import generate
 from lightning_spec.sampling import SamplingConfig
 
@@ -95,7 +96,7 @@ class OnPolicyRollouts(MetricsCallback):
         if stage != "fit":
             return
         dm = trainer.datamodule
-        if dm is None or getattr(dm, "train_dataset", None) is None:
+        if not isinstance(dm, SpecDataModule):  # plain dataloaders or another data module: no prompts to decode
             raise ValueError("OnPolicyRollouts needs a data module (data: SpecDataModule) whose prompts it decodes.")
         budget = dm.max_length - self.max_new_tokens
         seen, prompts = set(), []
@@ -119,7 +120,7 @@ class OnPolicyRollouts(MetricsCallback):
             self.buffer = self._rollouts(trainer, pl_module, self.buffer_size)
             self.cursor = 0
             self.last_refresh = trainer.global_step
-        trainer.datamodule.use_replay_buffer(self.buffer)  # refreshed in place below: the sampler reads this list
+        trainer.datamodule.use_replay_buffer(self.buffer)  # this very list: refreshed in place below
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -128,9 +129,8 @@ class OnPolicyRollouts(MetricsCallback):
         if trainer.max_steps is not None and 0 <= trainer.max_steps <= step:
             return  # training is over; a refresh now would never be trained on
         new = self._rollouts(trainer, pl_module, self.rollouts_per_refresh)
-        dataset = trainer.datamodule.train_dataset
-        for example in new:
-            self.buffer[self.cursor] = dataset[self.cursor] = example
+        for example in new:  # the buffer is the list the data module trains on (use_replay_buffer)
+            self.buffer[self.cursor] = example
             self.cursor = (self.cursor + 1) % self.buffer_size
         self.last_refresh = step
 

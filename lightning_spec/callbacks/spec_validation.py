@@ -16,6 +16,7 @@ import lightning as L
 import torch
 
 from lightning_spec.callbacks.base import EvaluationCallback, full_parameters
+from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums
@@ -90,7 +91,7 @@ class SpecDecodeValidation(EvaluationCallback):
         """The decoded prompts (``prompts_per_domain`` per domain), or the next ones of every domain, round-robin:
         ``calibration_prompts`` of them, held out from the decoded ones (for ``decoding: auto``)."""
         dm = trainer.datamodule
-        if dm is None or not hasattr(dm, "eval_prompts"):
+        if not isinstance(dm, SpecDataModule):  # plain dataloaders or another data module: no held-out prompts
             raise ValueError("SpecDecodeValidation needs a datamodule with eval_prompts() (SpecDataModule).")
         per_domain: dict[str, list[dict[str, Any]]] = {}
         for p in dm.eval_prompts():

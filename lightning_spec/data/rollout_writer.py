@@ -263,7 +263,7 @@ def generate_rollouts(
                      p.get("messages") or [])
         for p in prompts for s in range(n_per_prompt) if not is_done(p, s)
     ]
-    tokenizer = getattr(target, "tokenizer", None)
+    tokenizer = target.tokenizer  # None for a target built without one (Target declares it)
     eos = target.eos_token_ids
     walk = lambda c: Turns(c, tokenizer, max_turns, max_prompt_tokens, chat_template_kwargs)  # noqa: E731
     total = len(prompts) * n_per_prompt
@@ -313,7 +313,7 @@ def generate_rollouts(
             datasets.utils.enable_progress_bars()
     meta = {
         **wanted,
-        "tokenizer": getattr(tokenizer, "name_or_path", None),
+        "tokenizer": getattr(tokenizer, "name_or_path", None),  # an HF tokenizer's; None without one
         "tokenizer_size": len(tokenizer) if tokenizer is not None else None,
         "vocab_size": int(target.vocab_size),
         "eos_token_ids": [int(t) for t in eos],

@@ -76,9 +76,10 @@ def sample_batch(
 
 
 def _pad_id(target: Any) -> int:
-    """The id left padding uses (masked, so any id would do): the tokenizer's pad token, else its EOS, else 0."""
-    tok = getattr(target, "tokenizer", None)
-    for candidate in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None)):
+    """The id left padding uses (masked, so any id would do): the tokenizer's pad token, else its EOS, else 0
+    (``Target.tokenizer`` is None for a target built without one)."""
+    tok = target.tokenizer
+    for candidate in ((tok.pad_token_id, tok.eos_token_id) if tok is not None else ()):
         if candidate is not None:
             return int(candidate)
     return 0

@@ -7,15 +7,17 @@ from typing import Any
 
 import lightning as L
 import optuna
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_spec.module import DraftModule
+from lightning_spec.objectives import Objective
 
 
-def objective_label(objective: Any) -> str:
+def objective_label(objective: Objective) -> str:
     """The objective's name in the plots: ``KL+ExpDecay`` for the template's loss and position weight."""
-    name = type(objective).__name__
-    if name == "Objective" and hasattr(objective, "loss") and hasattr(objective, "position_weight"):
+    if type(objective) is Objective:  # the template itself; a ready-made pair or a mixture goes by its class name
         return f"{type(objective.loss).__name__}+{type(objective.position_weight).__name__}"
-    return name
+    return type(objective).__name__
 
 
 class TrialReporter(Callback):
@@ -45,10 +47,9 @@ class TrialReporter(Callback):
                 "a sweep runs each trial in its own process on one device (trainer.devices: 1); for several "
                 "GPUs start one sweep worker per GPU (CUDA_VISIBLE_DEVICES) on the same study."
             )
-        drafter = getattr(pl_module, "drafter", None)  # a DraftModule's (the reporter also serves other modules)
-        self.block_size = int(drafter.block_size) if drafter is not None else None
-        objective = getattr(pl_module, "objective", None)
-        self.objective = objective_label(objective) if objective is not None else None
+        if isinstance(pl_module, DraftModule):  # the reporter also serves other modules: no block size, no objective
+            self.block_size = int(pl_module.drafter.block_size)
+            self.objective = objective_label(pl_module.objective)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._before = trainer.callback_metrics.get(self.metric)
@@ -70,7 +71,8 @@ class TrialReporter(Callback):
             k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/") and v.numel() == 1
         }
         callback = trainer.checkpoint_callback
-        self.checkpoint = getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None)
+        if isinstance(callback, ModelCheckpoint):
+            self.checkpoint = callback.last_model_path or callback.best_model_path or None
 
     def value(self) -> float:
         """The trial's objective: the metric's last value (the drafter the trial ends with)."""
