@@ -1,20 +1,31 @@
 """Kill and resume: `fit --ckpt_path last.ckpt` after a SIGKILL reproduces the uninterrupted run and continues its
-MLflow run; resuming from a checkpoint written after any training step (mid-epoch or at an epoch's end) too.
+MLflow run; resuming from a checkpoint written after any training step (mid-epoch or at an epoch's end) too, and
+a mid-epoch resume of a fit whose domain weights are re-computed within the epoch draws what the uninterrupted one
+draws.
 
 The tiny target has 12 training examples: batch 4 gives 3 optimizer steps per epoch, and 8 steps run epochs 0-2.
 With ``val_check_interval=2`` validation (and the default checkpoint, ``last.ckpt``) comes after the 2nd batch
 of every epoch: steps 2, 5 and 8.
 """
 
+import json
 import sys
+import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from fit_probe import TINY, callback, fit, metric_history, mlflow_runs
+from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_spec.callbacks import DomainReweighting, EvaluationCallback
 from lightning_spec.cli import run_cli
+from lightning_spec.datamodule import SpecDataModule
+from lightning_spec.drafters import BlockDrafter
 from lightning_spec.features.store import FeatureStore, read_spec
+from lightning_spec.module import DraftModule
+from lightning_spec.objectives import KL, Objective
 from lightning_spec.tracking import MLFLOW_RUN_KEY
 
 STEPS = 8
@@ -97,3 +108,93 @@ def test_resume_from_a_step_checkpoint_gives_the_uninterrupted_drafter(uninterru
     (last,) = tmp_path.rglob("last.ckpt")
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == STEPS
     assert_same_drafter(drafter_state(last), drafter_state(uninterrupted / "steps" / f"step={STEPS}.ckpt"))
+
+
+# ---------------------------------------------------------------------------- mid-epoch resume with domain weights
+#
+# A fit whose sampler draws by domain weights that DomainReweighting re-computes within the epoch: 38 training
+# examples in chat and code, batch 8 (5 batches an epoch), a validation after every 2nd batch (steps 2, 4, 7, 9,
+# 12), and a per-domain MAL that is a function of the step alone, so a resumed run measures what the original did.
+# Resumed from the checkpoint after step 8 (3 batches into epoch 1), it must draw the rest of epoch 1 in the order
+# drawn at the epoch's start, with the weights of step 4 (the loader's replay), while the weights in force, and
+# DomainReweighting's smoothed ones, are those of step 7 (the data module's and the callback's restored state).
+
+WEIGHTED_STEPS, RESUME_AT = 12, 8
+
+
+class StepMAL(EvaluationCallback):
+    """Per-domain MAL as a function of the global step: chat and code take turns at being the worse one."""
+
+    name = "step-mal"
+
+    def __init__(self) -> None:
+        super().__init__(before_training=True)
+
+    def mal_prefixes(self) -> set[str]:
+        return {"val/mal"}
+
+    def evaluate(self, trainer, module, before_training=False):
+        step = trainer.global_step
+        return {"val/mal/chat": 1.0 + step % 3, "val/mal/code": 1.0 + 0.5 * ((step + 1) % 4)}
+
+
+class Draws(L.Callback):
+    """(step, the examples of the batch, the data module's domain weights) of every training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int], dict | None]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append((trainer.global_step, batch["index"].tolist(), trainer.datamodule.domain_weights))
+
+
+def weighted_fit(tmp: Path, target, ckpt_path: Path | None = None):
+    def chats(n: int, domain: str) -> list[str]:
+        return [json.dumps({"domain": domain, "messages": [{"role": "user", "content": f"{domain} {i}+{i + 2}?"},
+                                                            {"role": "assistant", "content": f"It is {2 * i + 2}."}]})
+                for i in range(n)]
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "train.jsonl").write_text("\n".join(chats(32, "chat") + chats(16, "code")) + "\n")
+    (tmp / "eval.jsonl").write_text("\n".join(json.dumps({"domain": d, "messages": [{"role": "user", "content": d}]})
+                                              for d in ("chat", "code")) + "\n")
+    dm = SpecDataModule(target="tiny-random", train_sources=[str(tmp / "train.jsonl")],
+                        eval_sources=[str(tmp / "eval.jsonl")], train_limit=None, max_length=64, batch_size=8,
+                        val_fraction=0.2, eval_prompts_per_domain=1, seed=0)
+    torch.manual_seed(0)
+    module = DraftModule(BlockDrafter(block_size=2, num_layers=1, num_anchors=4), Objective(KL()), target=target)
+    reweight, draws = DomainReweighting(beta=2.0, floor=0.05, smoothing=0.5), Draws()
+    steps = ModelCheckpoint(dirpath=tmp / "steps", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1,
+                        val_check_interval=2, max_steps=WEIGHTED_STEPS, default_root_dir=tmp,
+                        callbacks=[reweight, StepMAL(), draws, steps])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*validation runs within epochs.*")
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    assert trainer.global_step == WEIGHTED_STEPS
+    return dm, reweight, draws
+
+
+def test_a_mid_epoch_resume_with_domain_reweighting_draws_what_the_uninterrupted_run_draws(tmp_path, tiny_target):
+    dm, reweight, draws = weighted_fit(tmp_path / "whole", tiny_target)
+    ckpt = tmp_path / "whole" / "steps" / f"step={RESUME_AT}.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    (loader,) = state["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert (loader["epoch"], loader["batches"]) == (1, 3)  # mid-epoch
+    # the weights were re-computed before the checkpoint (before training, steps 2, 4, 7), the last time after
+    # epoch 1's order was drawn: the interrupted pass drew with other weights than those now in force
+    assert [s for s, _ in reweight.history if s < RESUME_AT] == [0, 2, 4, 7]
+    in_force = state["SpecDataModule"]["domain_weights"]
+    assert loader["domain_weights"] is not None and loader["domain_weights"] != in_force
+
+    dm2, resumed, draws2 = weighted_fit(tmp_path / "resumed", tiny_target, ckpt_path=ckpt)
+    after = [d for d in draws.seen if d[0] >= RESUME_AT]
+    assert [d[0] for d in draws2.seen] == [d[0] for d in after]  # steps 8..11, none twice, none skipped
+    for (step, got, got_weights), (_, want, want_weights) in zip(draws2.seen, after, strict=True):
+        assert got == want, f"step {step}: the resumed run drew other examples"
+        assert got_weights == pytest.approx(want_weights), f"step {step}: other domain weights in force"
+    assert [s for s, _ in resumed.history] == [s for s, _ in reweight.history]
+    for (step, got), (_, want) in zip(resumed.history, reweight.history, strict=True):
+        assert got == pytest.approx(want), f"step {step}: other domain weights"
+    assert dm2.domain_weights == pytest.approx(dm.domain_weights)
