@@ -201,6 +201,94 @@ def test_drafter_context_equals_a_fresh_prefill(diverse_target, make_reference_d
             torch.testing.assert_close(got, want_key, atol=1e-4, rtol=1e-4)
 
 
+def fit_to_greedy_continuations(target, drafter, prompts, steps: int = 35):
+    """``drafter`` (any family) trained with CE on the target's own greedy continuations of ``prompts``, every
+    supervised position an anchor: accepted in a good share of rounds, not in all."""
+    drafter.train()
+    rows = [prompt + argmax_reference(target, prompt, MAX_NEW) for prompt in prompts]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (N, S)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, len(prompt) : len(row)] = True
+    batch = {"input_ids": ids, "loss_mask": mask}
+    features = target(ids, layers=drafter.target_layers, logits=False).features  # (N, S, F)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        terms = Objective(CE())(drafter(batch, features))
+        opt.zero_grad()
+        (terms.num / terms.den).backward()
+        opt.step()
+    return drafter.eval()
+
+
+def rounds_against_a_fresh_begin(target, drafter, prompts, monkeypatch) -> tuple[list[str], list[int]]:
+    """Greedy decoding of ``prompts`` with ``drafter``, every round compared with the round a drafter without
+    incremental state would play: ``begin`` on the target features of the whole committed prefix, then ``propose``.
+
+    Returns the rounds whose proposal or acceptance differs ("prompt p, round r: ...") and the accept lengths of the
+    rounds after the first (those that follow an ``extend``)."""
+    proposals = []
+    propose = drafter.propose
+
+    def spy(state, anchor, sampling, generator=None):
+        proposal = propose(state, anchor, sampling, generator)
+        proposals.append(proposal.tokens.tolist())
+        return proposal
+
+    wrong, later = [], []
+    for p, prompt in enumerate(prompts):
+        proposals.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(drafter, "propose", spy)
+            spec = generate(target, prompt, MAX_NEW, GREEDY, drafter=drafter)
+        want = argmax_reference(target, prompt, MAX_NEW)
+        assert spec.tokens == want  # lossless whatever the drafter's state
+        full = prompt + want
+        n = len(prompt) - 1  # the anchor's position in round 0
+        for r, (got, accepted) in enumerate(zip(proposals, spec.accept_lengths)):
+            prefix = torch.tensor(full[:n], dtype=torch.long)[None]  # (1, n): the committed tokens before the anchor
+            features = target(prefix, layers=drafter.target_layers, logits=False).features if n else \
+                torch.zeros(1, 0, len(drafter.target_layers) * target.hidden_size)  # (1, n, F)
+            fresh = drafter.begin(features, prefix)
+            reference = propose(fresh, torch.tensor(full[n : n + 1]), GREEDY).tokens.tolist()
+            matched = next((i for i, t in enumerate(reference) if n + 1 + i >= len(full) or t != full[n + 1 + i]),
+                           len(reference))
+            last = r == spec.rounds - 1  # cut to the token budget: its acceptance is capped
+            if got != reference or (not last and accepted != matched):
+                wrong.append(f"prompt {p}, round {r}: drafted {got}, accepted {accepted}; a fresh begin drafts "
+                             f"{reference}, accepted {matched}")
+            if r > 0 and not last:
+                later.append(accepted)
+            n += accepted + 1
+    return wrong, later
+
+
+@pytest.mark.parametrize("family", ["dflash", "eagle3"])
+def test_acceptance_after_extend_stays_at_a_fresh_begins(diverse_target, make_block_drafter, monkeypatch, family):
+    """End to end, a trained drafter's every round after ``extend`` drafts, and is accepted, exactly as a drafter
+    built afresh on the committed prefix: a slip in the features ``extend`` commits (shifted by a position, say)
+    costs acceptance but never tokens, so only this comparison sees it (the guard test below checks that)."""
+    from lightning_spec.drafters import Eagle3Drafter
+
+    target = diverse_target
+    prompts = random_prompts(target.vocab_size)
+    torch.manual_seed(0)
+    drafter = make_block_drafter(target, block_size=3, num_anchors=64) if family == "dflash" else \
+        Eagle3Drafter(block_size=3, num_anchors=64)
+    drafter.bind(target)
+    drafter = fit_to_greedy_continuations(target, drafter, prompts)
+    wrong, later = rounds_against_a_fresh_begin(target, drafter, prompts, monkeypatch)
+    assert not wrong, "\n".join(wrong)
+    assert sum(a > 0 for a in later) >= 0.25 * len(later), later  # acceptance after extend is not trivially 0
+
+    # the guard: the same drafter extended with the features of the position before each committed node
+    extend = drafter.extend
+    monkeypatch.setattr(drafter, "extend", lambda state, features, path: extend(state, features.roll(1, 1), path))
+    wrong, _ = rounds_against_a_fresh_begin(target, drafter, prompts, monkeypatch)
+    assert wrong, "shifted features in extend went unnoticed"
+
+
 @pytest.mark.parametrize("block_size", [3, 8])
 @pytest.mark.parametrize("max_new", [0, 1, 2, 5, 11])
 def test_max_new_tokens_is_exact(diverse_target, make_reference_drafter, block_size, max_new):
