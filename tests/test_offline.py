@@ -272,7 +272,7 @@ def test_rollout_forms_agree_and_mismatches_are_refused(tiny_target, make_block_
     import datasets
 
     drafter = make_block_drafter(tiny_target, block_size=3)
-    folder = offline_report(tiny_target, drafter, rollout_folder)  # sampling from the folder's metadata
+    folder = offline_report(tiny_target, drafter, load_rollout_set(rollout_folder))  # sampling: the folder's
     ds = datasets.load_from_disk(str(rollout_folder))
     from_ds = offline_rounds(tiny_target, drafter, ds, T1)
     pairs = [(r["prompt_ids"], r["response_ids"]) for r in ds]
@@ -282,10 +282,10 @@ def test_rollout_forms_agree_and_mismatches_are_refused(tiny_target, make_block_
     assert folder.prompt_keys == ds["prompt_id"]
     assert int(folder.tokens.sum()) == sum(len(r) for r in ds["response_ids"])
     with pytest.raises(ValueError, match="sampling"):
-        offline_rounds(tiny_target, drafter, rollout_folder, GREEDY)
+        offline_rounds(tiny_target, drafter, load_rollout_set(rollout_folder), GREEDY)
     other = make_random_llama(vocab_size=tiny_target.vocab_size, hidden_size=32, seed=5)
     with pytest.raises(ValueError, match="fingerprint"):
-        offline_rounds(other, make_block_drafter(other, block_size=3), rollout_folder)
+        offline_rounds(other, make_block_drafter(other, block_size=3), load_rollout_set(rollout_folder))
     with pytest.raises(ValueError, match="different target"):
         offline_rounds(other, drafter, pairs, T1)
     with pytest.raises(ValueError, match="needs sampling"):
@@ -344,7 +344,7 @@ def test_offline_evaluation_callback_logs_during_fit(tmp_path, rollout_folder, m
     assert 1.0 <= metrics["val/offline_mal"] <= 4.0
     assert float(trainer.callback_metrics["val/offline_mal"]) == pytest.approx(metrics["val/offline_mal"])
     # the same number as offline_report on the same 3 rollouts
-    want = offline_report(module.target, module.drafter, rollout_folder, max_rollouts=3).mal
+    want = offline_report(module.target, module.drafter, load_rollout_set(rollout_folder), max_rollouts=3).mal
     assert metrics["val/offline_mal"] == pytest.approx(want, rel=1e-9)
     logged = (tmp_path / "lightning_logs").rglob("metrics.csv")
     assert any("val/offline_mal" in p.read_text() for p in logged)
@@ -398,8 +398,9 @@ def test_evaluate_offline_cli_writes_json_and_mlflow(in_tmp, tiny_target, rollou
     assert other["mal_ci"][0] <= other["mal"] <= other["mal_ci"][1] and len(other["checkpoint_mal"]) == 2
     assert other["delta_mal"] == pytest.approx(other["mal"] - cmp["arms"]["base"]["mal"])
     # the arm's rounds are the mean over its two checkpoints, per rollout
-    ra = offline_rounds(tiny_target, load_drafter(b, target=tiny_target), rollout_folder)
-    rc = offline_rounds(tiny_target, load_drafter(c, target=tiny_target), rollout_folder)
+    rollouts = load_rollout_set(rollout_folder)
+    ra = offline_rounds(tiny_target, load_drafter(b, target=tiny_target), rollouts)
+    rc = offline_rounds(tiny_target, load_drafter(c, target=tiny_target), rollouts)
     assert result["arms"]["other"]["rounds"] == pytest.approx(((ra + rc) / 2).tolist(), rel=1e-6)
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("lightning_spec_evaluate").experiment_id])

@@ -26,7 +26,8 @@ from test_decoding import MAX_NEW, argmax_reference, random_prompts
 from test_families import FAMILIES, build, trained
 from test_lossless_sampling import NEW, PROMPT, assert_matches, exact_joint
 
-from lightning_spec import SamplingConfig, TreeConfig, generate, offline_rounds
+from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
+from lightning_spec.data.rollouts import load_rollout_set
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
 from lightning_spec.drafters import Anchors
 from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
@@ -336,7 +337,8 @@ def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_ta
     assert "tree of 4 nodes (top 2)" in capsys.readouterr().out
     result = json.loads((tmp_path / "off.json").read_text())
     assert result["tree"] == {"nodes": 4, "top_k": 2, "depth": None, "ngram": 0}
-    want = offline_rounds(tiny_target, path, tmp_path / "t1", tree=TreeConfig(nodes=4, top_k=2))
+    drafter, rollouts = load_drafter(path, target=tiny_target), load_rollout_set(tmp_path / "t1")
+    want = offline_rounds(tiny_target, drafter, rollouts, tree=TreeConfig(nodes=4, top_k=2))
     assert result["arms"]["drafter0"]["rounds"] == pytest.approx(want.tolist())
     main(["evaluate", "--mode", "online", "--drafters", f"[{path}]", "--tree", tree, "--sources", "[mt-bench]",
           "--prompts_per_source", "2", "--max_new_tokens", "6", "--n_resamples", "50", "--output", "on.json",
@@ -373,8 +375,9 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
     result = json.loads((tmp_path / "off.json").read_text())
     assert result["tree"] is None
     assert result["arms"]["tree"]["tree"] == {"nodes": 6, "top_k": 3, "depth": None, "ngram": 0}
-    tree = offline_rounds(tiny_target, path, tmp_path / "g", tree=TreeConfig(nodes=6, top_k=3)).tolist()
-    chain = offline_rounds(tiny_target, path, tmp_path / "g").tolist()
+    drafter, rollouts = load_drafter(path, target=tiny_target), load_rollout_set(tmp_path / "g")
+    tree = offline_rounds(tiny_target, drafter, rollouts, tree=TreeConfig(nodes=6, top_k=3)).tolist()
+    chain = offline_rounds(tiny_target, drafter, rollouts).tolist()
     assert result["arms"]["tree"]["rounds"] == pytest.approx(tree)
     assert result["arms"]["chain"]["rounds"] == pytest.approx(chain)
     main(["evaluate", "--mode", "online", "--sources", "[mt-bench]", "--prompts_per_source", "2",

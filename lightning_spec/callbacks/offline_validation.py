@@ -13,7 +13,8 @@ import lightning as L
 import torch
 
 from lightning_spec.callbacks.base import EvaluationCallback, full_parameters
-from lightning_spec.data.rollouts import RolloutSet, check_rollouts, load_rollout_set, rollout_sampling, spread
+from lightning_spec.data.rollouts import RolloutSet
+from lightning_spec.evaluation.inputs import open_rollouts
 from lightning_spec.evaluation.offline import offline_report
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums
 from lightning_spec.sampling import SamplingConfig
@@ -59,13 +60,9 @@ class OfflineEvaluation(EvaluationCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage not in ("fit", "validate") or self._data is not None:
             return
-        data = load_rollout_set(self.rollouts)
-        sampling = self.sampling or rollout_sampling(data.meta)
-        if sampling is None:
-            raise ValueError(f"OfflineEvaluation.sampling is needed: {self.rollouts} records no sampling config.")
-        check_rollouts(data.meta, pl_module.target, sampling, self.rollouts)  # before any training step
-        self.sampling = sampling
-        self._data = spread(data, self.max_rollouts)
+        # checked against the run's target before any training step
+        self._data, self.sampling = open_rollouts(self.rollouts, pl_module.target, self.sampling, self.max_rollouts,
+                                                  sampling_name="OfflineEvaluation.sampling")
         self._domains = sorted(set(self._data.domains))
 
     def evaluate(

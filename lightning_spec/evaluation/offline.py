@@ -35,19 +35,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
-from lightning_spec.data.rollouts import check_rollouts, load_rollout_set, rollout_sampling, spread
 from lightning_spec.decoding.engine import draft
 from lightning_spec.decoding.ngram import NgramDrafter
 from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.evaluation.inputs import Rollouts, open_rollouts, refuse_paths
 from lightning_spec.progress import advancer, progress_bar
 from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.drafters import Drafter
+    from lightning_spec.target import Target
 
 
 # -------------------------------------------------------------------------------------------------- report
@@ -235,9 +238,9 @@ def replay_tree_rounds(
 
 
 def offline_report(
-    target: Any,
-    drafter: Any,
-    rollouts: Any,
+    target: Target,
+    drafter: Drafter | NgramDrafter | Literal["ngram"],
+    rollouts: Rollouts,
     sampling: SamplingConfig | None = None,
     *,
     max_rollouts: int | None = None,
@@ -250,12 +253,14 @@ def offline_report(
     """Exact expected rounds of every rollout, and the pooled MAL, MAL per domain and AR_k.
 
     Args:
-        target: a ``Target`` (or anything ``load_target`` takes).
-        drafter: a drafter bound to ``target``, or a checkpoint/folder path (``load_drafter``).
-        rollouts: a rollouts folder, a ``datasets.Dataset`` of rollouts, a list of ``(prompt_ids, response_ids)``
-            pairs, or a ``RolloutSet``.
-        sampling: the config the rollouts were drawn under; None = the one recorded in the rollouts folder.
-            A folder drawn under another config, or from another target, is refused.
+        target: a loaded ``Target`` (``load_target``).
+        drafter: a loaded drafter (``load_drafter``) bound to ``target``, or n-gram lookup (``NgramDrafter()``, or
+            ``"ngram"`` as ``generate`` takes it).
+        rollouts: rollouts in memory: a ``RolloutSet`` (``load_rollout_set(folder)``, or ``open_rollouts`` of
+            ``evaluation/inputs.py``), a ``datasets.Dataset`` of rollouts, or a list of ``(prompt_ids,
+            response_ids)`` pairs. A path is refused: open the folder first.
+        sampling: the config the rollouts were drawn under; None = the one the rollouts record.
+            Rollouts drawn under another config, or from another target, are refused.
         max_rollouts: evaluate at most this many (``spread``: round-robin over domains, prompts first).
         batch_size: rollouts per target forward (right-padded, sorted by length).
         anchors_per_forward: anchors (over the batch) per drafter forward: memory, not results.
@@ -265,34 +270,21 @@ def offline_report(
             chain, as ``generate(..., tree=...)`` decodes: exact under greedy and sampling for best-first trees
             (``rounds.tree_accept``), under greedy only for the others (``replay_tree_rounds``).
     """
-    from lightning_spec.target import load_target
-
     start = time.perf_counter()
-    target = load_target(target)
-    if drafter == "ngram":
+    if drafter == "ngram":  # a name, as generate(drafter="ngram") takes it: n-gram lookup has nothing to load
         drafter = NgramDrafter()
-    elif isinstance(drafter, (str, Path)):
-        from lightning_spec.checkpoint import load_drafter
-
-        drafter = load_drafter(drafter, target=target)
+    refuse_paths("offline evaluation", target=target, drafter=drafter, rollouts=rollouts)
     drafter.use_target(target)
     tree = TreeConfig.coerce(tree)
     if tree is not None:
         drafter.check_tree()
-    data = load_rollout_set(rollouts, vocab_size=target.vocab_size)
-    recorded = rollout_sampling(data.meta)
-    if sampling is None:
-        if recorded is None:
-            raise ValueError("offline evaluation needs sampling: the config the rollouts were drawn under.")
-        sampling = recorded
-    check_rollouts(data.meta, target, sampling, data.source)
+    data, sampling = open_rollouts(rollouts, target, sampling, max_rollouts)
     if replayed(drafter, tree) and not (drafter.chosen_drafts or drafter.best_first_trees) and not sampling.greedy:
         raise ValueError(
             f"{type(drafter).__name__} grows its tree from its own drafts, which offline evaluation replays exactly "
             "under greedy decoding only; score it on greedy rollouts (--temperature 0) or with real decoding "
             "(evaluate --mode online)."
         )
-    data = spread(data, max_rollouts)
     if batch_size < 1 or anchors_per_forward < 1:
         raise ValueError(f"batch_size ({batch_size}) and anchors_per_forward ({anchors_per_forward}) must be >= 1.")
 
@@ -335,12 +327,13 @@ def offline_report(
     )
 
 
-def offline_rounds(target: Any, drafter: Any, rollouts: Any, sampling: SamplingConfig | None = None,
-                   **kwargs: Any) -> Tensor:
+def offline_rounds(target: Target, drafter: Drafter | NgramDrafter | Literal["ngram"], rollouts: Rollouts,
+                   sampling: SamplingConfig | None = None, **kwargs: Any) -> Tensor:
     """Exact expected rounds per rollout (R,) float64, in the rollouts' order (part of the stable public API).
 
-    ``rollouts``: a rollouts folder, a ``datasets.Dataset`` or a list of ``(prompt_ids, response_ids)`` pairs;
-    ``sampling`` must be the config they were drawn under (default: the folder's). Pooled MAL of the set is
-    ``Σ len(response) / Σ rounds``; see ``offline_report`` for that, per domain, and the keyword arguments."""
+    ``rollouts``: rollouts in memory: ``load_rollout_set(folder)``, a ``datasets.Dataset`` or a list of
+    ``(prompt_ids, response_ids)`` pairs; ``sampling`` must be the config they were drawn under (default: the one
+    they record). Pooled MAL of the set is ``Σ len(response) / Σ rounds``; see ``offline_report`` for that, per
+    domain, and the keyword arguments."""
     return offline_report(target, drafter, rollouts, sampling, **kwargs).rounds
 
