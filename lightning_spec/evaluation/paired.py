@@ -99,6 +99,17 @@ def percentile_interval(samples: np.ndarray, confidence: float = 0.95) -> tuple[
     return float(lo), float(hi)
 
 
+@dataclass(frozen=True)
+class Bootstrap:
+    """How arms are compared (``compare``): the baseline arm (its index among the arms or its name) and the
+    bootstrap over prompts."""
+
+    baseline: int | str = 0
+    n_resamples: int = 2000
+    confidence: float = 0.95
+    seed: int = 0
+
+
 @dataclass
 class ArmResult:
     """One arm's pooled MAL with its interval, and its difference to the baseline arm."""
