@@ -1,7 +1,7 @@
 """Plain vs speculative decoding speed on MT-Bench (or HumanEval, MMATH) prompts, and where the time goes. One
 process, greedy.
 
-    .venv/bin/python benchmarks/decode_speed.py                      # untrained BlockDrafter (K=8), 8 prompts
+    .venv/bin/python benchmarks/decode_speed.py                      # untrained DFlashDrafter (K=8), 8 prompts
     .venv/bin/python benchmarks/decode_speed.py --drafter runs/x.ckpt --threads 1
     .venv/bin/python benchmarks/decode_speed.py --breakdown          # + the 1-token vs (K+1)-token cost split
     .venv/bin/python benchmarks/decode_speed.py --no-peers           # without the transformers peers
@@ -30,7 +30,7 @@ Prints, on the same prompts and in the same process:
     target's first ``--assistant-layers`` decoder layers with its embeddings, final norm and LM head, no
     training); tokens/s and ratios to transformers' plain decoding and to lightning_spec's plain decoding.
 
-Without ``--drafter`` the drafter is an UNTRAINED ``BlockDrafter(block_size=8, num_layers=1,
+Without ``--drafter`` the drafter is an UNTRAINED ``DFlashDrafter(block_size=8, num_layers=1,
 draft_vocab_size=4096)`` whose draft vocabulary comes from arbitrary counts (the prompts' own tokens): its MAL
 is ~1, so it measures the machinery, not a speedup. On a machine shared with another job pass
 ``--threads 1``: OpenMP threads that have to wait for a busy core make every timing erratic.
@@ -94,9 +94,9 @@ def mt_bench_prompts(target, count: int, seed: int, source: str = "mt-bench") ->
 
 
 def untrained_drafter(target, block_size: int, prompts: list[list[int]]):
-    from lightning_spec.drafters.block import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
 
-    drafter = BlockDrafter(block_size=block_size, num_layers=1, draft_vocab_size=min(4096, target.vocab_size))
+    drafter = DFlashDrafter(block_size=block_size, num_layers=1, draft_vocab_size=min(4096, target.vocab_size))
     drafter.bind(target)
     counts = torch.bincount(torch.tensor([t for p in prompts for t in p]), minlength=target.vocab_size)
     drafter.vocab.set_from_counts(counts.float() + torch.linspace(1, 0, target.vocab_size))  # ties broken by token id
@@ -338,7 +338,7 @@ def main() -> None:
             drafter.block_size = args.block_size
     else:
         drafter = untrained_drafter(target, args.block_size or 8, prompts)
-        label = "UNTRAINED BlockDrafter(num_layers=1, draft_vocab_size=4096)"
+        label = "UNTRAINED DFlashDrafter(num_layers=1, draft_vocab_size=4096)"
     k = drafter.block_size
     greedy = SamplingConfig()
     tree = None

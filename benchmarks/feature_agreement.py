@@ -24,13 +24,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from lightning_spec.datamodule import SpecDataModule
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.loaders import collate
     from lightning_spec.module import DraftModule
     from lightning_spec.objectives import KL, ExpDecay, Objective
 
     torch.manual_seed(0)
-    module = DraftModule(BlockDrafter(block_size=8, num_layers=1, num_anchors=32, context_shortcut=True),
+    module = DraftModule(DFlashDrafter(block_size=8, num_layers=1, num_anchors=32, context_shortcut=True),
                          Objective(KL(), ExpDecay(2.0)), target="smollm2-135m-instruct", feature_dtype="bfloat16")
     dm = SpecDataModule(target="smollm2-135m-instruct", train_sources=["sharegpt"], train_limit=200, max_length=160,
                         eval_sources=[])

@@ -1,7 +1,7 @@
 """One drafter decoded with and without its adaptive length head (AdaFlash, Qian et al. 2026, arXiv 2607.19223).
 
     .venv/bin/python benchmarks/length_head.py --drafter runs/x/last.ckpt --threads 1   # a drafter with length_head
-    .venv/bin/python benchmarks/length_head.py                       # untrained BlockDrafter (K=8): the machinery only
+    .venv/bin/python benchmarks/length_head.py                       # untrained DFlashDrafter (K=8): the machinery only
     .venv/bin/python benchmarks/length_head.py --drafter x.ckpt --temperature 1.0 --length-rate 1.0
 
 Prints, on the same MT-Bench prompts and in the same process, the runs interleaved prompt by prompt (their order
@@ -16,7 +16,7 @@ The head pays off when verifying fewer tokens saves more than the shorter blocks
 verify forward costs about the same for 1 and K + 1 tokens (a large model on a GPU) it can only lose MAL; on a
 2-core CPU, where a K + 1 token forward costs ~1.8x a 1-token one (benchmarks/README.md), it can win.
 
-Without ``--drafter`` the drafter is an UNTRAINED ``BlockDrafter(block_size=8, num_layers=1, draft_vocab_size=4096,
+Without ``--drafter`` the drafter is an UNTRAINED ``DFlashDrafter(block_size=8, num_layers=1, draft_vocab_size=4096,
 length_head=True)``: MAL ~1 and a head predicting ~0.5, so it measures the machinery, not a speedup. On a machine
 shared with another job pass ``--threads 1``.
 """
@@ -34,9 +34,9 @@ from lightning_spec import SamplingConfig, generate, load_drafter, load_target
 
 
 def untrained_drafter(target, block_size: int, prompts: list[list[int]]):
-    from lightning_spec.drafters.block import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
 
-    drafter = BlockDrafter(block_size=block_size, num_layers=1, draft_vocab_size=min(4096, target.vocab_size),
+    drafter = DFlashDrafter(block_size=block_size, num_layers=1, draft_vocab_size=min(4096, target.vocab_size),
                            length_head=True)
     drafter.bind(target)
     counts = torch.bincount(torch.tensor([t for p in prompts for t in p]), minlength=target.vocab_size)
@@ -98,7 +98,7 @@ def main() -> None:
                          "model.drafter.init_args.length_head: true (experiments/regimes/length_head_init.yaml).")
     else:
         drafter = untrained_drafter(target, args.block_size, prompts)
-        label = "UNTRAINED BlockDrafter(num_layers=1, draft_vocab_size=4096, length_head=True)"
+        label = "UNTRAINED DFlashDrafter(num_layers=1, draft_vocab_size=4096, length_head=True)"
     if args.length_rate is not None:
         drafter.length_rate = args.length_rate
     if args.length_min is not None:

@@ -38,10 +38,10 @@ from lightning_spec.evaluation.paired import compare
 
 
 def untrained_drafter(target, block_size: int):
-    from lightning_spec.drafters.block import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
 
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_size=block_size, num_layers=1)
+    drafter = DFlashDrafter(block_size=block_size, num_layers=1)
     drafter.bind(target)
     return drafter.eval()
 
@@ -66,7 +66,7 @@ def main() -> None:
 
     target = load_target(args.target)
     drafter = load_drafter(args.drafter, target=target) if args.drafter else untrained_drafter(target, 8)
-    label = args.drafter or "UNTRAINED BlockDrafter(K=8)"
+    label = args.drafter or "UNTRAINED DFlashDrafter(K=8)"
     sampling = SamplingConfig(temperature=args.temperature)
     prompts = select_prompts(target.tokenizer, [as_source(s) for s in args.sources], args.prompts, args.seed)
 

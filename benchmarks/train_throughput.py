@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/train_throughput.py                      # the quickstart's setting, fp32 and bf16
     .venv/bin/python benchmarks/train_throughput.py --dtypes float32 --steps 20
 
-One process, the quickstart's drafter and objective (``experiments/quickstart.yaml``: DFlash-style BlockDrafter,
+One process, the quickstart's drafter and objective (``experiments/quickstart.yaml``: DFlash-style DFlashDrafter,
 K = 8, 32 anchors, a 2048-token draft vocabulary, KL with the position decay; batch 8 of <= 160 tokens of ShareGPT
 conversations), on the packaged SmolLM2-135M target. It prints, with the CPU's name:
 
@@ -70,12 +70,12 @@ class Clock:
 
 
 def build(args: argparse.Namespace, dtype: str, feature_cache: str):
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.module import DraftModule
     from lightning_spec.objectives import KL, ExpDecay, Objective
 
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_size=8, num_layers=1, num_anchors=32, draft_vocab_size=2048, context_shortcut=True)
+    drafter = DFlashDrafter(block_size=8, num_layers=1, num_anchors=32, draft_vocab_size=2048, context_shortcut=True)
     module = DraftModule(drafter, Objective(KL(), ExpDecay(2.0)), target=args.target, target_dtype=dtype,
                          lr=1e-3, warmup_ratio=0.03, feature_cache=feature_cache)
     return module

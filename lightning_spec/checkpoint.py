@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lightning_spec.drafters import class_path_now
 from lightning_spec.drafters.base import Drafter, drafter_record, init_arguments
 from lightning_spec.export import is_serving_folder, read_serving_folder
 from lightning_spec.target import TargetOptions, live_target, load_target
@@ -181,8 +182,15 @@ def with_target_weights(meta: dict[str, Any], state: dict[str, torch.Tensor], dr
 
 
 def read_drafter_state(path: str | Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(record, drafter state dict) of a ``.ckpt`` or an exported folder, read without running code."""
-    path = Path(path)
+    """(record, drafter state dict) of a ``.ckpt`` or an exported folder, read without running code. A class path
+    an older version recorded is given as this version names it (``drafters.RENAMED``)."""
+    meta, state = _read_drafter_state(Path(path), what)
+    if isinstance(meta.get("drafter_class"), str):
+        meta = {**meta, "drafter_class": class_path_now(meta["drafter_class"])}
+    return meta, state
+
+
+def _read_drafter_state(path: Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if path.is_dir() and is_serving_folder(path):  # an exported serving layout (ours, speculators', SGLang's)
         return read_serving_folder(path, what)
     if path.is_dir():

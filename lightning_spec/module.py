@@ -83,7 +83,7 @@ class DraftModule(L.LightningModule):
     """Trains ``drafter`` against the frozen ``target`` with ``objective``.
 
     Args:
-        drafter: the draft model (e.g. ``lightning_spec.drafters.BlockDrafter``).
+        drafter: the draft model (e.g. ``lightning_spec.drafters.DFlashDrafter``).
         objective: the training objective (``lightning_spec.objectives.Objective`` and its parts).
         target: packaged name (``smollm2-135m-instruct``, ``tiny-random``), HF hub id or local folder.
         target_options: how that target is loaded and prompted (``TargetOptions``): ``revision``,

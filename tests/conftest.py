@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from lightning_spec import load_target  # noqa: E402
 from lightning_spec.decoding.proposals import ChainProposal  # noqa: E402
-from lightning_spec.drafters import BlockDrafter, Drafter, DraftVocab  # noqa: E402
+from lightning_spec.drafters import DFlashDrafter, Drafter, DraftVocab  # noqa: E402
 from lightning_spec.target import Target  # noqa: E402
 
 # Tensors here are a few KB: intra-op threads only add synchronisation (measured ~100x slower decoding with
@@ -66,21 +66,21 @@ def diverse_target() -> Target:
     return random_llama()
 
 
-def block_drafter(target: Target, block_size: int = 4, seed: int = 0, **kwargs) -> BlockDrafter:
-    """A freshly initialised (untrained) ``BlockDrafter`` bound to ``target``, in eval mode."""
+def block_drafter(target: Target, block_size: int = 4, seed: int = 0, **kwargs) -> DFlashDrafter:
+    """A freshly initialised (untrained) ``DFlashDrafter`` bound to ``target``, in eval mode."""
     torch.manual_seed(seed)
-    drafter = BlockDrafter(block_size=block_size, num_layers=kwargs.pop("num_layers", 1), **kwargs)
+    drafter = DFlashDrafter(block_size=block_size, num_layers=kwargs.pop("num_layers", 1), **kwargs)
     drafter.bind(target)
     return drafter.eval()
 
 
-class ReferenceDrafter(BlockDrafter):
+class ReferenceDrafter(DFlashDrafter):
     """Proposes the target's own greedy continuation with one slot corrupted, so acceptance varies in 0..K.
 
     ``reference`` is prompt + the plain greedy continuation (computed by plain decoding). A round whose
     anchor sits at position ``n = state.length`` proposes ``reference[n + 1 : n + 1 + K]`` with slot
     ``j = 7 n mod (K + 2)`` (0-based) replaced by another token: a correct engine accepts exactly ``j`` drafts,
-    or all K plus the bonus when ``j >= K``. The BlockDrafter machinery still runs (``super().propose`` on
+    or all K plus the bonus when ``j >= K``. The DFlashDrafter machinery still runs (``super().propose`` on
     the incremental state), and ``snapshots`` record the state the engine built, for consistency checks.
     """
 

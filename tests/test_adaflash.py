@@ -3,7 +3,7 @@
 - ``AdaFlashLoss`` by hand: α = 1 is CE on the target's argmax, α = 0 is T²·KL(q^T ‖ p^T), the per-slot clip;
 - ``LengthMSE``: the label is the greedy accepted length (hand-made patterns), the loss sits at one slot per anchor,
   and it trains the head only (the draft loss never reaches the head);
-- the head on ``BlockDrafter``: off by default (no weights, old configs build), ``propose`` submits the cut the head
+- the head on ``DFlashDrafter``: off by default (no weights, old configs build), ``propose`` submits the cut the head
   predicts, the training forward's ``drafted`` is that cut, greedy decoding stays the target's, sampled decoding stays
   lossless (χ²), offline rounds honour ``drafted`` (greedy: the engine's rounds exactly; sampled: a brute-force
   enumeration), trees ignore the head, and checkpoints round-trip;
@@ -27,7 +27,7 @@ from test_offline import enumerate_rounds
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import init_weights, save_drafter
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters import Anchors, BlockDrafter, DraftOutput
+from lightning_spec.drafters import Anchors, DFlashDrafter, DraftOutput
 from lightning_spec.evaluation.offline import offline_report
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import AdaFlashLoss, ExpDecay, LengthMSE, Mixture, Objective
@@ -43,7 +43,7 @@ def small_target(make_random_llama):
     return make_random_llama(vocab_size=8, hidden_size=16, init=0.5, seed=0, eos=3)
 
 
-def spread_head(drafter: BlockDrafter, target, scale: float = 1.5, prefix: list[int] = ()) -> BlockDrafter:
+def spread_head(drafter: DFlashDrafter, target, scale: float = 1.5, prefix: list[int] = ()) -> DFlashDrafter:
     """Random head weights rescaled so that its logit has median 0 and spread ``scale`` on random blocks (after
     ``prefix``): the predictions (and so the cuts) range over the whole 0..1 instead of sitting at the init's 0.5."""
     g = torch.Generator().manual_seed(0)
@@ -67,7 +67,7 @@ def spread_head(drafter: BlockDrafter, target, scale: float = 1.5, prefix: list[
     return drafter
 
 
-def with_head(target, make_block_drafter, k: int = 4, seed: int = 0, prefix: list[int] = (), **kwargs) -> BlockDrafter:
+def with_head(target, make_block_drafter, k: int = 4, seed: int = 0, prefix: list[int] = (), **kwargs) -> DFlashDrafter:
     drafter = make_block_drafter(target, block_size=k, seed=seed, length_head=True, **kwargs)
     return spread_head(drafter, target, prefix=prefix)
 
@@ -209,13 +209,13 @@ def test_the_head_is_off_by_default_and_old_configs_build(diverse_target, make_b
     assert all(torch.equal(v, state[k]) for k, v in plain.state_dict().items())
     # a config written before the head existed (no length_* keys) builds the same drafter
     old = {k: v for k, v in plain.config_dict().items() if not k.startswith("length")}
-    rebuilt = BlockDrafter(**old)
+    rebuilt = DFlashDrafter(**old)
     rebuilt.bind(diverse_target)
     rebuilt.load_state_dict(plain.state_dict())
     for kwargs, field in [({"length_rate": 0.0}, "drafter.length_rate"), ({"length_min": 5}, "drafter.length_min"),
                           ({"length_min": -1}, "drafter.length_min")]:
         with pytest.raises(ValueError, match=field):
-            BlockDrafter(block_size=4, length_head=True, **kwargs)
+            DFlashDrafter(block_size=4, length_head=True, **kwargs)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "T1"])
@@ -409,7 +409,7 @@ def test_fitting_the_head_alone_leaves_the_drafter_as_trained(tiny_target, make_
     folder = save_drafter(start, tmp_path / "dflash", "tiny-random")
     dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
                         train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
-    module = DraftModule(BlockDrafter(block_size=3, num_layers=1, num_anchors=8, length_head=True),
+    module = DraftModule(DFlashDrafter(block_size=3, num_layers=1, num_anchors=8, length_head=True),
                          Objective(LengthMSE(), normalize="anchors"), target="tiny-random", lr=1e-2,
                          init_from=str(folder))
     head_before = {k: v.clone() for k, v in module.drafter.state_dict().items() if k.startswith("length.")}

@@ -48,11 +48,11 @@ def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from decode_speed import mt_bench_prompts
 
-    from lightning_spec.drafters import BlockDrafter, DSparkDrafter, Eagle3Drafter
+    from lightning_spec.drafters import DFlashDrafter, DSparkDrafter, Eagle3Drafter
 
     prompts = mt_bench_prompts(tiny_target, 2, seed=0)  # the prompts serve_check.py decodes
     for name, make in (("eagle3", lambda k: Eagle3Drafter(block_size=k, num_anchors=64)),
-                       ("dflash", lambda k: BlockDrafter(block_size=k, num_anchors=64, qk_norm=True, mask_token_id=1)),
+                       ("dflash", lambda k: DFlashDrafter(block_size=k, num_anchors=64, qk_norm=True, mask_token_id=1)),
                        ("dspark", lambda k: DSparkDrafter(block_size=k, num_anchors=64, markov_rank=16, qk_norm=True,
                                                           mask_token_id=1))):
         FAMILIES[f"serve_{name}"] = make

@@ -13,6 +13,7 @@ from jsonargparse import ArgumentParser
 
 from lightning_spec import generate, load_drafter, load_target
 from lightning_spec.checkpoint import build, describe
+from lightning_spec.drafters import FAMILIES, RENAMED, D2SDDrafter, DFlashDrafter, Drafter
 from lightning_spec.objectives import Objective
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,3 +89,52 @@ def test_generate_refuses_a_drafter_of_other_weights(saved_drafter, make_random_
     other = make_random_llama(vocab_size=320, hidden_size=64)
     with pytest.raises(ValueError, match="different target"):
         generate(other, [5, 6, 7], 4, drafter=drafter)
+
+
+# ------------------------------------------------------------------------------- files saved under old names
+# the drafter_class paths that files written before the one-file-per-family layout record -> the family now
+OLD_PATHS = {
+    "lightning_spec.drafters.block.BlockDrafter": "dflash", "lightning_spec.drafters.d2sd.VPDrafter": "d2sd",
+    "lightning_spec.drafters.domino.DFlyDrafter": "dfly", "lightning_spec.drafters.heads.MedusaDrafter": "medusa",
+    "lightning_spec.drafters.heads.MTPDrafter": "mtp",
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+def test_a_file_saved_under_an_old_class_path_loads_as_the_family_now(old, tiny_target, tmp_path):
+    """Issue 25 moved the families into a file each: checkpoints and exported folders written before record the old
+    module path (``drafters/block.py``'s BlockDrafter, ``heads.py``'s Medusa and MTP, ``domino.py``'s DFly, the
+    D²SD drafter's old name). They still load, as the same family, with the same weights."""
+    from lightning_spec.checkpoint import save_drafter
+
+    cls = FAMILIES[OLD_PATHS[old]]
+    torch.manual_seed(0)
+    drafter = cls(block_size=3)
+    drafter.bind(tiny_target)
+    folder = save_drafter(drafter, tmp_path / "old", "tiny-random")
+    meta = json.loads((folder / "drafter.json").read_text())
+    (folder / "drafter.json").write_text(json.dumps({**meta, "drafter_class": old}))
+    loaded = load_drafter(folder, target=tiny_target)
+    assert type(loaded) is cls
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_old_names_are_kept_only_where_saved_files_name_them():
+    """Each alias maps a path no module defines any more to a registered family, and a config naming the package's
+    old class names (Lightning's saved config.yaml of a run) still builds that family."""
+    import importlib
+
+    paths = {f"{c.__module__}.{c.__qualname__}" for c in FAMILIES.values()}
+    for old, new in RENAMED.items():
+        module, _, name = old.rpartition(".")
+        try:
+            gone = not hasattr(importlib.import_module(module), name)
+        except ImportError:
+            gone = True
+        assert gone and new in paths, (old, new)
+    parser = ArgumentParser()
+    parser.add_argument("--drafter", type=Drafter)
+    for old, cls in (("BlockDrafter", DFlashDrafter), ("VPDrafter", D2SDDrafter)):
+        cfg = parser.parse_object({"drafter": {"class_path": f"lightning_spec.drafters.{old}",
+                                               "init_args": {"block_size": 3}}})
+        assert type(parser.instantiate(cfg).drafter) is cls

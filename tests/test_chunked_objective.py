@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_spec import load_target
-from lightning_spec.drafters import BlockDrafter
+from lightning_spec.drafters import DFlashDrafter
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import (
     EDR,
@@ -55,7 +55,7 @@ def target64():
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_chunked_objective_equals_the_whole(target64, name, chunk):
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_size=3, num_layers=1, num_anchors=7, draft_vocab_size=100)
+    drafter = DFlashDrafter(block_size=3, num_layers=1, num_anchors=7, draft_vocab_size=100)
     module = DraftModule(drafter, OBJECTIVES[name](), target=target64, feature_cache="off").double()
     module.drafter.vocab.set_from_counts(torch.arange(target64.vocab_size).float())
     batch = module.seeded(batch_of(target64), salt=0)
@@ -78,4 +78,4 @@ def test_chunked_objective_equals_the_whole(target64, name, chunk):
 
 def test_a_bad_chunk_is_one_sentence(tiny_target):
     with pytest.raises(ValueError, match="model.loss_chunk"):
-        DraftModule(BlockDrafter(block_size=2), Objective(), target=tiny_target, loss_chunk=0)
+        DraftModule(DFlashDrafter(block_size=2), Objective(), target=tiny_target, loss_chunk=0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_spec import SamplingConfig, generate, load_target
-from lightning_spec.drafters import BlockDrafter
+from lightning_spec.drafters import DFlashDrafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -20,7 +20,7 @@ def cuda_target():
 
 def test_greedy_speculative_equals_plain_on_cuda(cuda_target):
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_size=4, num_layers=1)
+    drafter = DFlashDrafter(block_size=4, num_layers=1)
     drafter.bind(cuda_target)
     prompt = torch.randint(0, 256, (1, 12))
     plain = generate(cuda_target, prompt, 24)
@@ -29,7 +29,7 @@ def test_greedy_speculative_equals_plain_on_cuda(cuda_target):
 
 
 def test_seeded_sampling_runs_and_repeats_on_cuda(cuda_target):
-    drafter = BlockDrafter(block_size=4, num_layers=1)
+    drafter = DFlashDrafter(block_size=4, num_layers=1)
     drafter.bind(cuda_target)
     prompt = torch.randint(0, 256, (1, 12))
     sampling = SamplingConfig(temperature=1.0, top_k=20)

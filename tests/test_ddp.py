@@ -13,6 +13,8 @@ import pytest
 import torch
 from fit_probe import callback, fits_together, metric_history
 
+from lightning_spec.drafters import FAMILIES as REGISTRY
+
 STEPS = 5
 
 
@@ -112,18 +114,11 @@ def test_spec_validation_splits_prompts_and_agrees_across_ranks(runs):
 
 # ------------------------------------------------------------------------------------- every drafter family
 # family -> its `model.drafter` block on the tiny target (tests/test_families.py holds the decoding guarantees)
-FAMILY_DRAFTERS = {
-    "dflash": {"class_path": "lightning_spec.drafters.BlockDrafter", "init_args": {"block_size": 3}},
-    "dfly": {"class_path": "lightning_spec.drafters.DFlyDrafter", "init_args": {"block_size": 3}},
-    "domino": {"class_path": "lightning_spec.drafters.DominoDrafter", "init_args": {"block_size": 3}},
-    "dspark": {"class_path": "lightning_spec.drafters.DSparkDrafter", "init_args": {"block_size": 3}},
-    "eagle3": {"class_path": "lightning_spec.drafters.Eagle3Drafter", "init_args": {"block_size": 3}},
-    "medusa": {"class_path": "lightning_spec.drafters.MedusaDrafter", "init_args": {"block_size": 3}},
-    "mtp": {"class_path": "lightning_spec.drafters.MTPDrafter", "init_args": {"block_size": 3}},
-    "d2sd": {"class_path": "lightning_spec.drafters.VPDrafter", "init_args": {"block_size": 3}},
-    "specblock": {"class_path": "lightning_spec.drafters.SpecBlockDrafter",
-                  "init_args": {"block_size": 4, "blocks": 2}},  # two blocks: the per-example M draws under DDP
+FAMILY_DRAFTERS = {  # every registered family at K = 3
+    family: {"class_path": f"lightning_spec.drafters.{cls.__name__}", "init_args": {"block_size": 3}}
+    for family, cls in REGISTRY.items()
 }
+FAMILY_DRAFTERS["specblock"]["init_args"] = {"block_size": 4, "blocks": 2}  # two blocks: per-example M under DDP
 
 
 def _part(name: str, **init_args) -> dict:

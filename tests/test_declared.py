@@ -53,14 +53,10 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("lightning_spec/data/sources.py", "vars(source)", "jsonargparse Namespace"),
     ("lightning_spec/tracking.py", 'hasattr(entry, "get")', "a parsed YAML entry (dict or Namespace)"),
     ("lightning_spec/cli.py", "vars(parser.instantiate_classes(cfg))", "jsonargparse Namespace"),
-    ("lightning_spec/evaluation/cli.py", 'getattr(out, "isatty"', "an output stream"),
     ("lightning_spec/evaluation/report.py", 'getattr(out, "isatty"', "an output stream"),
     ("lightning_spec/evaluation/adaptation.py", 'hasattr(input_ids, "keys")', "a tokenizer's BatchEncoding"),
     ("lightning_spec/export/common.py", "getattr(cfg, ", "HF config"),
     ("lightning_spec/export/speculators.py", 'getattr(target.config, "architectures"', "HF config"),
-    ("lightning_spec/drafters/block.py", "getattr(cfg, ", "HF config"),
-    ("lightning_spec/drafters/block.py", 'getattr(target.base, "norm"', "HF decoder"),
-    ("lightning_spec/drafters/block.py", 'getattr(final_norm, "weight"', "HF decoder's norm"),
     ("lightning_spec/drafters/layers.py", "getattr(cfg, ", "HF config"),
     ("lightning_spec/drafters/layers.py", 'getattr(target.base, "norm"', "HF decoder"),
     ("lightning_spec/drafters/layers.py", 'getattr(final_norm, "weight"', "HF decoder's norm"),
@@ -80,16 +76,6 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("lightning_spec/decoding/trees.py", "getattr(self, name)", "self: the config's fields, by name"),
 ]
 
-# Probes of project objects in files that another change is restructuring (drafters/, evaluation/adaptation.py):
-# allowed until it lands, and to be emptied by it.
-PENDING_DRAFTER_RESTRUCTURE: list[tuple[str, str, str]] = [
-    ("lightning_spec/drafters/base.py", 'hasattr(v, "chunk")', "DraftOutput.chunk probes its aux values"),
-    ("lightning_spec/evaluation/adaptation.py", 'getattr(m, "q_proj", None)', "adaptable layers found by name"),
-]
-
-# files another change is restructuring right now: their ALLOWED entries may name lines that moved
-IN_FLUX = ("lightning_spec/drafters/", "lightning_spec/export/", "lightning_spec/checkpoint.py",
-           "lightning_spec/evaluation/")
 
 
 def _chain(node: ast.expr) -> list[str]:
@@ -143,7 +129,7 @@ def occurrences() -> list[tuple[str, int, str, str]]:
 
 
 def allowed_by(rel: str, line: str) -> tuple[str, str, str] | None:
-    return next((e for e in ALLOWED + PENDING_DRAFTER_RESTRUCTURE if e[0] == rel and e[1] in line), None)
+    return next((e for e in ALLOWED if e[0] == rel and e[1] in line), None)
 
 
 def test_no_module_probes_or_sets_attributes_of_another_project_object():
@@ -157,11 +143,11 @@ def test_no_module_probes_or_sets_attributes_of_another_project_object():
 
 
 def test_every_allowed_entry_still_matches_a_line():
-    """An entry whose line went away is removed with it (files under restructuring excepted, for now)."""
+    """An entry whose line went away is removed with it."""
     used = {allowed_by(rel, line) for rel, _, line, _ in occurrences()}
-    stale = [e for e in ALLOWED if e not in used and not e[0].startswith(IN_FLUX)]
+    stale = [e for e in ALLOWED if e not in used]
     assert not stale, f"ALLOWED entries that match no line any more (remove them): {stale}"
-    assert all(reason for _, _, reason in ALLOWED + PENDING_DRAFTER_RESTRUCTURE)
+    assert all(reason for _, _, reason in ALLOWED)
 
 
 @pytest.mark.parametrize(
@@ -180,3 +166,21 @@ def test_every_allowed_entry_still_matches_a_line():
 def test_the_scan_finds_what_it_should(source, what):
     got = [w for _, w in findings(source)]
     assert got == ([what] if what else [])
+
+
+def test_no_drafter_family_file_imports_another_family():
+    """A family's file imports the contract (``base.py``), what families share (``layers.py``, ``block.py``) and its
+    own helpers (``<family>_*.py``), never another family's file: a change to one family cannot move another."""
+    from lightning_spec.drafters import FAMILIES
+
+    drafters = PACKAGE / "drafters"
+    files = {cls.__module__.rsplit(".", 1)[1]: family for family, cls in FAMILIES.items()}
+    assert set(files) == set(FAMILIES), "each family lives in a file named after it"
+    for name in files:
+        imported = set()
+        for node in ast.walk(ast.parse((drafters / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_spec.drafters."):
+                imported.add(node.module.rsplit(".", 1)[1])
+        others = {m for m in imported if m in files and m != name}
+        assert not others, f"drafters/{name}.py imports the family file(s) {sorted(others)}"
+        assert imported <= {"base", "layers", "block"} | {m for m in imported if m.startswith(name + "_")}, imported

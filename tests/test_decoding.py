@@ -137,7 +137,7 @@ def test_greedy_speculative_equals_the_reference_partly_right_drafter(
 
 
 def train_on_greedy_continuations(target, prompts, block_size: int, make_block_drafter, steps: int = 35):
-    """A real ``BlockDrafter`` trained (CE, AdamW) on the target's own greedy continuations of ``prompts``: it
+    """A real ``DFlashDrafter`` trained (CE, AdamW) on the target's own greedy continuations of ``prompts``: it
     learns them well enough to be accepted in a good share of rounds, not so well that it never misses.
     Every supervised position is an anchor (``num_anchors`` exceeds the length), so training is deterministic."""
     drafter = make_block_drafter(target, block_size=block_size, num_anchors=64).train()
@@ -161,7 +161,7 @@ def train_on_greedy_continuations(target, prompts, block_size: int, make_block_d
 
 @pytest.mark.parametrize("block_size", [1, 3, 8])
 def test_greedy_speculative_equals_the_reference_trained_block_drafter(diverse_target, block_size, make_block_drafter):
-    """The real ``BlockDrafter``, trained until it is accepted, reproduces the no-cache reference.
+    """The real ``DFlashDrafter``, trained until it is accepted, reproduces the no-cache reference.
 
     Catches the target cache cropped one token short (``past + accepted``, checked on a mutated copy of the
     package), as any slip in what the target's cache keeps after an acceptance would be. (A drafter-side slip

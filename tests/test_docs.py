@@ -175,7 +175,7 @@ def workspace(tmp_path_factory, tiny_target):
     from fit_probe import fit_checkpoint
 
     from lightning_spec.cli import main
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
 
     folder = tmp_path_factory.mktemp("docs")
     for name in ("experiments", "sweeps", "benchmarks"):
@@ -187,7 +187,7 @@ def workspace(tmp_path_factory, tiny_target):
         main(["fit", "-c", "experiments/quickstart.yaml", "-c", str(TINY_OVERLAY)])  # the README's finished quickstart
         for name, seed in EVAL_CHECKPOINTS.items():
             torch.manual_seed(seed)
-            drafter = BlockDrafter(block_size=3)
+            drafter = DFlashDrafter(block_size=3)
             drafter.bind(tiny_target)
             fit_checkpoint(drafter, folder / "runs" / name / "last.ckpt", TINY)
         with open(folder / "my_chats.jsonl", "w") as f:  # the schema README.md states

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import Logger
 from lightning_spec.callbacks import DomainReweighting, EvaluationCallback, SpecDecodeValidation
 from lightning_spec.callbacks.domain_weighting import _apply_floor
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters import BlockDrafter
+from lightning_spec.drafters import DFlashDrafter
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, ExpDecay, Objective
 
@@ -242,7 +242,7 @@ def data_args(tmp_path):
 
 def module(target) -> DraftModule:
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_size=2, num_layers=1, num_anchors=4)
+    drafter = DFlashDrafter(block_size=2, num_layers=1, num_anchors=4)
     return DraftModule(drafter, Objective(KL(), ExpDecay(4.0)), target=target, lr=1e-3)
 
 

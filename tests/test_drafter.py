@@ -1,11 +1,11 @@
-"""BlockDrafter internals: the per-block attention against one dense masked attention, and its options."""
+"""DFlashDrafter internals: the per-block attention against one dense masked attention, and its options."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_spec.drafters import BlockDrafter
-from lightning_spec.drafters.block import block_attention
+from lightning_spec.drafters import DFlashDrafter
+from lightning_spec.drafters.layers import block_attention
 
 
 def dense_reference(q, ctx_k, ctx_v, k_blk, v_blk, ctx_mask, block_len):
@@ -43,18 +43,18 @@ def test_block_attention_equals_one_dense_masked_attention(blocks, block_len):
 
 
 def test_init_from_target_copies_the_last_target_layers(tiny_target):
-    drafter = BlockDrafter(block_size=3, num_layers=2, init_from_target=True)
+    drafter = DFlashDrafter(block_size=3, num_layers=2, init_from_target=True)
     drafter.bind(tiny_target)
     for layer, src in zip(drafter.layers, tiny_target.base.layers[-2:]):
         assert torch.equal(layer.q_proj.weight, src.self_attn.q_proj.weight)
         assert torch.equal(layer.down_proj.weight, src.mlp.down_proj.weight)
         assert torch.equal(layer.post_norm.weight, src.post_attention_layernorm.weight)
-    plain = BlockDrafter(block_size=3, num_layers=1)
+    plain = DFlashDrafter(block_size=3, num_layers=1)
     plain.bind(tiny_target)
     assert not torch.equal(plain.layers[0].q_proj.weight, tiny_target.base.layers[-1].self_attn.q_proj.weight)
 
 
 def test_init_from_target_with_another_mlp_width_names_the_field(tiny_target):
-    drafter = BlockDrafter(block_size=3, intermediate_size=24, init_from_target=True)
+    drafter = DFlashDrafter(block_size=3, intermediate_size=24, init_from_target=True)
     with pytest.raises(ValueError, match=r"drafter.init_from_target.*intermediate_size"):
         drafter.bind(tiny_target)

@@ -24,7 +24,7 @@ from test_trees import assert_greedy_tree_is_the_argmax_loop, tree_empirical
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import save_drafter
-from lightning_spec.drafters import Anchors, BlockDrafter, DraftOutput, VPDrafter
+from lightning_spec.drafters import Anchors, D2SDDrafter, DFlashDrafter, DraftOutput
 from lightning_spec.drafters.base import seeded_rand
 from lightning_spec.drafters.d2sd import boundary_posterior, shared_prefix_tree
 from lightning_spec.objectives import CE, ExpDecay, Objective, VPDecay
@@ -35,7 +35,7 @@ K = 3
 
 @pytest.fixture(scope="module")
 def family():
-    """VPDrafter's entry in the family harness (tests/test_families.py, which also holds it to every guarantee)."""
+    """D2SDDrafter's entry in the family harness (tests/test_families.py, which also holds it to every guarantee)."""
     assert "d2sd" in FAMILIES
     return "d2sd"
 
@@ -50,9 +50,9 @@ def accepted_drafter(family, diverse_target, prompts):
     return trained(family, diverse_target, prompts, k=K)
 
 
-def vp(target, k: int = 4, seed: int = 0, **kwargs) -> VPDrafter:
+def vp(target, k: int = 4, seed: int = 0, **kwargs) -> D2SDDrafter:
     torch.manual_seed(seed)
-    drafter = VPDrafter(block_size=k, num_layers=1, **kwargs)
+    drafter = D2SDDrafter(block_size=k, num_layers=1, **kwargs)
     drafter.bind(target)
     return drafter.eval()
 
@@ -107,7 +107,7 @@ def test_uniform_beta_and_a_steeper_beta_move_the_lengths(diverse_target):
 
 def test_no_prefix_is_the_dflash_forward(diverse_target):
     drafter = vp(diverse_target, context_shortcut=True)
-    dflash = BlockDrafter(block_size=4, num_layers=1, context_shortcut=True)
+    dflash = DFlashDrafter(block_size=4, num_layers=1, context_shortcut=True)
     dflash.bind(diverse_target)
     dflash.load_state_dict(drafter.state_dict())
     batch = a_batch(diverse_target)
@@ -124,7 +124,7 @@ def test_no_prefix_is_the_dflash_forward(diverse_target):
 @pytest.mark.parametrize("length", [1, 2, 3])
 def test_a_known_prefix_equals_a_hand_built_block(diverse_target, length):
     """With l known tokens, the VP block at an anchor is the DFlash block whose first l mask vectors are the gold
-    tokens' embeddings: run a BlockDrafter with those mask vectors swapped in (the context shortcut on)."""
+    tokens' embeddings: run a DFlashDrafter with those mask vectors swapped in (the context shortcut on)."""
     drafter = vp(diverse_target, context_shortcut=True)
     batch = a_batch(diverse_target)
     ids = batch["input_ids"]
@@ -132,7 +132,7 @@ def test_a_known_prefix_equals_a_hand_built_block(diverse_target, length):
     n = 6
     anchors = Anchors.all(torch.tensor([[n], [n]]))
     out = drafter(batch, features, anchors, prefix=torch.tensor([[length], [0]]))
-    dflash = BlockDrafter(block_size=4, num_layers=1, context_shortcut=True)
+    dflash = DFlashDrafter(block_size=4, num_layers=1, context_shortcut=True)
     dflash.bind(diverse_target)
     state = drafter.state_dict()
     state["mask_embedding"] = state["mask_embedding"].clone()
@@ -160,9 +160,9 @@ def test_training_draws_the_prefix_per_example(diverse_target):
 
 def test_settings_are_checked_in_one_sentence():
     with pytest.raises(ValueError, match="drafter.prefix_beta must be in"):
-        VPDrafter(prefix_beta=0.0)
+        D2SDDrafter(prefix_beta=0.0)
     with pytest.raises(ValueError, match="drafter.branches must be an int >= 0"):
-        VPDrafter(branches=-1)
+        D2SDDrafter(branches=-1)
     with pytest.raises(ValueError, match="position_weight.tau must be > 0"):
         VPDecay(tau=0.0)
 
@@ -175,7 +175,7 @@ def test_vp_decay_and_the_vp_loss_by_hand():
     logits = torch.randn(1, 2, 4, 5, generator=g)
     labels = torch.tensor([[[1, 2, 3, 4], [0, 1, 2, 3]]])
     prefix = torch.tensor([[0, 2]])
-    valid = torch.arange(1, 5) > prefix[..., None]  # (1, 2, 4) as VPDrafter gives it
+    valid = torch.arange(1, 5) > prefix[..., None]  # (1, 2, 4) as D2SDDrafter gives it
     draft = DraftOutput(logits, labels, valid, torch.zeros(1, 2, dtype=torch.long), aux={"prefix_length": prefix})
     tau = 2.0
     weights = VPDecay(tau)(draft)
@@ -374,7 +374,7 @@ def test_save_and_load_round_trip(accepted_drafter, diverse_target, prompts, tmp
     try:
         folder = save_drafter(accepted_drafter, tmp_path / "drafter", "random")
         loaded = load_drafter(folder, target=diverse_target)
-        assert type(loaded) is VPDrafter
+        assert type(loaded) is D2SDDrafter
         assert loaded.config_dict() == accepted_drafter.config_dict()
         assert loaded.config_dict()["branches"] == 2 and loaded.config_dict()["prefix_beta"] == 0.8
         assert loaded.distinct_branches is True

@@ -1,5 +1,5 @@
-"""The two-branch DFlash family (``drafters/domino.py``): DFly's fusion context and hidden-state correction, Domino's
-GRU correction, the left-to-right chain both draft with, and Domino's λ-scheduled loss (``TwoBranchCE``).
+"""The two-branch DFlash family (``drafters/dfly.py``, ``drafters/domino.py``): DFly's fusion context and
+hidden-state correction, Domino's GRU correction, the left-to-right chain both draft with, and Domino's λ-scheduled loss (``TwoBranchCE``).
 
 The decoding guarantees (greedy ≡ plain, χ² at T = 1, offline ≡ engine, save/load) hold through
 tests/test_families.py; here the pieces are checked by hand, and the invariant those rest on is checked directly
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from test_chunked_objective import batch_of
 
 from lightning_spec import SamplingConfig, load_target
-from lightning_spec.drafters import Anchors, BlockDrafter, DFlyDrafter, DominoDrafter, DraftOutput
-from lightning_spec.drafters.domino import previous_tokens
+from lightning_spec.drafters import Anchors, DFlashDrafter, DFlyDrafter, DominoDrafter, DraftOutput
+from lightning_spec.drafters.block import previous_tokens
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import CE, AUFSupport, ExpDecay, Objective, TwoBranchCE
 
@@ -174,9 +174,9 @@ def test_domino_final_logits_by_hand(diverse_target, prefix):
 
 
 def test_an_untrained_domino_is_its_dflash_backbone(diverse_target):
-    """W_2 = 0 at init: the same backbone weights give BlockDrafter's logits and proposals exactly."""
+    """W_2 = 0 at init: the same backbone weights give DFlashDrafter's logits and proposals exactly."""
     domino = bound(DominoDrafter, diverse_target, gru_size=8, context_shortcut=True)
-    block = bound(BlockDrafter, diverse_target, seed=1, context_shortcut=True)
+    block = bound(DFlashDrafter, diverse_target, seed=1, context_shortcut=True)
     missing, unexpected = block.load_state_dict(domino.state_dict(), strict=False)
     assert not missing and unexpected and all(k.startswith(("gru.", "embed_proj.")) for k in unexpected)
     batch, features, anchors = domino_batch(diverse_target)
@@ -241,7 +241,7 @@ def test_two_branch_ce_by_hand_and_its_gradient():
 
 
 def test_two_branch_ce_needs_the_second_branch(diverse_target):
-    drafter = bound(BlockDrafter, diverse_target, target_layers=[1])
+    drafter = bound(DFlashDrafter, diverse_target, target_layers=[1])
     batch, features, anchors = domino_batch(diverse_target)
     with pytest.raises(ValueError, match="DominoDrafter"):
         Objective(TwoBranchCE(), ExpDecay(2.0))(drafter(batch, features, anchors))

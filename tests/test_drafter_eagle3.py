@@ -9,8 +9,7 @@ import torch.nn.functional as F
 
 from lightning_spec import SamplingConfig
 from lightning_spec.drafters import Anchors, Eagle3Drafter
-from lightning_spec.drafters.block import rope
-from lightning_spec.drafters.eagle3 import chain_attention, default_target_layers
+from lightning_spec.drafters.layers import chain_attention, low_mid_high_layers, rope
 
 K = 4
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
@@ -67,9 +66,9 @@ def by_hand(d, ids, feats, n, inputs):
 
 
 def test_default_layers_are_low_mid_high():
-    assert default_target_layers(30) == [1, 14, 26]  # SmolLM2-135M
-    assert default_target_layers(36) == [1, 17, 32]  # Qwen3-8B (SpecForge's aux layers)
-    assert default_target_layers(2) == [0, 1]  # a 2-layer test target: clipped and deduplicated
+    assert low_mid_high_layers(30) == [1, 14, 26]  # SmolLM2-135M
+    assert low_mid_high_layers(36) == [1, 17, 32]  # Qwen3-8B (SpecForge's aux layers)
+    assert low_mid_high_layers(2) == [0, 1]  # a 2-layer test target: clipped and deduplicated
 
 
 def test_shapes_and_fusion(drafter, diverse_target, sequence):

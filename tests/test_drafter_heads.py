@@ -1,4 +1,4 @@
-"""Medusa heads and DeepSeek-V3 MTP modules (lightning_spec/drafters/heads.py): the pieces by hand, the anchor
+"""Medusa heads and DeepSeek-V3 MTP modules (lightning_spec/drafters/medusa.py, mtp.py): the pieces by hand, the anchor
 convention (both read h_{n-1}; Medusa never reads the anchor), teacher forcing == chain drafting, module reuse,
 the attention scope, the papers' losses as objective parts, and gradients.
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from lightning_spec import SamplingConfig
 from lightning_spec.drafters import Anchors, MedusaDrafter, MTPDrafter
-from lightning_spec.drafters.block import rope
+from lightning_spec.drafters.layers import rope
 from lightning_spec.objectives import CE, Geometric, Objective, Uniform
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
@@ -122,7 +122,7 @@ def test_medusa_extend_keeps_the_state_before_the_next_anchor(diverse_target):
 
 def test_medusa_zero_initialised_blocks_still_learn():
     """ResBlock gradients by finite differences (float64), and W_1 = 0 does not block them (SiLU'(0) = 1/2)."""
-    from lightning_spec.drafters.heads import ResBlock
+    from lightning_spec.drafters.medusa import ResBlock
 
     torch.manual_seed(0)
     block = ResBlock(6).double()

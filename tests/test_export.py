@@ -26,7 +26,8 @@ from test_module import data_files, quiet_trainer  # noqa: F401 (fixture)
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
 from lightning_spec.cli import main
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters import Anchors, BlockDrafter, DSparkDrafter, Eagle3Drafter, MedusaDrafter, MTPDrafter
+from lightning_spec.drafters import Anchors, DFlashDrafter, DSparkDrafter, Eagle3Drafter, MedusaDrafter, MTPDrafter
+from lightning_spec.drafters.block import ParallelBlockDrafter
 from lightning_spec.export import export_drafter
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, Objective
@@ -35,7 +36,7 @@ EXPORTABLE = {  # name -> (drafter, the formats that hold it)
     "eagle3": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48), ("speculators", "sglang")),
     "eagle3_own_head": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48, own_head=True),
                         ("speculators", "sglang")),
-    "dflash": (lambda k: BlockDrafter(block_size=k, num_layers=2, num_anchors=64, draft_vocab_size=48, qk_norm=True,
+    "dflash": (lambda k: DFlashDrafter(block_size=k, num_layers=2, num_anchors=64, draft_vocab_size=48, qk_norm=True,
                                       mask_token_id=5), ("speculators", "sglang")),
     "dspark": (lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, draft_vocab_size=48, qk_norm=True,
                                        mask_token_id=5, markov_rank=16), ("speculators",)),
@@ -195,7 +196,7 @@ def test_what_a_format_cannot_express_is_refused_in_one_sentence(diverse_target,
     medusa.bind(diverse_target)
     with pytest.raises(ValueError, match=r"A MedusaDrafter cannot be written in the speculators format \(this "
                                          r"package has no codec for it in any format yet; the exportable families "
-                                         r"are BlockDrafter, DSparkDrafter, Eagle3Drafter, MTPDrafter\)\."):
+                                         r"are DFlashDrafter, DSparkDrafter, Eagle3Drafter, MTPDrafter\)\."):
         export_drafter(medusa, tmp_path / "x")
     dspark = DSparkDrafter(block_size=3, num_layers=1, markov_rank=8, qk_norm=True, mask_token_id=1)
     dspark.bind(diverse_target)
@@ -217,7 +218,7 @@ def test_what_a_format_cannot_express_is_refused_in_one_sentence(diverse_target,
     for options, field in (({"context_shortcut": True, "qk_norm": True, "mask_token_id": 1}, "context_shortcut"),
                            ({"qk_norm": True}, "mask_token_id"), ({"mask_token_id": 1}, "qk_norm"),
                            ({"qk_norm": True, "mask_token_id": 1, "length_head": True}, "length_head")):
-        block = BlockDrafter(block_size=3, num_layers=1, **options)
+        block = DFlashDrafter(block_size=3, num_layers=1, **options)
         block.bind(diverse_target)
         with pytest.raises(ValueError, match=rf"cannot be written as DFlash: train it with .*drafter\.{field}"):
             export_drafter(block, tmp_path / field, "sglang")
@@ -333,7 +334,7 @@ def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
         if not drafter.vocab.full:
             drafter.vocab.set_from_counts(torch.rand(tiny_target.vocab_size))
             drafter.on_vocab_chosen()
-        if isinstance(drafter, BlockDrafter):  # a learned mask vector, not its starting point (the token's embedding)
+        if isinstance(drafter, ParallelBlockDrafter):  # a learned mask, not its start (the token's row)
             with torch.no_grad():
                 drafter.mask_embedding.add_(0.1)
         folders[name] = str(export_drafter(drafter, tmp_path / name, "speculators"))
@@ -373,13 +374,13 @@ def test_reading_a_serving_folder_runs_no_code_from_it(exportable, diverse_targe
 
 
 def test_export_command_writes_a_folder_from_a_fit_checkpoint(diverse_target, tmp_path, capsys):
-    drafter = BlockDrafter(block_size=3, num_layers=1, qk_norm=True, mask_token_id=1)
+    drafter = DFlashDrafter(block_size=3, num_layers=1, qk_norm=True, mask_token_id=1)
     drafter.bind(diverse_target)
     fit_checkpoint(drafter, tmp_path / "a.ckpt", "random")
     # load_drafter binds the live target of the recorded weights (diverse_target), so "random" never loads
     main(["export", "--ckpt", str(tmp_path / "a.ckpt"), "--out", str(tmp_path / "out"), "--target_path", "/models/t"])
     out = capsys.readouterr().out
-    assert "wrote BlockDrafter (K=3) as speculators" in out and '"method": "dflash"' in out
+    assert "wrote DFlashDrafter (K=3) as speculators" in out and '"method": "dflash"' in out
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == "/models/t"
     sidecar = json.loads((tmp_path / "out" / "lightning_spec.json").read_text())

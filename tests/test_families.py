@@ -9,8 +9,8 @@ For each family in ``FAMILIES`` (a constructor taking K):
   drafts);
 - a saved drafter loads back to the same weights and the same greedy output.
 
-A new family adds one line to ``FAMILIES``; the DDP equivalence is parametrised over the families in
-tests/test_ddp.py.
+A new family registered in ``lightning_spec.drafters.FAMILIES`` must add at least one configuration to ``FAMILIES``
+here (a test says so); the DDP equivalence is parametrised over the families in tests/test_ddp.py.
 """
 
 import pytest
@@ -22,7 +22,8 @@ from lightning_spec import SamplingConfig, generate, load_drafter, offline_round
 from lightning_spec.checkpoint import save_drafter
 from lightning_spec.decoding import verify
 from lightning_spec.drafters import (
-    BlockDrafter,
+    D2SDDrafter,
+    DFlashDrafter,
     DFlyDrafter,
     DominoDrafter,
     DSparkDrafter,
@@ -30,14 +31,13 @@ from lightning_spec.drafters import (
     MedusaDrafter,
     MTPDrafter,
     SpecBlockDrafter,
-    VPDrafter,
 )
 from lightning_spec.objectives import CE, Objective
 
 FAMILIES = {
-    "dflash": lambda k: BlockDrafter(block_size=k, num_layers=1, num_anchors=64),
+    "dflash": lambda k: DFlashDrafter(block_size=k, num_layers=1, num_anchors=64),
     # DFlash as served (qk norms, one shared mask token: what `lightning-spec export` writes for vLLM)
-    "dflash_served": lambda k: BlockDrafter(block_size=k, num_layers=1, num_anchors=64, qk_norm=True, mask_token_id=1),
+    "dflash_served": lambda k: DFlashDrafter(block_size=k, num_layers=1, num_anchors=64, qk_norm=True, mask_token_id=1),
     "dfly": lambda k: DFlyDrafter(block_size=k, num_layers=1, num_anchors=64, hidden_correction=True),
     "dspark": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16),
     "dspark_rnn": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov="rnn", markov_rank=16),
@@ -49,10 +49,22 @@ FAMILIES = {
     "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
     "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
     "mtp_served": lambda k: MTPDrafter(block_size=k, num_anchors=64, qk_norm=True, normed_chain=True),
-    "d2sd": lambda k: VPDrafter(block_size=k, num_layers=1, num_anchors=64),
+    "d2sd": lambda k: D2SDDrafter(block_size=k, num_layers=1, num_anchors=64),
     "specblock": lambda k: SpecBlockDrafter(block_size=2 * k, blocks=2, num_layers=2, num_anchors=64, rank_width=32),
 }
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
+
+
+def test_every_registered_family_is_tested_here():
+    """The registry decides which families exist: each has a configuration above, named after it (``dflash``,
+    ``dflash_served``, ...), whose drafter is exactly the registered class."""
+    from lightning_spec.drafters import FAMILIES as REGISTRY
+
+    for name, make in FAMILIES.items():
+        family = type(make(2)).family
+        assert name == family or name.startswith(family + "_"), name
+        assert type(make(2)) is REGISTRY[family], name
+    assert {type(make(2)).family for make in FAMILIES.values()} == set(REGISTRY)
 
 
 def build(family: str, target, k: int, seed: int = 0):

@@ -404,10 +404,10 @@ def test_rollouts_out_that_cannot_be_written_is_refused_before_any_decoding(tiny
 
 @pytest.fixture(scope="module")
 def drafter(tiny_target):
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
 
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_size=3, num_layers=1)
+    drafter = DFlashDrafter(block_size=3, num_layers=1)
     drafter.bind(tiny_target)
     return drafter.eval()
 
@@ -453,14 +453,14 @@ def test_offline_rounds_reads_a_tokenizer_output_as_a_prompt(tiny_target, drafte
 
 def test_val_check_interval_beyond_the_epoch_names_the_field_and_the_batch_count(tiny_target, tmp_path):
     """Was Lightning's ValueError from inside its fit loop (a traceback in the console)."""
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.module import DraftModule
 
     train = write_jsonl(tmp_path / "train.jsonl", chats(20))
     evals = write_jsonl(tmp_path / "eval.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     dm = SpecDataModule(target="tiny-random", train_sources=[train], eval_sources=[evals], train_limit=None,
                         max_length=48, batch_size=4, val_fraction=0.2)
-    module = DraftModule(BlockDrafter(block_size=2, num_layers=1, num_anchors=4), target="tiny-random",
+    module = DraftModule(DFlashDrafter(block_size=2, num_layers=1, num_anchors=4), target="tiny-random",
                          feature_cache="off")
     trainer = L.Trainer(accelerator="cpu", max_steps=2, val_check_interval=50, limit_val_batches=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -124,14 +124,14 @@ def test_training_from_the_store_equals_training_from_live_target_forwards(tiny_
     to the store's fp16 rounding."""
     from test_module import sequences
 
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.loaders import collate
     from lightning_spec.module import DraftModule
     from lightning_spec.objectives import KL, ExpDecay, Objective
 
     def step(use_store: bool):
         torch.manual_seed(0)
-        module = DraftModule(BlockDrafter(block_size=3, num_layers=1, num_anchors=6), Objective(KL(), ExpDecay(4.0)),
+        module = DraftModule(DFlashDrafter(block_size=3, num_layers=1, num_anchors=6), Objective(KL(), ExpDecay(4.0)),
                              target=tiny_target)
         module._features = FeatureStore(spec(examples=4)) if use_store else None
         batch = collate(sequences(4, seed=3), pad_id=0)

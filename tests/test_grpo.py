@@ -14,7 +14,7 @@ from test_objective_catalogue import instantiate_objective
 from lightning_spec.checkpoint import CKPT_KEY, build, describe
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.verify import rejection_accept
-from lightning_spec.drafters import BlockDrafter
+from lightning_spec.drafters import DFlashDrafter
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import GRPO
@@ -262,7 +262,7 @@ def test_grpo_stage_trains_from_a_first_stage_checkpoint(trained, data_files, tm
     _, path, _ = trained
     dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
                         train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
-    drafter = BlockDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100)
+    drafter = DFlashDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100)
     objective = GRPO(SamplingConfig(temperature=temperature), group_size=4, kl_weight=0.05)
     module = DraftModule(drafter, objective, target="tiny-random", lr=1e-3, init_from=str(path))
     assert len(module._reference) == 1  # the frozen start the KL pulls towards

@@ -50,7 +50,7 @@ def random_round(k: int, vocab: int, sampling: SamplingConfig, draft_vocab: list
 
     ``cond[t]`` (V,)*(t+1): p(v | s_1..s_t), the target's distribution after the anchor and t more tokens (the
     verify forward's row t depends on the drafts x_1..x_t only). ``q`` (K, V): the draft distributions, zero
-    outside ``draft_vocab`` (a reduced draft vocabulary, as ``BlockDrafter`` scatters it). Both are
+    outside ``draft_vocab`` (a reduced draft vocabulary, as ``DFlashDrafter`` scatters it). Both are
     renormalised in float64 so that the identities hold to float64 precision.
     """
     g = torch.Generator().manual_seed(seed)

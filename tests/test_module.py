@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from lightning_spec import SamplingConfig, generate, load_drafter
 from lightning_spec.checkpoint import CKPT_KEY, save_drafter
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters import BlockDrafter
+from lightning_spec.drafters import DFlashDrafter
 from lightning_spec.features.store import FeatureStore, StoreSpec
 from lightning_spec.loaders import collate
 from lightning_spec.module import DraftModule
@@ -63,7 +63,7 @@ def batches(examples: list[dict], batch_size: int) -> list[dict]:
 def make_module(target) -> SGDModule:
     torch.manual_seed(0)
     # num_anchors >= sequence length: every candidate anchor is used, so anchor sampling is a no-op
-    drafter = BlockDrafter(block_size=4, num_layers=1, num_anchors=64)
+    drafter = DFlashDrafter(block_size=4, num_layers=1, num_anchors=64)
     return SGDModule(drafter, Objective(KL(), ExpDecay(4.0)), target=target)
 
 
@@ -127,7 +127,7 @@ def test_batch8_equals_batch1_times_accumulate8(tiny_target):
 
 
 def test_cached_features_equal_fresh_ones(tiny_target, monkeypatch):
-    module = DraftModule(BlockDrafter(block_size=3, num_layers=1), Objective(KL()), target=tiny_target)
+    module = DraftModule(DFlashDrafter(block_size=3, num_layers=1), Objective(KL()), target=tiny_target)
     module._features = FeatureStore(StoreSpec("tiny-random", "f", [0], "d", "float32", 64, 4))
     examples = sequences(4, seed=1)
     batch = collate(examples[:3], pad_id=0)
@@ -226,7 +226,7 @@ def trained(tmp_path, data_files):
     torch.manual_seed(0)
     dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
                         train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
-    drafter = BlockDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100)
+    drafter = DFlashDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100)
     module = DraftModule(drafter, Objective(KL(), ExpDecay(4.0)), target="tiny-random", lr=1e-2)
     trainer = quiet_trainer(max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path,
                             callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
@@ -249,7 +249,7 @@ def test_checkpoint_holds_the_drafter_only_and_reloads_exactly(trained, tiny_tar
     assert bool(module.drafter.vocab.ready) and not torch.equal(module.drafter.vocab.ids, torch.arange(100))
 
     loaded = load_drafter(path)
-    assert type(loaded) is BlockDrafter and not loaded.training
+    assert type(loaded) is DFlashDrafter and not loaded.training
     want = module.drafter.state_dict()
     got = loaded.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
@@ -279,7 +279,7 @@ def test_checkpoint_holds_the_drafter_only_and_reloads_exactly(trained, tiny_tar
     again = load_drafter(folder, target=tiny_target)
     assert all(torch.equal(want[k], again.state_dict()[k]) for k in want)
     resumed = DraftModule.load_from_checkpoint(
-        path, drafter=BlockDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100),
+        path, drafter=DFlashDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100),
         objective=Objective(KL(), ExpDecay(4.0)),
     )
     assert all(torch.equal(want[k], resumed.drafter.state_dict()[k]) for k in want)
@@ -303,7 +303,7 @@ def test_loading_with_another_vocabulary_is_a_clear_error(trained, make_random_l
 def test_seeded_anchors_depend_on_the_example_only(tiny_target):
     from lightning_spec.module import anchor_seeds
 
-    drafter = BlockDrafter(block_size=3, num_layers=1, num_anchors=4)
+    drafter = DFlashDrafter(block_size=3, num_layers=1, num_anchors=4)
     examples = sequences(6)
     seeds = anchor_seeds(0, 5, torch.arange(6))
     assert len(set(seeds.tolist())) == 6 and torch.equal(seeds, anchor_seeds(0, 5, torch.arange(6)))
@@ -332,7 +332,7 @@ class NaNObjective(Objective):
 
 
 def test_a_non_finite_loss_stops_training_with_one_sentence(tiny_target):
-    module = DraftModule(BlockDrafter(block_size=3, num_layers=1, num_anchors=8), NaNObjective(KL()),
+    module = DraftModule(DFlashDrafter(block_size=3, num_layers=1, num_anchors=8), NaNObjective(KL()),
                          target=tiny_target, lr=0.5)
     loader = DataLoader(batches(sequences(4), 2), batch_size=None)
     message = r"^train/loss is not finite \(nan\) at step 0: training diverged; lower model\.lr \(the learning rate is "
@@ -351,7 +351,7 @@ def test_fsdp_shards_the_drafter_and_leaves_the_target_whole(tiny_target):
 
     for strategy, sharded in ((FSDPStrategy(sharding_strategy="FULL_SHARD"), True), (DDPStrategy(), False)):
         strategy.parallel_devices = [torch.device("cpu")]
-        module = DraftModule(BlockDrafter(block_size=3, num_layers=1), Objective(KL()), target=tiny_target)
+        module = DraftModule(DFlashDrafter(block_size=3, num_layers=1), Objective(KL()), target=tiny_target)
         module.trainer = SimpleNamespace(strategy=strategy)
         module.configure_model()
         # FSDP must not flatten the frozen target (bf16 on GPUs) with the fp32 drafter, nor shard the embedding

@@ -11,7 +11,7 @@ import torch
 import yaml
 from overlays import QUICKSTART, config_files, printed_config, printed_of
 
-from lightning_spec.drafters import BlockDrafter, DraftOutput
+from lightning_spec.drafters import DFlashDrafter, DraftOutput
 from lightning_spec.loaders import collate
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import (
@@ -473,7 +473,7 @@ def tiny_batch(seed: int = 0) -> dict:
 def test_objective_yaml_trains_on_the_tiny_target(path, tiny_target):
     objective = instantiate_objective(path)
     torch.manual_seed(0)
-    module = DraftModule(BlockDrafter(block_size=4, num_layers=1, num_anchors=8), objective, target=tiny_target)
+    module = DraftModule(DFlashDrafter(block_size=4, num_layers=1, num_anchors=8), objective, target=tiny_target)
     opt = torch.optim.SGD(module.drafter.parameters(), lr=1e-2)
     batch = tiny_batch()
     for _ in range(3):
@@ -497,7 +497,7 @@ def test_edr_metrics_reach_the_logger(tiny_target):
     from torch.utils.data import DataLoader
 
     torch.manual_seed(0)
-    module = DraftModule(BlockDrafter(block_size=4, num_layers=1, num_anchors=8), EDR(max_anchors=6),
+    module = DraftModule(DFlashDrafter(block_size=4, num_layers=1, num_anchors=8), EDR(max_anchors=6),
                          target=tiny_target)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -227,7 +227,7 @@ def test_parts_declare_their_needs_on_the_base_classes():
 def test_a_mixture_declares_what_its_components_need(tiny_target):
     """``needs_rollouts`` and ``needs_reference`` are declared on every objective; a ``Mixture`` has its components'
     needs, so a GRPO inside a mixture still gets the frozen starting drafter from the module."""
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.module import DraftModule
     from lightning_spec.objectives import GRPO, DraftOPD, Mixture
 
@@ -240,6 +240,6 @@ def test_a_mixture_declares_what_its_components_need(tiny_target):
     assert not Mixture([Objective(CE()), Objective(CE())], [0.5, 0.5]).needs_target
     nested = Mixture([Objective(CE()), Mixture([Objective(KL()), GRPO()], [1.0, 1.0])], [0.5, 0.5])
     assert nested.needs_reference and nested.needs_target and not nested.needs_rollouts
-    module = DraftModule(BlockDrafter(block_size=3, num_layers=1), Mixture([Objective(CE()), GRPO()], [0.5, 0.5]),
+    module = DraftModule(DFlashDrafter(block_size=3, num_layers=1), Mixture([Objective(CE()), GRPO()], [0.5, 0.5]),
                          target=tiny_target)
     assert len(module._reference) == 1

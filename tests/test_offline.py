@@ -16,7 +16,7 @@ from lightning_spec.data import prompt_ids
 from lightning_spec.data.rollout_writer import generate_rollouts
 from lightning_spec.data.rollouts import load_rollout_set, spread
 from lightning_spec.decoding.proposals import ChainProposal
-from lightning_spec.drafters import BlockDrafter, DraftOutput
+from lightning_spec.drafters import DFlashDrafter, DraftOutput
 from lightning_spec.evaluation.offline import offline_report
 
 GREEDY = SamplingConfig()
@@ -180,7 +180,7 @@ def test_mean_offline_rounds_match_real_sampled_decoding(sampled_case, monkeypat
 # ------------------------------------------------------------------------- greedy: exactly the engine
 
 
-class ScriptedDrafter(BlockDrafter):
+class ScriptedDrafter(DFlashDrafter):
     """Partly right, the same in decoding and in the training forward: the round anchored at n proposes the
     reference x_{n+1..n+K} (the rollout itself: prompt + greedy output) with slot j = 7n mod (K + 2) shifted
     by one token, so the engine accepts exactly j drafts (all K and the bonus when j ≥ K)."""
@@ -330,7 +330,7 @@ def test_offline_evaluation_callback_logs_during_fit(tmp_path, rollout_folder, m
     dm = SpecDataModule(target="tiny-random", train_sources=[str(train)], eval_sources=[str(evals)],
                         train_limit=None, max_length=48, batch_size=4, val_fraction=0.25)
     torch.manual_seed(0)
-    module = DraftModule(BlockDrafter(block_size=3, num_anchors=4), Objective(KL()), target="tiny-random")
+    module = DraftModule(DFlashDrafter(block_size=3, num_anchors=4), Objective(KL()), target="tiny-random")
     callback = OfflineEvaluation(str(rollout_folder), max_rollouts=3)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, val_check_interval=every,
                         limit_val_batches=1, logger=CSVLogger(tmp_path), enable_checkpointing=False,
@@ -372,7 +372,7 @@ def saved_drafters(target, tmp_path, seeds=(0, 1)):
     paths = []
     for seed in seeds:
         torch.manual_seed(seed)
-        drafter = BlockDrafter(block_size=3, num_layers=1)
+        drafter = DFlashDrafter(block_size=3, num_layers=1)
         drafter.bind(target)
         paths.append(str(save_drafter(drafter, tmp_path / f"drafter{seed}", target_spec="tiny-random")))
     return paths

@@ -13,7 +13,7 @@ from lightning_spec.callbacks import OnPolicyRollouts
 from lightning_spec.data.replay import prompt_of, replay_example
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.engine import Generation
-from lightning_spec.drafters import BlockDrafter
+from lightning_spec.drafters import DFlashDrafter
 from lightning_spec.drafters.base import DraftOutput, DraftVocab
 from lightning_spec.loaders import collate
 from lightning_spec.module import DraftModule
@@ -145,7 +145,7 @@ def on_policy_fit(files, tmp_path, steps=4, objective=None, callbacks=(), ckpt_p
     dm = SpecDataModule(target="tiny-random", train_sources=[files["train"]], eval_sources=[files["eval"]],
                         train_limit=None, max_length=64, batch_size=2, val_fraction=0.2)
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_size=3, num_layers=1, num_anchors=8, **(drafter_args or {}))
+    drafter = DFlashDrafter(block_size=3, num_layers=1, num_anchors=8, **(drafter_args or {}))
     module = DraftModule(drafter, objective or DraftOPD(), target="tiny-random", lr=1e-2)
     cb = OnPolicyRollouts(**{**dict(buffer_size=4, refresh_every=2, rollouts_per_refresh=2, max_new_tokens=12),
                              **rollouts})
@@ -183,7 +183,7 @@ def test_draft_opd_trains_on_the_live_drafters_rounds(data_files, tmp_path):  # 
 def test_draft_opd_refuses_a_fit_without_rollouts(data_files, tmp_path):  # noqa: F811
     dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
                         train_limit=None, max_length=64, batch_size=2, val_fraction=0.2)
-    module = DraftModule(BlockDrafter(block_size=3, num_layers=1), DraftOPD(), target="tiny-random")
+    module = DraftModule(DFlashDrafter(block_size=3, num_layers=1), DraftOPD(), target="tiny-random")
     with pytest.raises(ValueError, match="add lightning_spec.callbacks.OnPolicyRollouts"):
         quiet_trainer(max_steps=1).fit(module, datamodule=dm)
 

@@ -9,13 +9,13 @@ from test_module import data_files, quiet_trainer, trained  # noqa: F401 (fixtur
 
 from lightning_spec.checkpoint import CKPT_KEY, save_drafter
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters import BlockDrafter
+from lightning_spec.drafters import DFlashDrafter
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, ExpDecay, Objective
 
 
-def drafter_like(**overrides) -> BlockDrafter:
-    return BlockDrafter(**{**dict(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100), **overrides})
+def drafter_like(**overrides) -> DFlashDrafter:
+    return DFlashDrafter(**{**dict(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100), **overrides})
 
 
 def test_init_from_starts_from_the_weights_and_records_the_parent(trained, data_files, tmp_path):  # noqa: F811
@@ -36,7 +36,7 @@ def test_init_from_starts_from_the_weights_and_records_the_parent(trained, data_
     assert trainer.global_step == 2
     ckpt = torch.load(tmp_path / "stage2" / "last.ckpt", map_location="cpu", weights_only=True)
     parent = ckpt[CKPT_KEY]["parent"]
-    assert parent["path"] == str(path) and parent["drafter_class"].endswith("BlockDrafter")
+    assert parent["path"] == str(path) and parent["drafter_class"].endswith("DFlashDrafter")
     assert parent["parent"] is None  # the first stage started from scratch
     assert ckpt["hyper_parameters"]["init_from"] == str(path)
     moved = ckpt["state_dict"]
@@ -49,7 +49,7 @@ def test_init_from_starts_from_the_weights_and_records_the_parent(trained, data_
 
 def test_init_from_refuses_another_class_or_shape_in_one_sentence(trained):  # noqa: F811
     _, path, _ = trained
-    with pytest.raises(ValueError, match=r"model.init_from .* holds a .*BlockDrafter but model.drafter is a"):
+    with pytest.raises(ValueError, match=r"model.init_from .* holds a .*DFlashDrafter but model.drafter is a"):
         from lightning_spec.drafters import MedusaDrafter
 
         DraftModule(MedusaDrafter(block_size=3), Objective(KL()), target="tiny-random", init_from=str(path))

@@ -234,7 +234,7 @@ def test_datamodule_refuses_rollouts_of_another_target(sft_folder):
 def test_fit_on_rollouts_checks_the_target_weights(sft_folder, tmp_path):
     import lightning as L
 
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.module import DraftModule
 
     folder, eval_file = sft_folder
@@ -251,7 +251,7 @@ def test_fit_on_rollouts_checks_the_target_weights(sft_folder, tmp_path):
             val_fraction=0.2,
         )
         module = DraftModule(
-            BlockDrafter(block_size=3, num_layers=1, num_anchors=4), target="tiny-random", feature_cache="off"
+            DFlashDrafter(block_size=3, num_layers=1, num_anchors=4), target="tiny-random", feature_cache="off"
         )
         trainer = L.Trainer(
             accelerator="cpu",

@@ -36,12 +36,12 @@ def _rank(rank: int, port: int, out: str) -> None:
 
     from lightning_spec import load_target
     from lightning_spec.callbacks.base import refuse_sharded_target
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.objectives import CE, Objective
 
     target = load_target("tiny-random")
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_size=3, num_anchors=8)
+    drafter = DFlashDrafter(block_size=3, num_anchors=8)
     drafter.bind(target)
     ids = torch.randint(0, target.vocab_size, (2, 24), generator=torch.Generator().manual_seed(rank))  # (N, S)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
@@ -83,11 +83,11 @@ def test_sharded_target_gives_the_same_features_and_gradients(tmp_path):
 
 
 def test_shard_target_needs_features_computed_every_step(tiny_target):
-    from lightning_spec.drafters import BlockDrafter
+    from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.module import DraftModule
 
     with pytest.raises(ValueError, match="model.shard_target .* set model.feature_cache: off"):
-        DraftModule(BlockDrafter(block_size=3), target=tiny_target, shard_target=True)
+        DraftModule(DFlashDrafter(block_size=3), target=tiny_target, shard_target=True)
 
 
 def test_fit_with_a_sharded_target_trains_like_the_whole_target(tmp_path):

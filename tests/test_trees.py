@@ -34,11 +34,28 @@ from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
 from lightning_spec.target import Target
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
-BEST_FIRST = ["dflash", "medusa"]  # per-slot distributions: best-first trees, scored offline exactly
-DYNAMIC = ["eagle3", "mtp"]  # autoregressive: EAGLE-2's dynamic trees, replayed offline under greedy
-OWN_TREES = ["d2sd", "specblock"]  # a tree builder of the family's own (tests/test_drafter_<family>.py), replayed
-VARIANTS = ["dflash_served", "dspark_served", "mtp_served"]  # a family above with other options: tested there
-CHAIN_ONLY = sorted(set(FAMILIES) - set(BEST_FIRST) - set(DYNAMIC) - set(OWN_TREES) - set(VARIANTS))
+VARIANTS = ["dflash_served", "dspark_served", "mtp_served"]  # a family below with other options: tested there
+
+
+def tree_builder(name: str) -> str:
+    """Which tree a family grows, read from its declarations (``Drafter.own_trees``, ``dynamic_trees``,
+    ``parallel_slots``), not from a list kept here."""
+    drafter = FAMILIES[name](2)
+    if drafter.own_trees:
+        return "own"
+    return "dynamic" if drafter.dynamic_trees else "best_first" if drafter.parallel_slots else "chain"
+
+
+KINDS = {name: tree_builder(name) for name in FAMILIES if name not in VARIANTS}
+BEST_FIRST = [f for f, kind in KINDS.items() if kind == "best_first"]  # per-slot distributions: scored offline exactly
+DYNAMIC = [f for f, kind in KINDS.items() if kind == "dynamic"]  # EAGLE-2's dynamic trees, replayed offline (greedy)
+OWN_TREES = [f for f, kind in KINDS.items() if kind == "own"]  # the family's own builder (its own test file), replayed
+CHAIN_ONLY = sorted(f for f, kind in KINDS.items() if kind == "chain")
+
+
+def test_the_declarations_give_the_known_tree_builders():
+    """The declarations agree with what each family's paper builds."""
+    assert (BEST_FIRST, DYNAMIC, OWN_TREES) == (["dflash", "medusa"], ["eagle3", "mtp"], ["d2sd", "specblock"])
 
 
 @pytest.mark.parametrize("depth,top_k,nodes", [(3, 3, 7), (4, 2, 30), (2, 4, 5), (5, 1, 3)])

@@ -120,6 +120,15 @@ class Anchors:
 Head = Callable[[Tensor, Tensor], Tensor]  # (hidden (N, a, K, H), anchor index (a,)) -> logits (N, a, K, Vd)
 
 
+class PerAnchor:
+    """Base of an objective's scratch values that hold one entry per anchor (``DraftOutput.extra``): when the
+    objective is evaluated in chunks of anchors, ``DraftOutput.chunk`` slices them with ``chunk(index)``."""
+
+    def chunk(self, index: Tensor) -> PerAnchor:
+        """The anchors ``index`` (a,) only."""
+        raise NotImplementedError(f"{type(self).__name__} must implement chunk")
+
+
 class DraftOutput:
     """One teacher-forced forward of a drafter over a batch: ``K`` slots per anchor; slot t (1..K) of anchor n
     predicts the token at position n + t.
@@ -142,8 +151,8 @@ class DraftOutput:
             or, for large ones, a ``Head`` evaluated per chunk like the logits (a second branch's logits).
         drafted: (N, A) slots the drafter submits from that anchor at decode time (a prefix scheduler or length
             head cuts blocks); None: all K.
-        extra: the objective's scratch space (what its ``select_anchors`` computed for its parts). Entries with a
-            ``chunk(index)`` method are per-anchor and sliced with the chunk.
+        extra: the objective's scratch space (what its ``select_anchors`` computed for its parts). Entries that are
+            ``PerAnchor`` are sliced with the chunk; the rest are shared.
         progress: the share 0..1 of training done (the module sets it; parts with a schedule read it).
         reference_logits: (N, A, K, Vd) a frozen reference drafter's logits at the same anchors (the module sets
             them for objectives with ``needs_reference``, e.g. GRPO's KL to its starting drafter).
@@ -235,7 +244,7 @@ class DraftOutput:
             target = self.target_head(take(self.target_hidden))
         extra = None
         if self.extra is not None:
-            extra = {k: v.chunk(index) if hasattr(v, "chunk") and not isinstance(v, Tensor) else v
+            extra = {k: v.chunk(index) if isinstance(v, PerAnchor) else v
                      for k, v in self.extra.items()}
         aux = {k: v(hidden, index) if callable(v) else take(v) for k, v in self.aux.items()}
         return DraftOutput(
@@ -247,9 +256,11 @@ class DraftOutput:
 
 # ---------------------------------------------------------------------------------------------------- drafter
 class Drafter(nn.Module):
-    """Base class of every family. Subclasses set ``block_size``, ``target_layers`` and ``vocab`` (a
-    ``DraftVocab``) and implement ``forward``, ``begin``, ``propose`` and ``extend``; ``config_dict`` reads the
-    ``__init__`` arguments back from same-named attributes unless a family overrides it.
+    """Base class of every family. A family passes the shared arguments to ``__init__``, stores its own, declares
+    its capabilities (the class attributes below: ``family``, ``parallel_slots``, ``dynamic_trees``, ``own_trees``,
+    ``chosen_drafts``) and implements ``default_target_layers``, ``build``, ``forward``, ``begin``,
+    ``propose`` and ``extend``; ``config_dict`` reads the ``__init__`` arguments back from same-named attributes
+    unless a family overrides it. docs/adding-a-drafter.md walks through one.
 
     Attributes:
         block_size: K, the most proposals per round (a chain's length, later a tree's depth).
@@ -258,21 +269,59 @@ class Drafter(nn.Module):
         vocab: the draft vocabulary and its head.
     """
 
-    block_size: int
-    target_layers: list[int]
-    num_anchors: int = 64
-    vocab: DraftVocab
+    #: The family's name in the registry (``drafters.FAMILIES``): YAML overlays, export codecs and the family tests
+    #: find a family by it. None on the shared bodies that are no family of their own.
+    family: str | None = None
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        target_layers: list[int] | None = None,
+        num_anchors: int = 64,
+        draft_vocab_size: int | None = None,
+    ) -> None:
+        """What every family stores: K, the target layers it reads (empty = ``default_target_layers`` at ``bind``),
+        the anchors per training sequence and the draft vocabulary's size. A family's constructor checks and
+        stores its own arguments only; its layers are built by ``build`` once a target is bound."""
         super().__init__()
+        for name, value in (("block_size", block_size), ("num_anchors", num_anchors)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"drafter.{name} must be an int >= 1, got {value!r}.")
+        self.block_size = block_size
+        self.target_layers = list(target_layers) if target_layers is not None else []
+        self.num_anchors = num_anchors
+        self.draft_vocab_size = draft_vocab_size
+        self.vocab = DraftVocab(draft_vocab_size)
+        self.built = False  # True once ``build`` made the target-shaped layers
         self._target: list[Any] = []  # a list so the frozen target is not registered as a submodule
         self._register_load_state_dict_pre_hook(_rename_old_vocab_keys)
 
     # -------------------------------------------------------------------------------------------- binding
     def bind(self, target: Any) -> None:
-        """Attach the frozen target whose embedding and LM head the drafter uses; families build their
-        target-shaped layers here (the first time only)."""
+        """Attach the frozen target whose embedding and LM head the drafter uses. The first time, choose the default
+        target layers, size the draft vocabulary and ``build`` the family's target-shaped layers; later binds (the
+        same weights loaded again, ``use_target``) only check the layers."""
         self._target[:] = [target]
+        if not self.target_layers:
+            self.target_layers = self.default_target_layers(target.num_layers)
+        target.check_layers(self.target_layers)
+        if self.built:
+            return
+        self.vocab.build(target.vocab_size)
+        self.build(target)
+        self.to(target.device)
+        self.built = True
+
+    def default_target_layers(self, num_target_layers: int) -> list[int]:
+        """The target layers read when ``target_layers`` is not given (``layers.spread_layers`` or
+        ``layers.low_mid_high_layers``, or the last layer)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement default_target_layers")
+
+    def build(self, target: Any) -> None:
+        """Make the family's target-shaped layers (``layers.TargetShape.of(target)``) and initialise them; called once,
+        from the first ``bind``, after ``vocab`` was sized. A family that extends another calls ``super().build``
+        first, then adds its own."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build")
 
     @property
     def target(self) -> Any:
@@ -394,6 +443,13 @@ class Drafter(nn.Module):
     #: expansion) instead of the best-first or dynamic tree above.
     own_trees: bool = False
 
+    def adaptation_scopes(self) -> dict[str, list[str]]:
+        """Deploy-time adaptation's update scopes (``evaluation/adaptation.py``) as the submodules each trains:
+        ``head``, the drafter's own output side after its last decoder layer (the final norm, an own LM head);
+        ``last``, that layer and the final norm. ``all`` (every parameter) is implied; a scope left out does not
+        apply to the family."""
+        return {}
+
     @property
     def best_first_trees(self) -> bool:
         """True when ``propose_tree`` is the best-first tree over ``position_logits``: a function of one anchor's
@@ -486,11 +542,6 @@ def init_arguments(obj: Any) -> dict[str, Any]:
             )
         args[name] = getattr(obj, name)
     return args
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    var = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
 
 
 def seeded_rand(seeds: Tensor, size: int, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -1,26 +1,16 @@
-"""BlockDrafter: the DFlash block-parallel drafter (Chen, Liang, Liu 2026, arXiv 2602.06036).
+"""The block-parallel body that DFlash publishes and DSpark, D²SD, DFly and Domino extend: no family of its own
+(``dflash.py`` is DFlash, this body as published). What it does reads top to bottom in ``dflash.py``'s docstring:
+fused target features injected into every draft layer's keys and values, a block ``[anchor, MASK x K]`` drafted in
+one forward, slot t predicting x_{n+t} through the target's frozen head.
 
-Reads top to bottom:
-1. Context: features of chosen target layers, concatenated, fused by ``fc`` + RMSNorm -> H_ctx (N, S, H).
-2. Every draft layer injects H_ctx into its keys and values (KV injection): K = [W_K H_ctx ; W_K h],
-   V = [W_V H_ctx ; W_V h]; queries come from the block only.
-3. A block is ``[anchor, MASK x K]`` (K + 1 positions) embedded with the target's frozen embedding (the mask
-   is a learned vector). Attention is bidirectional inside the block; the block sees context strictly before
-   the anchor, because at inference the anchor (the bonus token) has no target hidden state yet.
-4. Slot t = 1..K predicts x_{n+t} through the target's frozen LM head, optionally restricted to a reduced
-   draft vocabulary (as EAGLE-3's, Li et al. 2025, arXiv 2503.01840; the d2t / t2d maps of
-   its SpecForge and vLLM speculators checkpoints, target id = draft id + d2t[draft id]).
-5. Optional adaptive length head (AdaFlash, Qian et al. 2026, arXiv 2607.19223, its "two_model" head): from the
-   block's detached slot states it predicts how much of the block will be accepted, and a chain round submits
-   only k = clamp(round(pred * K * length_rate), length_min, K) of the K drafted tokens (``LengthHead``).
-
-Naming: ``block_size`` = K = draft proposals per round, everywhere in this package (README "Conventions").
-DFlash papers count the anchor in their block, so their B = 16 is ``block_size: 15`` here.
+- ``ParallelBlockDrafter``: the layers, the training forward over every anchor's block at once, the decoding
+  cache and the chain proposal; AdaFlash's optional length head (``LengthHead``) cuts a chain round short.
+- ``ChainedBlockDrafter``: the same block whose slot t also reads the token drafted at slot t - 1 (DFly's hidden
+  correction, Domino's GRU), drafted left to right.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,165 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
-from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab, rms_norm
+from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput
+from lightning_spec.drafters.layers import DraftLayer, RMSNorm, TargetShape, init_weights, spread_layers
 from lightning_spec.sampling import SamplingConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotary embedding (half-split convention, as HF Llama). x (..., T, D), pos broadcastable to (..., T)."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # (D/2,)
-    ang = pos.float()[..., None] * inv  # (..., T, D/2)
-    cos, sin = ang.cos(), ang.sin()
-    cos, sin = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-@dataclass(frozen=True)
-class TargetShape:
-    """The target's layer shapes, read from its HF config: what every family sizes its draft layers by."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int  # the draft layers' MLP width: the family's ``intermediate_size``, else the target's
-    eps: float
-    rope_theta: float
-
-    @classmethod
-    def of(cls, target: Any, intermediate_size: int | None = None) -> TargetShape:
-        cfg = target.config
-        heads = cfg.num_attention_heads
-        rope_params = getattr(cfg, "rope_parameters", None) or {}
-        return cls(
-            hidden=target.hidden_size,
-            heads=heads,
-            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or target.hidden_size // heads,
-            intermediate=intermediate_size or cfg.intermediate_size,
-            eps=getattr(cfg, "rms_norm_eps", 1e-6),
-            rope_theta=float(rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
-        )
-
-
-@torch.no_grad()
-def init_weights(module: nn.Module, depth: int, target: Any, head_norms: list[RMSNorm]) -> None:
-    """Every family's start: N(0, 0.02) for each matrix of ``module``, the residual outputs (o_proj, down_proj)
-    divided by sqrt(2 * depth) (GPT-2's scaling for ``depth`` layers), and each norm in ``head_norms`` (those that
-    feed the frozen LM head) at the target's own final norm scale."""
-    for name, p in module.named_parameters():
-        if p.dim() == 2:
-            nn.init.normal_(p, std=0.02)
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.div_(math.sqrt(2 * depth))
-    final_norm = getattr(target.base, "norm", None)
-    if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-        for norm in head_norms:
-            norm.weight.copy_(final_norm.weight.detach().to(norm.weight.dtype))
-
-
-class DraftLayer(nn.Module):
-    """A Llama-style decoder layer of the target's shape whose keys/values also cover the injected context.
-    ``qk_norm``: Qwen3's per-head RMSNorm on queries and keys before the rotation (DFlash's released layers)."""
-
-    def __init__(self, shape: TargetShape, qk_norm: bool = False) -> None:
-        super().__init__()
-        hidden, heads, kv_heads, head_dim = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_norm = RMSNorm(head_dim, shape.eps) if qk_norm else nn.Identity()  # on (N, heads, T, D)
-        self.k_norm = RMSNorm(head_dim, shape.eps) if qk_norm else nn.Identity()
-        self.input_norm = RMSNorm(hidden, shape.eps)
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.post_norm = RMSNorm(hidden, shape.eps)
-        self.gate_proj = nn.Linear(hidden, shape.intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, shape.intermediate, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate, hidden, bias=False)
-
-    def query(self, x: Tensor, pos: Tensor, theta: float) -> Tensor:
-        """Rotated queries of ``x`` (N, T, H) (already input-normed) at positions ``pos`` (N, T): (N, heads, T, D)."""
-        n, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(n, t, self.heads, self.head_dim).transpose(1, 2))
-        return rope(q, pos[:, None], theta)
-
-    def kv(self, x: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
-        """Keys (rotated) and values of ``x`` (N, T, H) at positions ``pos`` (N, T): each (N, kv_heads, T, D)."""
-        n, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2))
-        v = self.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rope(k, pos[:, None], theta), v
-
-    def forward(
-        self,
-        h: Tensor,
-        pos: Tensor,
-        ctx_k: Tensor,
-        ctx_v: Tensor,
-        ctx_mask: Tensor | None,
-        block_len: int,
-        theta: float,
-    ) -> Tensor:
-        """h (N, Q, H): Q / block_len blocks side by side at positions pos (N, Q); ctx_k/v (N, kv_heads, S, D);
-        ctx_mask (N, Q, S) bool: the context positions each query sees (None: all). Each block attends to the
-        context and, bidirectionally, to itself only."""
-        x = self.input_norm(h)
-        q = self.query(x, pos, theta)  # (N, heads, Q, D)
-        k_blk, v_blk = self.kv(x, pos, theta)
-        return self.finish(h, block_attention(q, ctx_k, ctx_v, k_blk, v_blk, ctx_mask, block_len))
-
-    def finish(self, h: Tensor, attn: Tensor) -> Tensor:
-        """The residual stream h (N, T, H) and its attention output (N, heads, T, D) -> the layer's output (N, T, H)."""
-        n, _, t, _ = attn.shape
-        h = h + self.o_proj(attn.transpose(1, 2).reshape(n, t, -1))
-        x = self.post_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def block_attention(
-    q: Tensor, ctx_k: Tensor, ctx_v: Tensor, k_blk: Tensor, v_blk: Tensor, ctx_mask: Tensor | None, block_len: int
-) -> Tensor:
-    """Attention of A side-by-side blocks over a shared context plus each block's own keys.
-
-    q (N, Hq, A*B, D); ctx_k/v (N, Hkv, S, D); k_blk/v_blk (N, Hkv, A*B, D); ctx_mask (N, A*B, S) bool or None;
-    B = block_len. Returns (N, Hq, A*B, D). One block (the decoding case) is plain SDPA over [context; block].
-    Several blocks are scored against the context and against their own block separately, then share one
-    softmax: cost grows as A*B*(S + B) rather than the dense A*B*(S + A*B) of one big masked attention. A
-    SmolLM2 training step with 128 anchors per sequence took 6.6x the time of one with 32 when dense, 4.6x
-    split (2-core CPU; 4x is the extra work elsewhere in the step).
-    """
-    n, hq, q_len, d = q.shape
-    hkv, s = ctx_k.shape[1], ctx_k.shape[2]
-    if q_len == block_len:
-        k = torch.cat([ctx_k, k_blk], dim=2).repeat_interleave(hq // hkv, dim=1)  # (N, Hq, S + B, D)
-        v = torch.cat([ctx_v, v_blk], dim=2).repeat_interleave(hq // hkv, dim=1)
-        mask = None if ctx_mask is None else F.pad(ctx_mask, (0, block_len), value=True)[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    a, r = q_len // block_len, hq // hkv
-    q = q.view(n, hkv, r, q_len, d) * d**-0.5  # grouped-query: head h uses kv head h // r
-    scores_ctx = q @ ctx_k[:, :, None].transpose(-1, -2)  # (N, Hkv, r, Q, S)
-    if ctx_mask is not None:
-        scores_ctx = scores_ctx.masked_fill(~ctx_mask[:, None, None], float("-inf"))
-    qb = q.view(n, hkv, r, a, block_len, d)
-    kb = k_blk.view(n, hkv, 1, a, block_len, d)
-    scores_blk = qb @ kb.transpose(-1, -2)  # (N, Hkv, r, A, B, B)
-    probs = torch.cat([scores_ctx.view(n, hkv, r, a, block_len, s), scores_blk], dim=-1).softmax(-1)
-    out = probs[..., :s].reshape(n, hkv, r, q_len, s) @ ctx_v[:, :, None]  # (N, Hkv, r, Q, D)
-    out = out + (probs[..., s:] @ v_blk.view(n, hkv, 1, a, block_len, d)).view(n, hkv, r, q_len, d)
-    return out.view(n, hq, q_len, d)
 
 
 class LengthHead(nn.Module):
@@ -223,8 +57,8 @@ class BlockDraftState:
     last: Tensor | None = None  # (1, H) fused feature of position length - 1 (for the context shortcut)
 
 
-class BlockDrafter(Drafter):
-    """DFlash-style block drafter.
+class ParallelBlockDrafter(Drafter):
+    """DFlash's block-parallel drafter, the body the block families share (the module docstring).
 
     Args:
         block_size: K, draft proposals per round (the block holds the anchor plus K masks).
@@ -276,20 +110,14 @@ class BlockDrafter(Drafter):
         qk_norm: bool = False,
         mask_token_id: int | None = None,
     ) -> None:
-        super().__init__()
-        if block_size < 1:
-            raise ValueError(f"drafter.block_size must be >= 1, got {block_size}.")
+        super().__init__(block_size, target_layers, num_anchors, draft_vocab_size)
         if num_layers < 1:
             raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}.")
         if not length_rate > 0:
             raise ValueError(f"drafter.length_rate must be > 0 (the cut's scale, AdaFlash: 1.3), got {length_rate}.")
         if not 0 <= length_min <= block_size:
             raise ValueError(f"drafter.length_min must be in 0..block_size={block_size}, got {length_min}.")
-        self.block_size = block_size
         self.num_layers = num_layers
-        self.target_layers = list(target_layers) if target_layers is not None else []
-        self.num_anchors = num_anchors
-        self.draft_vocab_size = draft_vocab_size
         self.intermediate_size = intermediate_size
         self.context_shortcut = context_shortcut
         self.init_from_target = init_from_target
@@ -300,8 +128,6 @@ class BlockDrafter(Drafter):
         self.mask_token_id = mask_token_id
         self.length: LengthHead | None = None  # built in bind when length_head
         self.use_length_head = length_head  # run-time switch: False decodes full blocks (not saved)
-        self.vocab = DraftVocab(draft_vocab_size)
-        self.built = False
 
     @property
     def mask_slots(self) -> int:
@@ -309,13 +135,13 @@ class BlockDrafter(Drafter):
         return self.block_size
 
     # ------------------------------------------------------------------------------------------- building
-    def bind(self, target: Any) -> None:
-        super().bind(target)
-        if not self.target_layers:
-            self.target_layers = default_target_layers(target.num_layers, self.num_layers + 2)
-        target.check_layers(self.target_layers)
-        if self.built:
-            return
+    def default_target_layers(self, num_target_layers: int) -> list[int]:
+        return spread_layers(num_target_layers, self.num_layers + 2)  # DFlash's num_layers + 2, spread
+
+    def adaptation_scopes(self) -> dict[str, list[str]]:
+        return {"head": ["norm"], "last": [f"layers.{self.num_layers - 1}", "norm"]}
+
+    def build(self, target: Any) -> None:
         shape = TargetShape.of(target, self.intermediate_size)
         hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)
@@ -333,7 +159,6 @@ class BlockDrafter(Drafter):
         shared = self.mask_token_id is not None
         self.mask_embedding = nn.Parameter(torch.zeros(1 if shared else self.block_size, hidden))
         self.shortcut = nn.Linear(2 * hidden, hidden, bias=False) if self.context_shortcut else None
-        self.vocab.build(target.vocab_size)
         self._init_weights(target)
         if self.length_head:  # after the backbone's init: the same seed gives the same backbone with or without it
             self.length = LengthHead(hidden)
@@ -341,8 +166,6 @@ class BlockDrafter(Drafter):
                 for layer in (self.length.down, self.length.res, self.length.out):
                     nn.init.normal_(layer.weight, std=0.02)
                     nn.init.zeros_(layer.bias)
-        self.to(target.device)
-        self.built = True
 
     @torch.no_grad()
     def _init_weights(self, target: Any) -> None:
@@ -512,9 +335,53 @@ class BlockDrafter(Drafter):
         return ChainProposal(tokens=self.vocab.to_target(sampling.sample(q, generator)), probs=self.vocab.scatter(q))
 
 
-def default_target_layers(num_target_layers: int, count: int) -> list[int]:
-    """``count`` layers spread uniformly over 1..L-3 (DFlash: [1, 9, 17, 25, 33] for 36 layers)."""
-    lo, hi = 1, max(1, num_target_layers - 3)
-    if count <= 1:
-        return [hi]
-    return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
+# ------------------------------------------------------------------------------------ the left-to-right chain
+def previous_tokens(ids: Tensor, starts: Tensor, k: int) -> Tensor:
+    """x_{n+t-1} for slots t = 1..K of every anchor n: the anchor, then the gold tokens. (N, S), (N, A) -> (N, A, K);
+    positions past the sequence repeat its last token (their slots are not valid)."""
+    n, s = ids.shape
+    pos = (starts[..., None] + torch.arange(k, device=ids.device)).clamp(max=s - 1)  # (N, A, K)
+    return ids.gather(1, pos.reshape(n, -1)).view(n, -1, k)
+
+
+class ChainedBlockDrafter(ParallelBlockDrafter):
+    """A DFlash block whose slot t also reads the token at slot t - 1: the backbone runs once per round, then the
+    slots are drawn in order, each from ``slot_logits(h, t, previous token, carry)``.
+
+    The training forward computes the same logits teacher-forced (previous token = gold), so when slots 1..t-1
+    were accepted (drafted = gold) slot t's distribution is the one ``forward`` gives.
+    """
+
+    left_to_right: bool = True  # False: the slots are independent and ParallelBlockDrafter.propose drafts them
+
+    def slot_logits(self, hidden: Tensor, t: int, previous: Tensor, carry: Any) -> tuple[Tensor, Any]:
+        """Logits (1, Vd) of slot t + 1 (0-based ``t``) from the block's states ``hidden`` (K, H) and the token
+        ``previous`` (1,) before it (target id), and what the next slot needs (``carry``, None at slot 1)."""
+        raise NotImplementedError
+
+    @property
+    def parallel_slots(self) -> bool:  # slot t reads the token drafted at t - 1 unless the chain is off
+        return not self.left_to_right
+
+    @torch.no_grad()
+    def propose(
+        self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None
+    ) -> ChainProposal:
+        if not self.left_to_right:
+            return super().propose(state, anchor, sampling, generator)
+        hidden = self.block_hidden(state, anchor)[0, 1:]  # (K, H) the slots' states
+        previous, carry = anchor.reshape(1), None
+        tokens, probs = [], []
+        for t in range(self.block_size):
+            logits, carry = self.slot_logits(hidden, t, previous, carry)  # (1, Vd)
+            if sampling.greedy:
+                draft = logits.argmax(-1)  # (1,)
+            else:
+                q = sampling.probs(logits)  # (1, Vd)
+                draft = sampling.sample(q, generator)
+                probs.append(q)
+            previous = self.vocab.to_target(draft)  # (1,) the next slot reads the drafted token
+            tokens.append(previous)
+        if sampling.greedy:
+            return ChainProposal(tokens=torch.cat(tokens))
+        return ChainProposal(tokens=torch.cat(tokens), probs=self.vocab.scatter(torch.cat(probs)))  # (K,), (K, V)

@@ -2,9 +2,9 @@
 tree (Zhang et al. 2026, arXiv 2606.04446, §3).
 
 Reads top to bottom:
-1. ``VPDrafter`` (the variable-prefix drafter) is DFlash's architecture (``BlockDrafter``) whose block after the
-   anchor may start with l known tokens: positions 0..l of the block hold the anchor and the gold x_{n+1..n+l}
-   (their frozen embeddings), positions l+1..K the learned mask vectors. l = 0 is DFlash exactly.
+1. ``D2SDDrafter`` (the variable-prefix drafter) is DFlash's architecture (``block.ParallelBlockDrafter``) whose
+   block after the anchor may start with l known tokens: positions 0..l of the block hold the anchor and the gold
+   x_{n+1..n+l} (their frozen embeddings), positions l+1..K the learned mask vectors. l = 0 is DFlash exactly.
 2. Training: per anchor, Pr(l = j) ∝ β^j, j = 0..K-1 (β = ``prefix_beta``); slots t <= l are inputs, not
    predictions (``DraftOutput.valid`` is False there), and ``aux["prefix_length"]`` (N, A) carries l to the
    objective, where ``objectives.VPDecay`` gives L_VP = Σ_{t>l} w_t CE_t / Σ_{t>l} w_t, w_t = exp(-(t-l-1)/τ).
@@ -60,7 +60,7 @@ from torch import Tensor
 from lightning_spec.decoding.proposals import TreeProposal
 from lightning_spec.decoding.trees import tree_probs
 from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
-from lightning_spec.drafters.block import BlockDrafter, BlockDraftState
+from lightning_spec.drafters.block import BlockDraftState, ParallelBlockDrafter
 from lightning_spec.sampling import SamplingConfig
 
 # Prefix lengths draw from their own stream, seeded from the example's anchor seed plus this salt (a large odd
@@ -98,19 +98,19 @@ def shared_prefix_tree(paths: list[list[int]], nodes: int) -> tuple[Tensor, Tens
     return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
 
 
-class VPDrafter(BlockDrafter):
-    """The variable-prefix drafter of D²SD: DFlash (``BlockDrafter``) trained with l known tokens after the anchor,
-    decoded as a chain (plain DFlash) or as D²SD's shared-prefix tree (``generate(..., tree=TreeConfig(...))``).
+class D2SDDrafter(ParallelBlockDrafter):
+    """The variable-prefix drafter of D²SD: DFlash (``ParallelBlockDrafter``) trained with l known tokens after the
+    anchor, decoded as a chain (plain DFlash) or as D²SD's shared-prefix tree (``generate(..., tree=TreeConfig(...))``).
 
     Args:
         block_size: K, draft proposals per round (the block holds the anchor plus K slots).
         num_layers: draft decoder layers.
-        target_layers: 0-indexed target layers whose outputs form the context (default as ``BlockDrafter``).
+        target_layers: 0-indexed target layers whose outputs form the context (default as ``ParallelBlockDrafter``).
         num_anchors: anchors sampled per training sequence.
         draft_vocab_size: restrict the LM head to the most frequent target tokens (None = the full vocabulary).
         intermediate_size: MLP width; default the target's.
-        context_shortcut: ``BlockDrafter``'s EAGLE-style slot inputs (not in the paper).
-        init_from_target: start the draft layers from the target's last layers (``BlockDrafter``).
+        context_shortcut: ``ParallelBlockDrafter``'s EAGLE-style slot inputs (not in the paper).
+        init_from_target: start the draft layers from the target's last layers (``ParallelBlockDrafter``).
         prefix_beta: β in (0, 1] of the training prefix length, Pr(l = j) ∝ β^j, j = 0..K-1 (1 = uniform; smaller
             trains mostly short prefixes, which the rejection boundary most often needs).
         branches: re-drafted branches per tree round (the paper's K = 4), >= 0 (0: the tree is the DFlash draft).
@@ -119,6 +119,7 @@ class VPDrafter(BlockDrafter):
             replace, and then merge into the trunk; see the module docstring).
     """
 
+    family = "d2sd"
     own_trees = True  # propose_tree: D²SD's shared-prefix tree, not the best-first tree over the block
 
     def __init__(
@@ -155,7 +156,8 @@ class VPDrafter(BlockDrafter):
         """Within this scope every block ``embed_block`` builds holds known tokens: block position j (0 = the
         anchor) is ``tokens[..., j]`` (target ids, (..., K + 1)) for j <= ``length`` (...,), a mask slot after.
 
-        Why a scope: ``BlockDrafter.backbone`` and ``block_hidden`` embed a block from its anchor alone; passing the
+        Why a scope: ``ParallelBlockDrafter.backbone`` and ``block_hidden`` embed a block from its anchor alone; passing
+        the
         prefix through here reuses DFlash's layers, masks and context shortcut unchanged, so l = 0 is DFlash."""
         self._known = (tokens, length)
         try:
@@ -217,7 +219,7 @@ class VPDrafter(BlockDrafter):
             prefix = self.sample_prefix(batch, starts.shape) if self.training else torch.zeros_like(starts)
         prefix = prefix.to(starts.device)
         if prefix.shape != starts.shape or bool(((prefix < 0) | (prefix >= k)).any()):
-            raise ValueError(f"VPDrafter.forward prefix must be (N, A) = {tuple(starts.shape)} lengths in 0..{k - 1} "
+            raise ValueError(f"D2SDDrafter.forward prefix must be (N, A) = {tuple(starts.shape)} lengths in 0..{k - 1} "
                              "(the known tokens after each anchor).")
         pos = (starts[..., None] + torch.arange(k + 1, device=ids.device)).clamp(max=s - 1)  # (N, A, K + 1)
         tokens = ids.gather(1, pos.reshape(n, -1)).view(*starts.shape, k + 1)  # (N, A, K + 1) the gold block

@@ -2,7 +2,7 @@
 arXiv 2607.05147, "DSpark").
 
 Reads top to bottom:
-1. Parallel stage (§3.1): the DFlash backbone (``BlockDrafter``'s layers, KV injection of the fused target
+1. Parallel stage (§3.1): the DFlash backbone (``ParallelBlockDrafter``'s layers, KV injection of the fused target
    features, context strictly before the anchor) with one change: the anchor slot is itself the first prediction,
    so a block is ``[anchor, MASK x (K - 1)]`` at positions n..n+K-1 and its K outputs h_1..h_K give base logits
    U_k = head(h_k) for x_{n+1..n+K}.
@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.drafters.base import Anchors, DraftOutput
-from lightning_spec.drafters.block import BlockDrafter, BlockDraftState
+from lightning_spec.drafters.block import BlockDraftState, ParallelBlockDrafter
 from lightning_spec.sampling import SamplingConfig
 
 MARKOV_KINDS = ("vanilla", "rnn")
@@ -129,7 +129,7 @@ class Calibration:
     blocks: Tensor  # (K,) how many blocks reach slot k
 
 
-class DSparkDrafter(BlockDrafter):
+class DSparkDrafter(ParallelBlockDrafter):
     """DSpark (Cheng et al. 2026, arXiv 2607.05147): a DFlash backbone whose anchor slot is the first prediction,
     a Markov (or RNN) head over the draft vocabulary, a confidence head, and a prefix scheduler that submits
     k ≤ K tokens per round.
@@ -137,22 +137,24 @@ class DSparkDrafter(BlockDrafter):
     Args:
         block_size: K, the most draft tokens per round (the block's K inputs are the anchor and K - 1 masks).
         num_layers: draft decoder layers of the backbone.
-        target_layers: 0-indexed target layers whose outputs form the context (default as ``BlockDrafter``).
+        target_layers: 0-indexed target layers whose outputs form the context (default as ``ParallelBlockDrafter``).
         num_anchors: anchors sampled per training sequence.
         draft_vocab_size: restrict the heads to the most frequent target tokens of the training data (None = the
             full target vocabulary).
         intermediate_size: the backbone's MLP width; default the target's.
-        context_shortcut: ``BlockDrafter``'s EAGLE-style slot inputs [H_ctx[n - 1]; e(x_n)] (not in DSpark).
-        init_from_target: start the backbone's layers from the target's last layers (``BlockDrafter``).
+        context_shortcut: ``ParallelBlockDrafter``'s EAGLE-style slot inputs [H_ctx[n - 1]; e(x_n)] (not in DSpark).
+        init_from_target: start the backbone's layers from the target's last layers (``ParallelBlockDrafter``).
         markov: ``vanilla`` (B = W1[x_{k-1}] W2, Eq. 5) or ``rnn`` (the gated recurrent head, Eq. 6).
         markov_rank: r, the rank of W1 W2 (the paper's default 256).
         prefix_scheduler: cut each block where verifying more does not pay (Alg. 1); False submits all K slots.
         verify_cost: cost(T), the relative cost of verifying T = 1, 2, ... tokens in one target forward (only
             ratios matter), at least K + 1 values; None = ``cpu_verify_cost`` (SmolLM2-135M on one CPU thread).
-        qk_norm, mask_token_id: ``BlockDrafter``'s Qwen3 query/key norms and one shared mask vector (from that
+        qk_norm, mask_token_id: ``ParallelBlockDrafter``'s Qwen3 query/key norms and one shared mask vector (from that
             token's embedding), as the DSpark layers vLLM serves; the speculators export needs both
             (experiments/drafters/dspark_export.yaml).
     """
+
+    family = "dspark"
 
     def __init__(
         self,
@@ -199,13 +201,10 @@ class DSparkDrafter(BlockDrafter):
         return self.block_size - 1  # the anchor slot is a prediction: [anchor, MASK x (K - 1)]
 
     # ------------------------------------------------------------------------------------------- building
-    def bind(self, target: Any) -> None:
-        fresh = not self.built
-        super().bind(target)
-        if not fresh:
-            return
+    def build(self, target: Any) -> None:
+        super().build(target)
         hidden, vd = target.hidden_size, self.vocab.ids.numel()
-        # the anchor slot is a prediction: K - 1 mask vectors (BlockDrafter built K, all equal at init; one shared
+        # the anchor slot is a prediction: K - 1 mask vectors (the block body built K, all equal at init; one shared
         # vector with mask_token_id stays one)
         self.mask_embedding = nn.Parameter(self.mask_embedding.detach()[: self.mask_slots].clone())
         self.sequential = MarkovHead(self.markov, self.markov_rank, vd + 1, hidden, vd)
@@ -216,8 +215,6 @@ class DSparkDrafter(BlockDrafter):
                     nn.init.normal_(p, std=0.02)
                 else:
                     nn.init.zeros_(p)
-        self.sequential.to(target.device)
-        self.confidence.to(target.device)
 
     def rows(self, ids: Tensor) -> Tensor:
         """Target ids -> rows of W1: their draft id, or the last row (Vd) for a token outside the draft vocabulary."""

@@ -48,17 +48,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
-from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
-from lightning_spec.drafters.block import RMSNorm, TargetShape, init_weights, rope
+from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput
+from lightning_spec.drafters.layers import (
+    RMSNorm,
+    TargetShape,
+    chain_attention,
+    init_weights,
+    low_mid_high_layers,
+    rope,
+)
 from lightning_spec.sampling import SamplingConfig
-
-
-def default_target_layers(num_target_layers: int) -> list[int]:
-    """EAGLE-3's low, middle and high layers, [1, L/2 - 1, L - 4] (0-indexed; SpecForge's choice), clipped to the
-    target's layers and deduplicated for very shallow targets: [1, 14, 26] for SmolLM2-135M (30 layers)."""
-    last = num_target_layers - 1
-    wanted = (1, num_target_layers // 2 - 1, num_target_layers - 4)
-    return sorted({min(max(layer, 0), last) for layer in wanted})
 
 
 class Eagle3Layer(nn.Module):
@@ -108,31 +107,8 @@ class Eagle3Layer(nn.Module):
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def chain_attention(
-    q: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_mask: Tensor | None, own_k: Tensor, own_v: Tensor
-) -> Tensor:
-    """One query per chain over shared committed entries plus the chain's own entries, one softmax.
-
-    q (N, Hq, A, D): the current slot of A chains; ctx_k/v (N, Hkv, S, D) the committed entries; ctx_mask
-    (N, A, S) bool, the committed entries each chain sees (None: all); own_k/v (N, Hkv, A, J, D) each chain's own
-    entries (J >= 0). Returns (N, Hq, A, D). Cost A * (S + J) per step: the chains never see each other's keys.
-    """
-    n, hq, a, d = q.shape
-    hkv, s = ctx_k.shape[1], ctx_k.shape[2]
-    r = hq // hkv
-    q = q.reshape(n, hkv, r, a, d) * d**-0.5  # grouped-query: head h reads kv head h // r
-    scores_ctx = q @ ctx_k[:, :, None].transpose(-1, -2)  # (N, Hkv, r, A, S)
-    if ctx_mask is not None:
-        scores_ctx = scores_ctx.masked_fill(~ctx_mask[:, None, None], float("-inf"))
-    scores_own = torch.einsum("nhrad,nhajd->nhraj", q, own_k)  # (N, Hkv, r, A, J)
-    probs = torch.cat([scores_ctx, scores_own], dim=-1).softmax(-1)
-    out = probs[..., :s] @ ctx_v[:, :, None]  # (N, Hkv, r, A, D)
-    out = out + torch.einsum("nhraj,nhajd->nhrad", probs[..., s:], own_v)
-    return out.reshape(n, hq, a, d)
-
-
 @dataclass
-class Eagle3Chain:
+class Eagle3Rows:
     """A round's draft rows after some slots: each row's next hidden input and its own entries (its path's slots),
     over the committed entries of ``state`` that every row sees. One row for a chain, one per node for a tree."""
 
@@ -171,6 +147,7 @@ class Eagle3Drafter(Drafter):
             target's frozen head, as every family here.
     """
 
+    family = "eagle3"
     dynamic_trees = True  # tree_start / tree_step below: EAGLE-2's dynamic tree
 
     def __init__(
@@ -182,40 +159,28 @@ class Eagle3Drafter(Drafter):
         intermediate_size: int | None = None,
         own_head: bool = False,
     ) -> None:
-        super().__init__()
-        if block_size < 1:
-            raise ValueError(f"drafter.block_size must be >= 1, got {block_size}.")
-        if num_anchors < 1:
-            raise ValueError(f"drafter.num_anchors must be >= 1, got {num_anchors}.")
-        self.block_size = block_size
-        self.target_layers = list(target_layers) if target_layers is not None else []
-        self.num_anchors = num_anchors
-        self.draft_vocab_size = draft_vocab_size
+        super().__init__(block_size, target_layers, num_anchors, draft_vocab_size)
         self.intermediate_size = intermediate_size
         self.own_head = own_head
-        self.vocab = DraftVocab(draft_vocab_size)
-        self.built = False
 
     # ------------------------------------------------------------------------------------------- building
-    def bind(self, target: Any) -> None:
-        super().bind(target)
-        if not self.target_layers:
-            self.target_layers = default_target_layers(target.num_layers)
-        target.check_layers(self.target_layers)
-        if self.built:
-            return
+    def default_target_layers(self, num_target_layers: int) -> list[int]:
+        return low_mid_high_layers(num_target_layers)  # EAGLE-3's [1, L/2 - 1, L - 4]
+
+    def adaptation_scopes(self) -> dict[str, list[str]]:
+        own = ["lm_head"] if self.own_head else []
+        return {"head": ["norm", *own], "last": ["layer", "norm", *own]}
+
+    def build(self, target: Any) -> None:
         shape = TargetShape.of(target, self.intermediate_size)
         hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)  # 3H -> H
         self.layer = Eagle3Layer(shape)
         self.norm = RMSNorm(hidden, shape.eps)
-        self.vocab.build(target.vocab_size)
         init_weights(self, 1, target, [self.norm])
         if self.own_head:  # (Vd, H), rows of the target's head until the draft vocabulary is chosen
             self.lm_head = nn.Parameter(torch.empty(self.vocab.ids.numel(), hidden))
             self.on_vocab_chosen()
-        self.to(target.device)
-        self.built = True
 
     @torch.no_grad()
     def on_vocab_chosen(self) -> None:
@@ -314,7 +279,7 @@ class Eagle3Drafter(Drafter):
         state.length += t
         state.last = g[:, -1]
 
-    def _slot(self, chain: Eagle3Chain, tokens: Tensor) -> Tensor:
+    def _slot(self, chain: Eagle3Rows, tokens: Tensor) -> Tensor:
         """One slot for every row of ``chain`` on its known token ``tokens`` (A,) (target ids): the row's entry joins
         its own, its output is the next slot's hidden input. Returns the rows' draft logits (A, Vd)."""
         state = chain.state
@@ -326,10 +291,10 @@ class Eagle3Drafter(Drafter):
         chain.u = self.layer.finish(chain.u, attn)  # (1, A, H)
         return self.head(self.norm(chain.u[0]))  # (A, Vd)
 
-    def _chain(self, state: Eagle3State) -> Eagle3Chain:
+    def _chain(self, state: Eagle3State) -> Eagle3Rows:
         """A round's chain before slot 1: one row, h_0 = g_{n-1}, no entries of its own yet."""
         empty = state.keys.new_zeros(1, self.layer.kv_heads, 1, 0, self.layer.head_dim)
-        return Eagle3Chain(u=state.last[:, None], keys=empty, values=empty, state=state)
+        return Eagle3Rows(u=state.last[:, None], keys=empty, values=empty, state=state)
 
     @torch.no_grad()
     def propose(self, state: Eagle3State, anchor: Tensor, sampling: SamplingConfig, generator=None) -> ChainProposal:
@@ -355,14 +320,14 @@ class Eagle3Drafter(Drafter):
 
     # ----------------------------------------------------------------------- dynamic trees (EAGLE-2)
     @torch.no_grad()
-    def tree_start(self, state: Eagle3State, anchor: Tensor) -> tuple[Eagle3Chain, Tensor]:
+    def tree_start(self, state: Eagle3State, anchor: Tensor) -> tuple[Eagle3Rows, Tensor]:
         chain = self._chain(state)
         return chain, self._slot(chain, anchor.reshape(1).to(state.keys.device))
 
     @torch.no_grad()
-    def tree_step(self, chain: Eagle3Chain, rows: Tensor, tokens: Tensor) -> tuple[Eagle3Chain, Tensor]:
+    def tree_step(self, chain: Eagle3Rows, rows: Tensor, tokens: Tensor) -> tuple[Eagle3Rows, Tensor]:
         rows = rows.to(chain.u.device)
-        branch = Eagle3Chain(u=chain.u[:, rows], keys=chain.keys[:, :, rows], values=chain.values[:, :, rows],
+        branch = Eagle3Rows(u=chain.u[:, rows], keys=chain.keys[:, :, rows], values=chain.values[:, :, rows],
                              state=chain.state)
         return branch, self._slot(branch, self.vocab.to_target(tokens.to(chain.u.device)))
 

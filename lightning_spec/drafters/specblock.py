@@ -88,9 +88,8 @@ from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
 from lightning_spec.decoding.trees import tree_probs
-from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab, seeded_rand
-from lightning_spec.drafters.block import DraftLayer, RMSNorm, TargetShape, init_weights
-from lightning_spec.drafters.eagle3 import default_target_layers
+from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, seeded_rand
+from lightning_spec.drafters.layers import DraftLayer, RMSNorm, TargetShape, init_weights, low_mid_high_layers
 from lightning_spec.drafters.specblock_rank import RankHead, block_tree
 from lightning_spec.sampling import SamplingConfig
 
@@ -141,6 +140,7 @@ class SpecBlockDrafter(Drafter):
             trains 3). 1 = the single-block drafter. ``block_size`` must be a multiple of it.
     """
 
+    family = "specblock"
     own_trees = True  # propose_tree: block expansion over the rank head
 
     def __init__(
@@ -154,9 +154,8 @@ class SpecBlockDrafter(Drafter):
         rank_width: int = 256,
         blocks: int = 1,
     ) -> None:
-        super().__init__()
-        for name, value in (("block_size", block_size), ("num_layers", num_layers), ("num_anchors", num_anchors),
-                            ("rank_width", rank_width), ("blocks", blocks)):
+        super().__init__(block_size, target_layers, num_anchors, draft_vocab_size)
+        for name, value in (("num_layers", num_layers), ("rank_width", rank_width), ("blocks", blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"drafter.{name} must be an int >= 1, got {value!r}.")
         if block_size % blocks:
@@ -164,26 +163,20 @@ class SpecBlockDrafter(Drafter):
                 f"drafter.block_size={block_size} must be a multiple of drafter.blocks={blocks} (a round drafts "
                 f"blocks x K slots); set block_size to blocks x K, e.g. {blocks * max(1, block_size // blocks)}."
             )
-        self.block_size = block_size
         self.blocks = blocks
         self.slots = block_size // blocks  # K, query slots per block
         self.num_layers = num_layers
-        self.target_layers = list(target_layers) if target_layers is not None else []
-        self.num_anchors = num_anchors
-        self.draft_vocab_size = draft_vocab_size
         self.intermediate_size = intermediate_size
         self.rank_width = rank_width
-        self.vocab = DraftVocab(draft_vocab_size)
-        self.built = False
 
     # ------------------------------------------------------------------------------------------- building
-    def bind(self, target: Any) -> None:
-        super().bind(target)
-        if not self.target_layers:
-            self.target_layers = default_target_layers(target.num_layers)
-        target.check_layers(self.target_layers)
-        if self.built:
-            return
+    def default_target_layers(self, num_target_layers: int) -> list[int]:
+        return low_mid_high_layers(num_target_layers)  # EAGLE-3's low / middle / high layers
+
+    def adaptation_scopes(self) -> dict[str, list[str]]:
+        return {"head": ["norm", "rank_head"], "last": [f"layers.{self.num_layers - 1}", "norm"]}
+
+    def build(self, target: Any) -> None:
         shape = TargetShape.of(target, self.intermediate_size)
         hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.condition_proj = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)
@@ -196,7 +189,6 @@ class SpecBlockDrafter(Drafter):
         self.shifts = nn.ModuleList(nn.Linear(2 * hidden, hidden, bias=False) for _ in range(self.num_layers - 1))
         self.norm = RMSNorm(hidden, shape.eps)
         self.rank_head = RankHead(hidden, self.rank_width)
-        self.vocab.build(target.vocab_size)
         init_weights(self, self.num_layers, target, [self.norm])
         with torch.no_grad():
             nn.init.normal_(self.query, std=0.02)  # distinct per slot; RMSNorm makes the scale irrelevant
@@ -205,8 +197,6 @@ class SpecBlockDrafter(Drafter):
             for w in self.shifts:  # W_l = [I, 0]: no shift at initialisation
                 w.weight.zero_()
                 w.weight[:, :hidden].copy_(torch.eye(hidden))
-        self.to(target.device)
-        self.built = True
 
     # -------------------------------------------------------------------------------------------- the stack
     def fused(self, condition: Tensor, tokens: Tensor) -> Tensor:

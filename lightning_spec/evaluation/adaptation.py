@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from lightning_spec.decoding.engine import Generation, generate
 from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.drafters import Drafter
 from lightning_spec.evaluation.benchmark import DecodeReport
 from lightning_spec.evaluation.offline import replay_tree_rounds
 from lightning_spec.objectives import CE, Objective
@@ -54,40 +55,25 @@ from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
 
 SCOPES = ("head", "last", "all")
-OUTPUT_WORDS = ("head", "norm")
 
 
 # ---------------------------------------------------------------------------------------------------- scopes
-def _last_layer(drafter: nn.Module) -> str | None:
-    """The name of the last decoder layer: the last module (registration order) with a ``q_proj`` child, i.e. a
-    self-attention + MLP block (DFlash's and EAGLE-3's layers, MTP's blocks); None when the drafter has none."""
-    layers = [name for name, m in drafter.named_modules() if isinstance(getattr(m, "q_proj", None), nn.Module)]
-    return layers[-1] if layers else None
-
-
-def scope_parameters(drafter: nn.Module, scope: str) -> list[str]:
-    """Names of the drafter's parameters an update with ``scope`` trains, by a rule over ``named_parameters``:
+def scope_parameters(drafter: Drafter, scope: str) -> list[str]:
+    """Names of the drafter's parameters an update with ``scope`` trains, in ``named_parameters`` order:
 
     - ``all``: every parameter (the frozen target is not a submodule, so it never is).
-    - ``last``: the last decoder layer's parameters and the parameters registered after it whose name holds
-      ``norm`` (the final norm); empty without a decoder layer (Medusa's heads).
-    - ``head``: the parameters registered after the last decoder layer whose name holds ``head`` or ``norm``: the
-      drafter's own output side (the final norm, SpecBlock's rank head); the target's LM head is frozen and not
-      the drafter's. Without a decoder layer every parameter counts as after it.
+    - ``head`` and ``last``: the parameters of the submodules the family declares for them
+      (``Drafter.adaptation_scopes``): its own output side (the final norm, an own head, SpecBlock's rank head), and
+      its last decoder layer with the final norm. Empty where the family declares none (Medusa's heads are all of
+      it, so only ``all`` applies).
     """
     if scope not in SCOPES:
         raise ValueError(f"adaptation scope {scope!r} is unknown; choose among {', '.join(SCOPES)}.")
     names = [name for name, _ in drafter.named_parameters()]
     if scope == "all":
         return names
-    layer = _last_layer(drafter)
-    inside = [i for i, name in enumerate(names) if layer is not None and name.startswith(layer + ".")]
-    after = names[inside[-1] + 1 :] if inside else ([] if layer is not None else names)
-    if scope == "last":
-        if layer is None:
-            return []
-        return [names[i] for i in inside] + [n for n in after if "norm" in n.lower()]
-    return [n for n in after if any(w in n.lower() for w in OUTPUT_WORDS)]
+    modules = drafter.adaptation_scopes().get(scope, [])
+    return [n for n in names if any(n == m or n.startswith(m + ".") for m in modules)]
 
 
 # -------------------------------------------------------------------------------------------------- decision

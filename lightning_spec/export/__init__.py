@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lightning_spec.assets import resolve_target_folder
+from lightning_spec.drafters import FAMILIES, family_class
 from lightning_spec.drafters.base import Drafter, drafter_record
 from lightning_spec.export import sglang, speculators
 from lightning_spec.export.common import SIDECAR, Codec, read_json
@@ -33,17 +34,18 @@ FORMATS: dict[str, Any] = {"speculators": speculators, "sglang": sglang}
 
 
 def codec_for(drafter: Drafter, fmt: str) -> Codec:
-    """The codec writing ``drafter``'s family in ``fmt``; a family the format cannot express is refused."""
+    """The codec writing ``drafter``'s family (``drafters.FAMILIES``) in ``fmt``; a family the format cannot
+    express, or a class that is not exactly a registered family, is refused."""
     if fmt not in FORMATS:
         raise ValueError(f"export --format '{fmt}' is not one of {sorted(FORMATS)}.")
-    codec = FORMATS[fmt].CODECS.get(type(drafter))
+    family = drafter.family if family_class(drafter) is not None else None
+    codec = FORMATS[fmt].CODECS.get(family)
     if codec is None:
-        able = sorted(f for f, m in FORMATS.items() if type(drafter) in m.CODECS)
-        family = type(drafter).__name__
+        able = sorted(f for f, m in FORMATS.items() if family in m.CODECS)
         where = f"formats that can: {', '.join(able)}" if able else "this package has no codec for it in any format yet"
-        known = sorted({c.__name__ for m in FORMATS.values() for c in m.CODECS})
+        known = sorted({FAMILIES[name].__name__ for m in FORMATS.values() for name in m.CODECS})
         raise ValueError(
-            f"A {family} cannot be written in the {fmt} format ({where}; the exportable families are "
+            f"A {type(drafter).__name__} cannot be written in the {fmt} format ({where}; the exportable families are "
             f"{', '.join(known)})."
         )
     return codec

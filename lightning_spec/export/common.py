@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_spec.drafters import class_path_now
 from lightning_spec.drafters.base import Drafter
 
 SIDECAR = "lightning_spec.json"  # our exact record next to a serving layout (class, init arguments, target)
@@ -103,7 +104,8 @@ def record(cls: type, config: dict[str, Any], target: str, vocab_size: int, side
     """The record ``load_drafter`` binds: the sidecar's when it names the same class (our own export, exact),
     else one built from the folder's config (a folder another tool wrote)."""
     path = f"{cls.__module__}.{cls.__qualname__}"
-    if sidecar is not None and sidecar.get("drafter_class") == path and isinstance(sidecar.get("drafter_config"), dict):
-        return {**sidecar, "format": fmt}
+    ours = sidecar.get("drafter_class") if sidecar is not None else None
+    if isinstance(ours, str) and class_path_now(ours) == path and isinstance(sidecar.get("drafter_config"), dict):
+        return {**sidecar, "drafter_class": path, "format": fmt}
     return {"drafter_class": path, "drafter_config": config, "target": target, "target_vocab_size": vocab_size,
             "target_fingerprint": None, "format": fmt, "parent": None}

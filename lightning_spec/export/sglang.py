@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_spec.drafters.block import BlockDrafter
-from lightning_spec.drafters.eagle3 import Eagle3Drafter
+from lightning_spec.drafters import DFlashDrafter, Eagle3Drafter
 from lightning_spec.export.common import layer_config
 from lightning_spec.export.speculators import DFlashCodec, Eagle3Codec
 
@@ -58,7 +57,7 @@ class SGLangEagle3Codec(Eagle3Codec):
 
 
 class SGLangDFlashCodec(DFlashCodec):
-    def write(self, d: BlockDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
+    def write(self, d: DFlashDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
         spec = self.config(d, verifier)
         config = dict(spec["transformer_layer_config"])
         config.update({
@@ -88,7 +87,8 @@ class SGLangDFlashCodec(DFlashCodec):
         return super().read(as_speculators, tensors, folder, sidecar, what)
 
 
-CODECS: dict[type, Any] = {Eagle3Drafter: SGLangEagle3Codec(), BlockDrafter: SGLangDFlashCodec()}
+# family name (``drafters.FAMILIES``) -> its codec
+CODECS: dict[str, Any] = {"eagle3": SGLangEagle3Codec(), "dflash": SGLangDFlashCodec()}
 
 
 def codec_of_config(config: dict) -> Any | None:
@@ -97,7 +97,7 @@ def codec_of_config(config: dict) -> Any | None:
         return None
     archs = config.get("architectures") or []
     if "LlamaForCausalLMEagle3" in archs:
-        return CODECS[Eagle3Drafter]
+        return CODECS["eagle3"]
     if "DFlashDraftModel" in archs and "dflash_config" in config:
-        return CODECS[BlockDrafter]
+        return CODECS["dflash"]
     return None

@@ -36,11 +36,7 @@ from typing import Any
 
 import torch
 
-from lightning_spec.drafters.base import Drafter
-from lightning_spec.drafters.block import BlockDrafter
-from lightning_spec.drafters.dspark import DSparkDrafter
-from lightning_spec.drafters.eagle3 import Eagle3Drafter
-from lightning_spec.drafters.heads import MTPDrafter
+from lightning_spec.drafters import DFlashDrafter, Drafter, DSparkDrafter, Eagle3Drafter, MTPDrafter
 from lightning_spec.export.common import layer_config, read_json, record, take, vocab_ids, vocab_tensors
 
 VERSION = "0.9.0"  # the speculators release whose format this writes
@@ -149,7 +145,7 @@ class Eagle3Codec:
 
 # ------------------------------------------------------------------------------------------------ DFlash
 class DFlashCodec:
-    """BlockDrafter <-> speculators ``dflash`` (vLLM's ``DFlashDraftModel``, Qwen3-style layers)."""
+    """DFlashDrafter <-> speculators ``dflash`` (vLLM's ``DFlashDraftModel``, Qwen3-style layers)."""
 
     algorithm = "dflash"
     vllm, serving_note = "dflash", ""
@@ -163,7 +159,7 @@ class DFlashCodec:
         return {f"layers.{i}.{ours}.weight": f"layers.{i}.{theirs}.weight"
                 for i in range(num_layers) for ours, theirs in names.items()}
 
-    def check(self, d: BlockDrafter) -> None:
+    def check(self, d: DFlashDrafter) -> None:
         wanted = {
             "qk_norm": (d.qk_norm, "true (DFlash's layers norm queries and keys)"),
             "mask_token_id": (d.mask_token_id is not None, "a token id (DFlash shares one mask token over the block)"),
@@ -172,7 +168,7 @@ class DFlashCodec:
         }
         require_options(d, wanted, self.family, self.recipe)
 
-    def tensors(self, d: BlockDrafter) -> dict[str, torch.Tensor]:
+    def tensors(self, d: DFlashDrafter) -> dict[str, torch.Tensor]:
         state = d.state_dict()
         out = {theirs: state[ours] for ours, theirs in self.layer_names(d.num_layers).items()}
         out.update({"fc.weight": state["fc.weight"], "hidden_norm.weight": state["ctx_norm.weight"],
@@ -180,7 +176,7 @@ class DFlashCodec:
                     "embed_tokens.weight": d.target.embed_tokens.weight, **vocab_tensors(d)})
         return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
 
-    def config(self, d: BlockDrafter, verifier: str) -> dict[str, Any]:
+    def config(self, d: DFlashDrafter, verifier: str) -> dict[str, Any]:
         return {
             "architectures": ["DFlashDraftModel"],
             "speculators_model_type": "dflash",
@@ -196,17 +192,17 @@ class DFlashCodec:
             "speculators_config": speculators_config("dflash", d.block_size, verifier, d.target),
         }
 
-    def write(self, d: BlockDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
+    def write(self, d: DFlashDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
         return self.config(d, verifier), self.tensors(d), {"mask_embedding.pt": mask_file(d)}
 
     def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         what = f"{what} '{folder}'"
         if config.get("sample_from_anchor"):
-            raise ValueError(f"{what} is a DFlash drafter that samples from the anchor; BlockDrafter drafts after it.")
+            raise ValueError(f"{what} is a DFlash drafter that samples from the anchor; DFlashDrafter drafts after it.")
         ours, state, vocab_size = self.backbone(config, tensors, folder, what)
         ours["block_size"] = int(config["block_size"]) - 1
-        rec = record(BlockDrafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
+        rec = record(DFlashDrafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
         return from_target(rec, state), state
 
     def backbone(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path,
@@ -425,7 +421,7 @@ def config_format(config: dict) -> str:
     return "speculators" if "speculators_model_type" in config else "sglang"
 
 
-def mask_file(d: BlockDrafter) -> dict[str, Any]:
+def mask_file(d: DFlashDrafter) -> dict[str, Any]:
     """``mask_embedding.pt``: the shared mask vector (H,) and its token, as vLLM's DFlash loader reads it."""
     return {"mask_token_id": d.mask_token_id, "embedding": d.mask_embedding.detach()[0].float().cpu().clone()}
 
@@ -458,8 +454,8 @@ def mask_vector(folder: Path, mask_id: int, tensors: dict[str, torch.Tensor], wh
     return None
 
 
-CODECS: dict[type, Any] = {Eagle3Drafter: Eagle3Codec(), BlockDrafter: DFlashCodec(), DSparkDrafter: DSparkCodec(),
-                           MTPDrafter: MTPCodec()}
+# family name (``drafters.FAMILIES``) -> its codec
+CODECS: dict[str, Any] = {"eagle3": Eagle3Codec(), "dflash": DFlashCodec(), "dspark": DSparkCodec(), "mtp": MTPCodec()}
 
 
 def codec_of_config(config: dict) -> Any | None:

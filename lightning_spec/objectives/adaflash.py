@@ -3,7 +3,7 @@ adaptive length head.
 
 - ``AdaFlashLoss``: ℓ = α·CE(q, argmax p) + (1 - α)·T²·KL(q^T ‖ p^T) per slot, used with the DFlash decay
   (``ExpDecay(7)``, ``normalize="weight"``) on trajectories the target produced under the live drafter.
-- ``LengthMSE``: the length head's regression (``BlockDrafter(length_head=True)``, ``draft.aux["length"]``) towards
+- ``LengthMSE``: the length head's regression (``DFlashDrafter(length_head=True)``, ``draft.aux["length"]``) towards
   clamp((ℓ + lookahead) / K, 0, 1), ℓ the greedy accepted length of the block on the trajectory. It lives per anchor:
   use it in its own ``Objective(LengthMSE(), normalize="anchors")`` (a mean over blocks), alone to fit the head of a
   trained drafter (experiments/regimes/length_head_init.yaml) or in a ``Mixture`` with the draft loss (AdaFlash adds
@@ -94,7 +94,7 @@ class LengthMSE(Loss):
         if self.key not in draft.aux:
             raise ValueError(
                 f"loss LengthMSE reads draft.aux[{self.key!r}], which this drafter does not give; use it with "
-                "lightning_spec.drafters.BlockDrafter(length_head=true) or drop it."
+                "lightning_spec.drafters.DFlashDrafter(length_head=true) or drop it."
             )
         valid = draft.valid
         k = valid.shape[-1]

@@ -38,14 +38,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_spec.drafters.base import Anchors, DraftOutput
+from lightning_spec.drafters.base import Anchors, DraftOutput, PerAnchor
 from lightning_spec.objectives.losses import BernoulliKL, _draft_logprobs, _target_logprobs
 from lightning_spec.objectives.objective import DraftFn, Objective, TargetInfo
 from lightning_spec.sampling import SamplingConfig
 
 
 @dataclass
-class ReplayRounds:
+class ReplayRounds(PerAnchor):
     """The rounds of a batch's rollouts, per anchor (= round), sliced with the anchors by ``DraftOutput.chunk``."""
 
     segment: Tensor  # (N, A) slots of the response stream: accepted drafts + 1 (K for the last round)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
+from lightning_spec.drafters.base import Anchors, DraftOutput, PerAnchor, seeded_rand
 from lightning_spec.objectives.losses import Loss
 from lightning_spec.objectives.objective import DraftFn, Objective, TargetInfo
 from lightning_spec.objectives.weights import AnchorWeight, PositionWeight
@@ -91,7 +91,7 @@ def systematic_sample(
 
 # ------------------------------------------------------------------------------------------------ the parts
 @dataclass
-class EDRBatch:
+class EDRBatch(PerAnchor):
     """What ``EDROccupancy.select_anchors`` leaves in ``draft.extra["edr"]`` for the parts (no gradient)."""
 
     anchor_weight: Tensor  # (N, A) ω_{n,n+1} / π_n (0 for padding anchors)

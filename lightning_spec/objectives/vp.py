@@ -1,6 +1,6 @@
 """The variable-prefix position weight of D²SD's VP-drafter loss (Zhang et al. 2026, arXiv 2606.04446, §3).
 
-With l known tokens after the anchor (``VPDrafter``), slots 1..l are inputs and slot l + 1 is the first prediction:
+With l known tokens after the anchor (``D2SDDrafter``), slots 1..l are inputs and slot l + 1 is the first prediction:
 the DFlash decay restarts there. ``Objective(loss=CE(), position_weight=VPDecay(tau))`` with the default
 ``normalize="weight"`` is the paper's
 
@@ -18,7 +18,7 @@ from lightning_spec.objectives.weights import PositionWeight
 
 class VPDecay(PositionWeight):
     """b_t = exp(-(t - l - 1) / tau) for slots t > l, 0 for t <= l, with l the anchor's known prefix length read
-    from ``draft.aux["prefix_length"]`` (N, A) (``VPDrafter`` puts it there). A drafter without a known prefix (every
+    from ``draft.aux["prefix_length"]`` (N, A) (``D2SDDrafter`` puts it there). A drafter without a known prefix (every
     other DFlash-family drafter) has l = 0, where this is ``ExpDecay(tau)``.
 
     Args:

@@ -1,9 +1,4 @@
-"""Drafters on the target's last hidden state: Medusa heads and DeepSeek-V3 MTP modules, both chain-drafted.
-
-Medusa (Cai et al. 2024, arXiv 2401.10774, §2.1.1): K heads on the target's last hidden state h_t. Head k is a
-residual block and the LM head, p^(k)_t = softmax(W_2 (SiLU(W_1^(k) h_t) + h_t)), and predicts x_{t+k+1}. The
-heads run side by side and see nothing but h_t; W_1 starts at zero and W_2 is the LM head, so each head starts
-as the target's own next-token head.
+"""MTPDrafter: DeepSeek-V3's multi-token prediction modules on the target's last hidden state, chain-drafted.
 
 DeepSeek-V3 multi-token prediction (DeepSeek-AI 2024, arXiv 2412.19437, §2.2, Eq. 21-23): D sequential modules.
 Module k joins the previous depth's state and the embedding of the next known token, h'^k_i = M_k[RMSNorm(h^{k-1}_i);
@@ -12,15 +7,12 @@ output head. Embedding and output head are shared with the main model; each modu
 before the head (``shared_head.norm`` in the released checkpoints).
 
 Our convention. A round is anchored at n, the last committed token (the bonus); the target has run positions
-< n only, so the anchor has no target hidden state yet. Both families read h_{n-1}: the last layer's state at
-n - 1, whose LM head predicted x_n (the anchor). They get it as a target feature layer, ``target_layers =
-[L - 1]``: the HF hidden state of the last layer is already final-normed (``target.py``), i.e. the state the LM
-head reads, which is Medusa's h_t exactly; MTP normalises its input with its own RMSNorm anyway.
+< n only, so the anchor has no target hidden state yet. MTP and Medusa (``medusa.py``) both read h_{n-1}:
+the last layer's state at n - 1, whose LM head predicted x_n (the anchor). They get it as a target feature layer,
+``target_layers = [L - 1]`` (``layers.LastHiddenDrafter``): the HF hidden state of the last layer is already
+final-normed (``target.py``), i.e. the state the LM head reads, which is Medusa's h_t exactly; MTP normalises its
+input with its own RMSNorm anyway.
 
-- Medusa: head k reads h_{n-1} and predicts x_{n+k}, k = 1..K (the paper's t = n - 1). The heads never see the
-  anchor token x_n: where the target sampled x_n, they still spread their mass over every x_n it might have
-  drawn. That, and that no slot sees the drafted tokens before it, is why Medusa accepts less than the drafters
-  that read the anchor (DFlash, EAGLE, MTP). ``propose`` ignores the anchor.
 - MTP streams. Index every depth by the token its entry embeds: s^0_p = h_p, and module k's entry at position p is
   u^k_p = M_k[RMSNorm(s^{k-1}_{p-1}); RMSNorm(Emb(x_p))], its output s^k_p = TRM_k(u^k)_p with causal attention over
   its own entries at positions <= p, predicting x_{p+1} (the paper's h'^k_i and h^k_i at i = p - k). Before position
@@ -48,14 +40,12 @@ head reads, which is Medusa's h_t exactly; MTP normalises its input with its own
   ``propose`` draws from whenever slots 1..t-1 were accepted. A reused module is trained on its own states, like
   EAGLE's training-time test.
 
-Losses are objective parts (the family owns none): Medusa's Σ_k 0.8^k CE_k is ``CE`` + ``Geometric(0.8)``
-(``normalize: weight`` cancels its factor 0.8 against our t - 1 exponent); DeepSeek-V3's (λ/D) Σ_k CE_k is ``CE``
-+ ``Uniform`` with ``normalize: slots`` (λ weighs it against the main model's loss, which has no counterpart
-here). See experiments/drafters/medusa.yaml and mtp.yaml.
+Losses are objective parts (the family owns none): DeepSeek-V3's (λ/D) Σ_k CE_k is ``CE`` + ``Uniform`` with
+``normalize: slots`` (λ weighs it against the main model's loss, which has no counterpart here); see
+experiments/drafters/mtp.yaml.
 
-Trees: ``MedusaDrafter.position_logits`` gives every head's logits at once, so ``Drafter.propose_tree`` grows a
-best-first tree over their top-k (Medusa's tree is a product of the heads' top-k). MTP grows EAGLE-2's dynamic tree:
-``tree_step`` continues chosen rows of a round's chain by one ``advance`` (their entries copied per row).
+Trees: MTP grows EAGLE-2's dynamic tree: ``tree_step`` continues chosen rows of a round's chain by one ``advance``
+(their entries copied per row).
 """
 
 from __future__ import annotations
@@ -64,157 +54,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
-from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
-from lightning_spec.drafters.block import DraftLayer, RMSNorm, TargetShape, init_weights
-from lightning_spec.drafters.eagle3 import chain_attention
+from lightning_spec.drafters.base import Anchors, DraftOutput
+from lightning_spec.drafters.layers import (
+    DraftLayer,
+    LastHiddenDrafter,
+    RMSNorm,
+    TargetShape,
+    causal_attention,
+    chain_attention,
+    init_weights,
+)
 from lightning_spec.sampling import SamplingConfig
 
 
-# --------------------------------------------------------------------------------------- shared: h_{n-1}
-class LastHiddenDrafter(Drafter):
-    """What Medusa and MTP share: the last target layer as their only feature, and h_{n-1} per anchor (zero at
-    n = 0, where no position precedes the anchor, in training and decoding alike)."""
-
-    def __init__(self, block_size: int, num_anchors: int, draft_vocab_size: int | None) -> None:
-        super().__init__()
-        if block_size < 1:
-            raise ValueError(f"drafter.block_size must be >= 1, got {block_size}.")
-        self.block_size = block_size
-        self.num_anchors = num_anchors
-        self.draft_vocab_size = draft_vocab_size
-        self.target_layers: list[int] = []  # [L - 1], set by bind
-        self.vocab = DraftVocab(draft_vocab_size)
-        self.built = False
-
-    def bind(self, target: Any) -> None:
-        super().bind(target)
-        self.target_layers = [target.num_layers - 1]  # final-normed: the state the LM head reads
-        if self.built:
-            return
-        self.vocab.build(target.vocab_size)
-        self.build(target)
-        self.to(target.device)
-        self.built = True
-
-    def build(self, target: Any) -> None:
-        """The family's own layers, target-shaped (called once, from ``bind``)."""
-        raise NotImplementedError
-
-    def previous_hidden(self, features: Tensor, anchors: Tensor) -> Tensor:
-        """h_{n-1} for every anchor n: features (N, S, H), anchors (N, A) -> (N, A, H), zero where n = 0."""
-        prev = features.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]))
-        return prev * (anchors > 0)[..., None]  # (N, A, H)
-
-
-# ------------------------------------------------------------------------------------------------- Medusa
-@dataclass
-class LastHiddenState:
-    """Medusa's decoding state: the target's last-layer state h_{n-1} before the next anchor n."""
-
-    last: Tensor  # (1, H)
-
-
-class ResBlock(nn.Module):
-    """x + SiLU(W x + b) (Medusa §2.1.1; the authors' code has the bias). W and b start at zero: the identity."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + F.silu(self.linear(x))
-
-
-class MedusaDrafter(LastHiddenDrafter):
-    """Medusa-1 heads on the frozen target (Cai et al. 2024, arXiv 2401.10774): head k = ``num_layers`` residual
-    blocks, then the target's frozen LM head over the draft vocabulary; head k predicts x_{n+k} from h_{n-1}.
-
-    The paper trains a separate W_2 per head, initialised from the LM head; here every head shares the frozen LM
-    head (over the draft vocabulary), as every other family of this package does.
-
-    Args:
-        block_size: K, the number of heads (the paper uses 4-5).
-        num_layers: residual blocks per head (Medusa's ``medusa_num_layers``, 1 in the paper).
-        num_anchors: anchors sampled per training sequence.
-        draft_vocab_size: restrict the LM head to the most frequent target tokens of the training data (None = the
-            full target vocabulary).
-    """
-
-    def __init__(
-        self,
-        block_size: int = 5,
-        num_layers: int = 1,
-        num_anchors: int = 64,
-        draft_vocab_size: int | None = None,
-    ) -> None:
-        super().__init__(block_size, num_anchors, draft_vocab_size)
-        if num_layers < 1:
-            raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}.")
-        self.num_layers = num_layers
-
-    def build(self, target: Any) -> None:
-        hidden = target.hidden_size
-        self.medusa = nn.ModuleList(
-            nn.Sequential(*(ResBlock(hidden) for _ in range(self.num_layers))) for _ in range(self.block_size)
-        )
-
-    def heads_hidden(self, h: Tensor) -> Tensor:
-        """(..., H) h_{n-1} -> (..., K, H): every head's state before the shared LM head."""
-        h = h.to(self.medusa[0][0].linear.weight.dtype)
-        return torch.stack([head(h) for head in self.medusa], dim=-2)
-
-    # ------------------------------------------------------------------------------------------- training
-    def forward(self, batch: dict[str, Tensor], features: Tensor, anchors: Anchors | None = None) -> DraftOutput:
-        """Every head of every anchor; the heads do not depend on the tokens, so nothing is teacher-forced."""
-        anchors = anchors if anchors is not None else self.sample_anchors(batch)
-        hidden = self.heads_hidden(self.previous_hidden(features, anchors.positions))  # (N, A, K, H)
-        labels, valid = self.labels(batch, anchors)  # (N, A, K)
-        return DraftOutput(labels=labels, valid=valid, anchors=anchors.positions, hidden=hidden, head=self._logits)
-
-    def _logits(self, hidden: Tensor, index: Tensor) -> Tensor:
-        return self.head(hidden)  # (N, a, K, Vd)
-
-    # ------------------------------------------------------------------------------------------- decoding
-    @torch.no_grad()
-    def begin(self, features: Tensor, input_ids: Tensor | None = None) -> LastHiddenState:
-        """The prefill covers the prompt but its last token (the first anchor): h_{n-1} is the last feature.
-        The prompt's tokens are not read."""
-        if features.shape[1] == 0:  # a one-token prompt: nothing precedes the anchor
-            return LastHiddenState(last=features.new_zeros(1, features.shape[-1]))
-        return LastHiddenState(last=features[:, -1])
-
-    @torch.no_grad()
-    def extend(self, state: LastHiddenState, features: Tensor, path: list[int]) -> None:
-        """The last committed node sits just before the next anchor (the token the target commits after it)."""
-        state.last = features[:, path[-1]]  # (1, H)
-
-    parallel_slots = True  # the heads read h_{n-1} only
-
-    @torch.no_grad()
-    def position_logits(self, state: LastHiddenState, anchor: Tensor | None = None) -> Tensor:
-        """Every head's logits over the draft vocabulary, (K, Vd): independent of the anchor and of each other
-        (a Medusa tree is grown over them, ``Drafter.propose_tree``)."""
-        return self.head(self.heads_hidden(state.last[0]))
-
-    @torch.no_grad()
-    def propose(
-        self, state: LastHiddenState, anchor: Tensor, sampling: SamplingConfig, generator=None
-    ) -> ChainProposal:
-        """Head k's top token (greedy) or a draw from it (sampling) at slot k; the anchor is not read."""
-        logits = self.position_logits(state)  # (K, Vd)
-        if sampling.greedy:
-            return ChainProposal(tokens=self.vocab.to_target(logits.argmax(-1)))
-        q = sampling.probs(logits)  # (K, Vd)
-        return ChainProposal(tokens=self.vocab.to_target(sampling.sample(q, generator)), probs=self.vocab.scatter(q))
-
-
-# ---------------------------------------------------------------------------------------------------- MTP
 class MTPModule(nn.Module):
     """One DeepSeek-V3 MTP module: u = M_k [RMSNorm(s); RMSNorm(e)] (Eq. 21), a Llama-style decoder block whose
     causal attention runs over the module's own entries (Eq. 22), and its own RMSNorm before the shared head."""
@@ -233,15 +88,6 @@ class MTPModule(nn.Module):
         return self.proj(torch.cat([self.hnorm(below), self.enorm(emb.to(below.dtype))], dim=-1))
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """T new entries' queries q (B, Hq, T, D) over keys and values (B, Hkv, L + T, D) whose last T are theirs: entry
-    j sees positions <= L + j. Returns (B, Hq, T, D)."""
-    t, total = q.shape[2], k.shape[2]
-    r = q.shape[1] // k.shape[1]  # grouped-query: head h reads kv head h // r
-    mask = torch.ones(t, total, dtype=torch.bool, device=q.device).tril(total - t)  # (T, L + T)
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), attn_mask=mask)
-
-
 @dataclass
 class MTPState:
     """Decoding state: per module the keys and values of its committed entries at positions 0..length-1, and per
@@ -255,7 +101,7 @@ class MTPState:
 
 
 @dataclass
-class MTPChain:
+class MTPRows:
     """One round's chain for anchors (N, A) side by side, after ``slot`` slots: the state the next slot reads, and
     per module the committed entries it attends to and the entries it wrote this round."""
 
@@ -288,7 +134,12 @@ class MTPDrafter(LastHiddenDrafter):
             one module and the full vocabulary (experiments/drafters/mtp_export.yaml).
     """
 
+    family = "mtp"
     dynamic_trees = True  # tree_start / tree_step below: EAGLE-2's dynamic tree over the chained modules
+
+    def adaptation_scopes(self) -> dict[str, list[str]]:
+        last = f"mtp.{self.num_modules - 1}"  # the module that drafts every slot past the others
+        return {"head": [f"{last}.out_norm"], "last": [f"{last}.block", f"{last}.out_norm"]}
 
     def __init__(
         self,
@@ -348,7 +199,7 @@ class MTPDrafter(LastHiddenDrafter):
     # ------------------------------------------------------------------------------------------- one slot
     def new_chain(
         self, before: list[Tensor], anchor: Tensor, starts: Tensor, context: list[tuple[Tensor, Tensor, Tensor | None]]
-    ) -> MTPChain:
+    ) -> MTPRows:
         """A round's chain before its first slot, for anchors at ``starts`` (N, A) with tokens ``anchor`` (N, A):
         ``before`` per depth 0..D-1 the committed stream's state at n - 1 (N, A, H), ``context`` per module its
         committed entries before the anchor. Modules 2..D start with the anchor's own entry (its inputs, depth
@@ -363,9 +214,9 @@ class MTPDrafter(LastHiddenDrafter):
                 continue
             k, v = b.kv(b.input_norm(module.entry(before[m], emb)), starts, self.rope_theta)  # (N, kv_heads, A, D)
             entries.append((k[:, :, :, None], v[:, :, :, None]))
-        return MTPChain(hidden=before[0], starts=starts, context=context, entries=entries)
+        return MTPRows(hidden=before[0], starts=starts, context=context, entries=entries)
 
-    def advance(self, chain: MTPChain, tokens: Tensor) -> Tensor:
+    def advance(self, chain: MTPRows, tokens: Tensor) -> Tensor:
         """Run slot t = chain.slot + 1 on the known token x_{n+t-1} (tokens (N, A) target ids: the anchor at t = 1,
         then the realised or the drafted token) and move the chain on. Returns the state the head reads, (N, A, H)."""
         m = min(chain.slot, self.num_modules - 1)  # slot t runs module min(t, D)
@@ -438,7 +289,7 @@ class MTPDrafter(LastHiddenDrafter):
         state.last = [depth[:, -1] for depth in states]
         state.length += ids.shape[1]
 
-    def _round(self, state: MTPState, token: Tensor) -> MTPChain:
+    def _round(self, state: MTPState, token: Tensor) -> MTPRows:
         """The chain of a round anchored at n = ``state.length`` on the anchor ``token`` (1, 1), before slot 1."""
         starts = torch.full_like(token, state.length)
         context = [(ck, cv, None) for ck, cv in zip(state.keys, state.values)]
@@ -470,15 +321,15 @@ class MTPDrafter(LastHiddenDrafter):
 
     # ----------------------------------------------------------------------- dynamic trees (EAGLE-2)
     @torch.no_grad()
-    def tree_start(self, state: MTPState, anchor: Tensor) -> tuple[MTPChain, Tensor]:
+    def tree_start(self, state: MTPState, anchor: Tensor) -> tuple[MTPRows, Tensor]:
         token = anchor.reshape(1, 1).to(state.keys[0].device)  # (1, 1)
         chain = self._round(state, token)
         return chain, self.head(self.advance(chain, token))[0]  # (1, Vd)
 
     @torch.no_grad()
-    def tree_step(self, chain: MTPChain, rows: Tensor, tokens: Tensor) -> tuple[MTPChain, Tensor]:
+    def tree_step(self, chain: MTPRows, rows: Tensor, tokens: Tensor) -> tuple[MTPRows, Tensor]:
         rows = rows.to(chain.hidden.device)
-        branch = MTPChain(
+        branch = MTPRows(
             hidden=chain.hidden[:, rows], starts=chain.starts[:, rows], context=chain.context,  # decoding: seen None
             entries=[(k[:, :, rows], v[:, :, rows]) for k, v in chain.entries], slot=chain.slot,
         )
