@@ -67,3 +67,5 @@ def test_the_offline_evaluator_refuses_paths_and_says_how_to_load_them(tiny_targ
     rows = [(p, r) for p, r in zip(load_rollout_set(folder).prompt_ids, load_rollout_set(folder).response_ids)]
     assert torch.equal(offline_rounds(tiny_target, drafter, load_rollout_set(folder)),
                        offline_rounds(tiny_target, drafter, rows, T1))
+    # the public API's edge (DESIGN.md): offline_rounds also takes the folder itself, and loads it
+    assert torch.equal(offline_rounds(tiny_target, drafter, str(folder)), offline_rounds(tiny_target, drafter, rows, T1))

@@ -32,6 +32,7 @@ Conventions, the engine's exactly (``decoding/engine.py``):
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_spec.data.rollouts import load_rollout_set
 from lightning_spec.decoding.engine import draft
 from lightning_spec.decoding.ngram import NgramDrafter
 from lightning_spec.decoding.trees import TreeConfig
@@ -327,13 +329,17 @@ def offline_report(
     )
 
 
-def offline_rounds(target: Target, drafter: Drafter | NgramDrafter | Literal["ngram"], rollouts: Rollouts,
-                   sampling: SamplingConfig | None = None, **kwargs: Any) -> Tensor:
+def offline_rounds(target: Target, drafter: Drafter | NgramDrafter | Literal["ngram"],
+                   rollouts: str | os.PathLike | Rollouts, sampling: SamplingConfig | None = None,
+                   **kwargs: Any) -> Tensor:
     """Exact expected rounds per rollout (R,) float64, in the rollouts' order (part of the stable public API).
 
-    ``rollouts``: rollouts in memory: ``load_rollout_set(folder)``, a ``datasets.Dataset`` or a list of
-    ``(prompt_ids, response_ids)`` pairs; ``sampling`` must be the config they were drawn under (default: the one
-    they record). Pooled MAL of the set is ``Σ len(response) / Σ rounds``; see ``offline_report`` for that, per
-    domain, and the keyword arguments."""
+    ``rollouts``: a rollouts folder written by ``lightning-spec rollouts`` (this public entry point is an edge: it
+    loads the folder, ``load_rollout_set``), or rollouts in memory: a ``RolloutSet``, a ``datasets.Dataset`` or a
+    list of ``(prompt_ids, response_ids)`` pairs; ``sampling`` must be the config they were drawn under (default:
+    the one they record). Pooled MAL of the set is ``Σ len(response) / Σ rounds``; see ``offline_report`` (loaded
+    objects only) for that, per domain, and the keyword arguments."""
+    if isinstance(rollouts, (str, os.PathLike)):
+        rollouts = load_rollout_set(rollouts)
     return offline_report(target, drafter, rollouts, sampling, **kwargs).rounds
 
