@@ -6,6 +6,9 @@ A checkpoint stores the drafter's weights, its class and init arguments, and the
 Checkpoints and exported folders are shared between people, so reading one is a trust boundary: files are read
 with ``torch.load(weights_only=True)`` (tensors and plain values, no pickled code), and the only classes built
 from a file's ``class_path`` strings are lightning_spec's own (``build``), never an arbitrary importable name.
+
+``lightning-spec export`` (``export_checkpoint``) reads a checkpoint here and writes it in a serving layout
+through ``export/``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from typing import Any
 
 import torch
 
+from lightning_spec.assets import resolve_target_folder
 from lightning_spec.drafters import class_path_now
 from lightning_spec.drafters.base import Drafter, drafter_record, init_arguments
-from lightning_spec.export import is_serving_folder, read_serving_folder
+from lightning_spec.export import codec_for, export_drafter, is_serving_folder, read_serving_folder
 from lightning_spec.target import TargetOptions, live_target, load_target
 
 CKPT_KEY = "lightning_spec"
@@ -271,4 +275,31 @@ def save_drafter(drafter: Drafter, folder: str | Path, target_spec: str | None =
     meta = drafter_record(drafter, target_spec or drafter.target.name)
     (folder / "drafter.json").write_text(json.dumps(meta, indent=2))
     torch.save(drafter.state_dict(), folder / "drafter.pt")
+    return folder
+
+
+def export_checkpoint(ckpt: str, out: str, format: str = "speculators",  # noqa: A002
+                      target_path: str | None = None) -> Path:
+    """``lightning-spec export``: write a trained drafter in a layout a serving engine loads (vLLM: speculators;
+    SGLang: sglang), through ``export.export_drafter``.
+
+    Args:
+        ckpt: a .ckpt written by `lightning-spec fit` (or an exported / save_drafter folder).
+        out: the folder to write: config.json, model.safetensors, lightning_spec.json (+ mask_embedding.pt).
+        format: speculators (EAGLE-3, DFlash, DSpark, which vLLM serves, and MTP) or sglang (EAGLE-3, DFlash).
+        target_path: the verifier path written into the config (default: the target's local folder).
+    """
+    record, _ = read_drafter_state(ckpt, "export --ckpt")
+    drafter = load_drafter(ckpt)
+    parent = {"path": str(ckpt), "drafter_class": record["drafter_class"], "parent": record.get("parent")}
+    folder = export_drafter(drafter, out, format, record["target"], target_path, parent)
+    k = drafter.block_size
+    codec = codec_for(drafter, format)
+    print(f"export: wrote {type(drafter).__name__} (K={k}) as {format} to {folder}")
+    if format == "speculators" and codec.vllm:
+        verifier = target_path or resolve_target_folder(record["target"])
+        print(f'serve: vllm.LLM(model="{verifier}", speculative_config={{"method": "{codec.vllm}", "model": '
+              f'"{folder}", "num_speculative_tokens": {k}}})')
+    if format == "speculators" and codec.serving_note:
+        print(f"note: {codec.serving_note}")
     return folder

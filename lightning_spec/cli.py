@@ -1,7 +1,8 @@
 """``lightning-spec fit|validate|test -c experiments/X.yaml`` (also installed as ``lightning``).
 
 Other subcommands (``rollouts``, ``evaluate``, …) are registered in ``EXTRA_COMMANDS`` below; ``features`` (the
-feature store of a fit, written ahead of it) takes ``fit``'s own options (``features/command.py``).
+feature store of a fit, written ahead of it) takes ``fit``'s own options (``run_features``; the work is
+``features/command.py``).
 
 A thin LightningCLI: the YAML schema is the typed ``__init__`` of ``DraftModule``, ``SpecDataModule`` and the
 parts they take. Defaults a user meets: MLflow tracking in ``sqlite:///mlflow.db`` of the working folder, the
@@ -138,7 +139,7 @@ EXTRA_COMMANDS: dict[str, str] = {
     "rollouts": "lightning_spec.data.rollout_writer:rollouts",
     "evaluate": "lightning_spec.evaluation.cli:evaluate",
     "sweep": "lightning_spec.sweeps:sweep",
-    "export": "lightning_spec.export.command:export",
+    "export": "lightning_spec.checkpoint:export_checkpoint",
 }
 
 
@@ -158,6 +159,30 @@ def run_command(name: str, argv: list[str]) -> None:
     func(**{k: v for k, v in vars(parser.instantiate_classes(cfg)).items() if k != "config"})
 
 
+def run_features(argv: list[str]) -> None:
+    """``lightning-spec features``: parse ``fit``'s options (``-c`` files, ``--model.*``, ``--data.*``) plus
+    ``--out``/``--batch_size``, then write the store."""
+    from lightning_spec.features.command import write_store
+
+    class FeaturesCLI(SpecCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            super().add_arguments_to_parser(parser)
+            parser.add_argument("--out", type=str | None, default=None,
+                                help="the store's folder (default: the one fit uses: model.feature_store, else the "
+                                     "cache's)")
+            parser.add_argument("--batch_size", type=int, default=16, help="examples per target forward")
+            parser.add_argument("--progress", type=bool, default=True, help="show the progress bar")
+
+        def before_instantiate_classes(self) -> None:  # no MLflow run: nothing here trains
+            self.config["trainer"]["logger"] = False
+
+    cli = FeaturesCLI(DraftModule, SpecDataModule, run=False, args=argv,
+                      parser_kwargs={"exit_on_error": False, "prog": "lightning-spec features"})
+    cli.datamodule.setup("fit")
+    write_store(cli.model, cli.datamodule, cli.config["out"], cli.config["batch_size"], cli.config["progress"],
+                echo=lambda text: print(text, file=sys.stderr, flush=True))
+
+
 def main(args: list[str] | None = None) -> None:
     from jsonargparse import ArgumentError
 
@@ -167,9 +192,7 @@ def main(args: list[str] | None = None) -> None:
     command = argv[0] if argv and not argv[0].startswith("-") else "fit"
     try:
         if argv and argv[0] == "features":  # fit's own options (the same YAML), so parsed by a LightningCLI
-            from lightning_spec.features.command import main as features
-
-            features(argv[1:])
+            run_features(argv[1:])
         elif argv and argv[0] in EXTRA_COMMANDS:
             run_command(argv[0], argv[1:])
         else:

@@ -1,4 +1,5 @@
-"""``lightning-spec features -c experiments/X.yaml``: write the feature store of a fit before the fit runs.
+"""``lightning-spec features -c experiments/X.yaml``: write the feature store of a fit before the fit runs (its
+command line, ``fit``'s own options, is parsed in ``cli.py``; the work is ``write_store`` here).
 
 The same YAML as ``fit`` says which target, layers, data and feature dtype; this command runs the target over every
 training example once, longest first in batches, and writes the store a fit with ``model.feature_cache: disk``
@@ -10,7 +11,6 @@ are skipped, so a killed run continues where its last shard ended.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -65,29 +65,3 @@ def write_store(module: Any, dm: Any, out: str | None = None, batch_size: int = 
     echo(f"features: {len(store)} of {len(examples)} examples stored in {directory} ({human(store.disk_bytes())}); "
          f"{done_tokens:,} tokens in {seconds:.0f} s")
     return store
-
-
-def main(argv: list[str]) -> None:
-    """Parse ``fit``'s options (``-c`` files, ``--model.*``, ``--data.*``) plus ``--out``/``--batch_size``, then
-    write the store."""
-    from lightning_spec.cli import SpecCLI
-    from lightning_spec.datamodule import SpecDataModule
-    from lightning_spec.module import DraftModule
-
-    class FeaturesCLI(SpecCLI):
-        def add_arguments_to_parser(self, parser) -> None:
-            super().add_arguments_to_parser(parser)
-            parser.add_argument("--out", type=str | None, default=None,
-                                help="the store's folder (default: the one fit uses: model.feature_store, else the "
-                                     "cache's)")
-            parser.add_argument("--batch_size", type=int, default=16, help="examples per target forward")
-            parser.add_argument("--progress", type=bool, default=True, help="show the progress bar")
-
-        def before_instantiate_classes(self) -> None:  # no MLflow run: nothing here trains
-            self.config["trainer"]["logger"] = False
-
-    cli = FeaturesCLI(DraftModule, SpecDataModule, run=False, args=argv,
-                      parser_kwargs={"exit_on_error": False, "prog": "lightning-spec features"})
-    cli.datamodule.setup("fit")
-    write_store(cli.model, cli.datamodule, cli.config["out"], cli.config["batch_size"], cli.config["progress"],
-                echo=lambda text: print(text, file=sys.stderr, flush=True))

@@ -6,7 +6,6 @@ added here. A new objective is a new part, never a new training loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -14,8 +13,9 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_spec.drafters.base import Anchors, DraftOutput, DraftVocab
+from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.objectives.losses import CE, Loss, NegProb, TVMinusOne
+from lightning_spec.objectives.part import DraftFn, TargetInfo
 from lightning_spec.objectives.weights import (
     AnchorUniform,
     AnchorWeight,
@@ -47,23 +47,6 @@ class LossTerms:
     def value(self) -> Tensor:
         return self.num.detach() / self.den.clamp_min(1e-12)
 
-
-@dataclass
-class TargetInfo:
-    """What an objective that picks its own anchors may read: the frozen target's states (no gradient), and the
-    drafter's vocabulary and block size.
-
-    ``last_hidden[:, s]`` gives the target's distribution of the token at position s + 1 (the shift).
-    """
-
-    last_hidden: Tensor  # (N, S, H) final normed hidden states
-    logits: Callable[[Tensor], Tensor]  # (..., H) -> (..., V) full-vocabulary target logits
-    vocab: DraftVocab  # the drafter's draft vocabulary
-    block_size: int  # the drafter's K
-    eos_ids: list[int] = field(default_factory=list)  # target ids that end a generation
-
-
-DraftFn = Callable[[Anchors], DraftOutput]  # the drafter's training forward from chosen anchors
 
 
 class Objective:

@@ -1,18 +1,37 @@
 """Part: what every part of the objective template (a loss ℓ, a position weight b, an anchor weight a) declares.
 
 ``Objective`` reads these declarations to tell the module what to provide; it never probes a part for
-attributes or methods (``Loss``, ``PositionWeight`` and ``AnchorWeight`` derive from this class).
+attributes or methods (``Loss``, ``PositionWeight`` and ``AnchorWeight`` derive from this class). ``TargetInfo``
+and ``DraftFn`` are what a part that chooses its own anchors is given.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from lightning_spec.drafters.base import Anchors
-    from lightning_spec.objectives.objective import DraftFn, TargetInfo
+from lightning_spec.drafters.base import Anchors, DraftOutput, DraftVocab
+
+
+@dataclass
+class TargetInfo:
+    """What an objective that picks its own anchors may read: the frozen target's states (no gradient), and the
+    drafter's vocabulary and block size.
+
+    ``last_hidden[:, s]`` gives the target's distribution of the token at position s + 1 (the shift).
+    """
+
+    last_hidden: Tensor  # (N, S, H) final normed hidden states
+    logits: Callable[[Tensor], Tensor]  # (..., H) -> (..., V) full-vocabulary target logits
+    vocab: DraftVocab  # the drafter's draft vocabulary
+    block_size: int  # the drafter's K
+    eos_ids: list[int] = field(default_factory=list)  # target ids that end a generation
+
+
+DraftFn = Callable[[Anchors], DraftOutput]  # the drafter's training forward from chosen anchors
 
 
 class Part:
