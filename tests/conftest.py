@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny CPU targets and drafters whose acceptance we control.
+"""Shared fixtures: tiny CPU targets and drafters whose acceptance we control, the CLI run in tmp_path, data files
+and a short trained fit.
 
 Every model here is tiny (2 layers, hidden <= 64) so the whole suite runs on a 2-core laptop.
 """
@@ -13,14 +14,20 @@ if "LIGHTNING_SPEC_DATA_CACHE" not in os.environ:  # tokenised sets of this run'
 
     os.environ["LIGHTNING_SPEC_DATA_CACHE"] = tempfile.mkdtemp(prefix="lightning-spec-data-")
 
+import sys  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers.data import conversations, write_jsonl  # noqa: E402
+from helpers.fits import quiet_trainer  # noqa: E402
 
 from lightning_spec import load_target  # noqa: E402
+from lightning_spec.datamodule import SpecDataModule  # noqa: E402
 from lightning_spec.decoding.proposals import ChainProposal  # noqa: E402
 from lightning_spec.drafters import DFlashDrafter, Drafter, DraftVocab  # noqa: E402
+from lightning_spec.module import DraftModule  # noqa: E402
+from lightning_spec.objectives import KL, ExpDecay, Objective  # noqa: E402
 from lightning_spec.target import Target  # noqa: E402
 
 # Tensors here are a few KB: intra-op threads only add synchronisation (measured ~100x slower decoding with
@@ -146,13 +153,56 @@ class FixedDrafter(Drafter):
 def saved_drafter(tmp_path, tiny_target):
     """An untrained drafter for ``tiny-random`` saved as a fit checkpoint holds it (``.ckpt``) and as an exported
     folder: (drafter, ckpt path, folder)."""
-    from fit_probe import fit_checkpoint
+    from helpers.fits import fit_checkpoint
 
     from lightning_spec.checkpoint import save_drafter
 
     drafter = block_drafter(tiny_target, block_size=3)
     ckpt = fit_checkpoint(drafter, tmp_path / "last.ckpt", "tiny-random")
     return drafter, ckpt, save_drafter(drafter, tmp_path / "exported", "tiny-random")
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run the CLI inside tmp_path (mlflow.db, mlruns/ and checkpoints land there) with a clean argv."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    return tmp_path
+
+
+@pytest.fixture
+def data_files(tmp_path):
+    """JSONL files in tmp_path: 12 training conversations (``train``), 12 others (``train_b``) and one eval prompt
+    in each of two domains (``eval``)."""
+    eval_rows = [
+        {"messages": [{"role": "user", "content": "Say hello."}], "domain": "chat"},
+        {"messages": [{"role": "user", "content": "def add(a, b):"}], "domain": "code"},
+    ]
+    return {
+        "train": write_jsonl(tmp_path / "train.jsonl", conversations(12)),
+        "train_b": write_jsonl(tmp_path / "train_b.jsonl", conversations(12, tag=" (b)")),
+        "eval": write_jsonl(tmp_path / "eval.jsonl", eval_rows),
+    }
+
+
+@pytest.fixture
+def trained_fit(tmp_path, data_files):
+    """A few fit steps on tiny-random with a reduced draft vocabulary (which the checkpoint must carry):
+    (the module in eval mode, its last.ckpt, the data module)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
+                        train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
+    drafter = DFlashDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100)
+    module = DraftModule(drafter, Objective(KL(), ExpDecay(4.0)), target="tiny-random", lr=1e-2)
+    trainer = quiet_trainer(max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step >= 2
+    # the feature cache holds every training example after one epoch
+    assert module._features is not None and len(module._features) == len(dm.train_dataset)
+    return module.eval(), tmp_path / "ckpt" / "last.ckpt", dm
 
 
 # Helpers as fixtures, so test modules never import conftest.

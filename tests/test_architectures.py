@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from test_families import FAMILIES
+from helpers.families import FAMILIES
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,

@@ -6,20 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.benchmarks import run_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(script: str, *args: str) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_decode_speed_compares_chain_tree_and_plain():
-    out = run("decode_speed.py", "--target", "tiny-random", "--prompts", "2", "--max-new-tokens", "8",
-              "--repeats", "2", "--no-peers", "--tree", "6,2", "--threads", "1")
+    out = run_benchmark("decode_speed.py", "--target", "tiny-random", "--prompts", "2", "--max-new-tokens", "8",
+                        "--repeats", "2", "--no-peers", "--tree", "6,2", "--threads", "1")
     assert "speculative / plain tokens/s" in out and "tree / chain" in out
     assert "greedy outputs identical on 2/2 prompts" in out  # chain and tree both
     assert "tree of 6+1 tokens (verify)" in out
@@ -31,8 +25,8 @@ def test_decode_speed_compares_chain_tree_and_plain():
 
 
 def test_verify_cost_times_every_size_per_dtype():
-    out = run("verify_cost.py", "--target", "tiny-random", "--dtypes", "float32", "--repeats", "1",
-              "--prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--prepack")
+    out = run_benchmark("verify_cost.py", "--target", "tiny-random", "--dtypes", "float32", "--repeats", "1",
+                        "--prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--prepack")
     for label in ("float32", "float32+pp"):  # the target as loaded, and with prepacked linears
         rows = [line.split() for line in out.splitlines() if line.split()[:1] == [label]]
         assert [int(r[1]) for r in rows[:6]] == [1, 2, 9, 17, 33, 65]
@@ -41,9 +35,9 @@ def test_verify_cost_times_every_size_per_dtype():
 
 def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target):
     """The orchestration of `make serve-check` (export, our decoding, the offline evaluator, the table, the verdict),
-    with tests/serve_standin.py in vLLM's place; the real engine runs in `make serve-check`."""
-    from fit_probe import fit_checkpoint
-    from test_families import FAMILIES, trained
+    with tests/helpers/serve_standin.py in vLLM's place; the real engine runs in `make serve-check`."""
+    from helpers.families import FAMILIES, trained
+    from helpers.fits import fit_checkpoint
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from decode_speed import mt_bench_prompts
@@ -61,9 +55,10 @@ def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target
         finally:
             del FAMILIES[f"serve_{name}"]
         fit_checkpoint(drafter, tmp_path / f"{name}.ckpt", "tiny-random")
-    out = run("serve_check.py", "--serve-python", sys.executable, "--serve-script",
-              str(ROOT / "tests" / "serve_standin.py"), "--target", "tiny-random", "--work", str(tmp_path),
-              "--prompts", "2", "--max-new-tokens", "8", "--threads", "1", "--families", "eagle3", "dflash", "dspark")
+    out = run_benchmark("serve_check.py", "--serve-python", sys.executable, "--serve-script",
+                        str(ROOT / "tests" / "helpers" / "serve_standin.py"), "--target", "tiny-random", "--work",
+                        str(tmp_path), "--prompts", "2", "--max-new-tokens", "8", "--threads", "1", "--families",
+                        "eagle3", "dflash", "dspark")
     rows = [line for line in out.splitlines() if line.startswith(("| eagle3 |", "| dflash |", "| dspark |"))]
     assert len(rows) == 3 and all("| 2/2 / 2/2 |" in row for row in rows), out
     assert "serve-check: PASSED" in out

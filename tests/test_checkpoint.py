@@ -4,6 +4,8 @@ A checkpoint or an exported folder comes from someone else: reading one must nev
 """
 
 import json
+import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import yaml
 from jsonargparse import ArgumentParser
 
 from lightning_spec import generate, load_drafter, load_target
-from lightning_spec.checkpoint import build, describe
+from lightning_spec.checkpoint import CKPT_KEY, build, describe
 from lightning_spec.drafters import FAMILIES, RENAMED, D2SDDrafter, DFlashDrafter, Drafter
 from lightning_spec.objectives import Objective
 
@@ -138,3 +140,63 @@ def test_old_names_are_kept_only_where_saved_files_name_them():
         cfg = parser.parse_object({"drafter": {"class_path": f"lightning_spec.drafters.{old}",
                                                "init_args": {"block_size": 3}}})
         assert type(parser.instantiate(cfg).drafter) is cls
+
+
+# ==================================================================== loading is a security boundary
+class Boom:
+    def __reduce__(self):
+        return (Path.touch, (Path("PWNED"),))
+
+
+def test_a_checkpoint_that_pickles_code_is_refused_and_runs_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "evil.ckpt"
+    with open(path, "wb") as f:
+        pickle.dump({CKPT_KEY: {}, "payload": Boom()}, f)
+    with pytest.raises(ValueError, match="cannot be read safely"):
+        load_drafter(path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_an_exported_folder_cannot_name_a_callable(saved_drafter, tmp_path, monkeypatch):
+    """``"drafter_class": "os.system"`` in drafter.json ran a shell command in load_drafter."""
+    monkeypatch.chdir(tmp_path)
+    _, _, folder = saved_drafter
+    meta = json.loads((folder / "drafter.json").read_text())
+    meta["drafter_class"] = "os.system"
+    meta["drafter_config"] = {"command": "touch PWNED"}
+    (folder / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="not a lightning_spec drafter class"):
+        load_drafter(folder)
+    meta["drafter_class"] = "lightning_spec.objectives.KL"  # ours, but not a drafter
+    meta["drafter_config"] = {}
+    (folder / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="not a lightning_spec drafter class"):
+        load_drafter(folder)
+    assert not (tmp_path / "PWNED").exists()
+    # a name is looked up among the drafter classes, never imported: a module of ours the file names stays unloaded
+    sys.modules.pop("lightning_spec.sweeps.plots", None)
+    meta["drafter_class"] = "lightning_spec.sweeps.plots.Anything"
+    (folder / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="not a lightning_spec drafter class"):
+        load_drafter(folder)
+    assert "lightning_spec.sweeps.plots" not in sys.modules
+
+
+def test_load_drafter_of_a_missing_or_empty_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_drafter(tmp_path / "nope.ckpt")
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty file"):
+        load_drafter(empty)
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="cannot be read safely"):
+        load_drafter(junk)
+    other = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {}}, other)
+    with pytest.raises(ValueError, match="not a lightning_spec checkpoint"):
+        load_drafter(other)
+    with pytest.raises(ValueError, match="without drafter.json"):
+        load_drafter(tmp_path)

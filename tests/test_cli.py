@@ -1,4 +1,5 @@
-"""The CLI: every shipped YAML parses, a tiny fit logs to MLflow, and user errors are one clear sentence."""
+"""The CLI: every shipped YAML parses, a tiny fit logs to MLflow, and user errors are one clear sentence (a bad
+``--ckpt_path``, a bad config value, a ``val_check_interval`` beyond the epoch)."""
 
 import json
 import os
@@ -6,33 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import yaml
-from overlays import config_files, meant_config, printed_config, printed_of, restated
+from helpers.cli import exit_code, last_error_line, local_data_args, run_main
+from helpers.data import chats, write_jsonl
+from helpers.overlays import config_files, meant_config, printed_config, printed_of, restated
 
 from lightning_spec import load_drafter
-from lightning_spec.cli import main
 from lightning_spec.cli import run_cli as cli_raising
+from lightning_spec.datamodule import SpecDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))
 TINY = ROOT / "experiments" / "tiny.yaml"
-
-
-@pytest.fixture
-def in_tmp(tmp_path, monkeypatch):
-    """Run the CLI inside tmp_path (mlflow.db, mlruns/ and checkpoints land there) with a clean argv."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
-    return tmp_path
-
-
-def exit_code(args: list[str]) -> int:
-    try:
-        main(args)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
 
 
 # ------------------------------------------------------------------------------------- every YAML parses
@@ -97,7 +85,7 @@ def test_the_long_and_reweighting_runs_are_overlays():
 @pytest.mark.parametrize("path", OVERLAYS, ids=[p.stem for p in OVERLAYS])
 def test_experiment_overlays_say_only_what_differs(path):
     """An overlay restates nothing of its base, and ``fit -c base -c overlay`` builds the config its author means:
-    its values in, a list or a class block of another class replacing the base's whole (tests/overlays.py says
+    its values in, a list or a class block of another class replacing the base's whole (tests/helpers/overlays.py says
     where LightningCLI's merge differs, and so what an overlay has to state)."""
     files = config_files(path)
     base = meant_config(files[:-1]) if len(files) > 1 else {}  # every file before it: what it lands on
@@ -184,25 +172,10 @@ def test_fits_from_two_folders_in_one_process_log_to_their_own_stores(in_tmp, mo
 # ----------------------------------------------------------------------------------------------- errors
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def short_chats(n: int) -> list[dict]:
     return [
         {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
         for i in range(n)
-    ]
-
-
-def local_data_args(tmp: Path, train_rows: list[dict]) -> list[str]:
-    """Point the tiny experiment at local files (no packaged data read), and log nowhere."""
-    train = write_jsonl(tmp / "train.jsonl", train_rows)
-    evals = write_jsonl(tmp / "eval.jsonl", [{"messages": [{"role": "user", "content": "Say something."}]}])
-    return [
-        "--data.train_sources", json.dumps([train]), "--data.eval_sources", json.dumps([evals]),
-        "--trainer.logger", "false",
     ]
 
 
@@ -308,3 +281,74 @@ def test_the_progress_bar_counts_steps_not_an_endless_epoch_range():
     assert bar._get_train_description(2).strip() == "Epoch 2/4"
     trainer = SimpleNamespace(max_steps=500, global_step=7, progress_bar_metrics={"train/loss": 3.4}, loggers=[])
     assert bar.get_metrics(trainer, None) == {"step": "7/500", "train/loss": 3.4}
+
+
+# ------------------------------------------------------------------------------- one sentence for a bad fit
+def test_fit_ckpt_path_to_a_missing_or_empty_file_is_one_sentence(in_tmp, capsys):
+    (in_tmp / "empty.ckpt").write_bytes(b"")  # an interrupted copy
+    for path, sentence in [
+        ("runs/nothing/last.ckpt", "--ckpt_path 'runs/nothing/last.ckpt' does not exist; pass the path of a .ckpt "
+         "written by `lightning-spec fit` (e.g. runs/<experiment id>/<run id>/checkpoints/last.ckpt)."),
+        ("empty.ckpt", "--ckpt_path 'empty.ckpt' is an empty file"),
+    ]:
+        assert exit_code(["fit", "-c", str(TINY), "--ckpt_path", path]) == 2
+        err = capsys.readouterr().err
+        assert last_error_line(err).startswith("lightning-spec: error: " + sentence), err[-2000:]
+        assert "Traceback" not in err
+    assert not (in_tmp / "mlflow.db").exists()  # refused before any run was started
+
+
+@pytest.mark.parametrize(
+    "option, says",
+    [
+        # 85 lines of nested Union alternatives before, the cause at the bottom
+        ("--model.objective.init_args.loss=lightning_spec.objectives.NoSuchLoss",
+         "model.objective.loss: module 'lightning_spec.objectives' has no attribute 'NoSuchLoss'"),
+        ("--model.lr=-1", "model.lr is -1.0; it must be a learning rate > 0"),  # torch's "Invalid learning rate" before
+        ("--model.lr=abc", "model.lr: Expected a <class 'float'>"),
+        ("--model.no_such_option=3", "unrecognized arguments: --model.no_such_option=3"),
+    ],
+)
+def test_a_bad_config_value_is_one_line(in_tmp, capsys, option, says):
+    code = exit_code(["fit", "-c", str(TINY), option, "--trainer.logger=false", "--trainer.max_steps=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("lightning-spec: error: ") and says in err[-1]
+    assert not any("Traceback" in line or line.startswith("usage:") for line in err)
+
+
+# ------------------------------------------------------------------------- val_check_interval beyond an epoch
+def test_val_check_interval_beyond_the_epoch_names_the_field_and_the_batch_count(tiny_target, tmp_path):
+    """Was Lightning's ValueError from inside its fit loop (a traceback in the console)."""
+    from lightning_spec.drafters import DFlashDrafter
+    from lightning_spec.module import DraftModule
+
+    train = write_jsonl(tmp_path / "train.jsonl", chats(20))
+    evals = write_jsonl(tmp_path / "eval.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    dm = SpecDataModule(target="tiny-random", train_sources=[train], eval_sources=[evals], train_limit=None,
+                        max_length=48, batch_size=4, val_fraction=0.2)
+    module = DraftModule(DFlashDrafter(block_size=2, num_layers=1, num_anchors=4), target="tiny-random",
+                         feature_cache="off")
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, val_check_interval=50, limit_val_batches=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"trainer\.val_check_interval=50 is more than the 4 training batches of an "
+                                         r"epoch .*lower it to at most 4, or set trainer\.check_val_every_n_epoch"):
+        trainer.fit(module, datamodule=dm)
+    # counted across epochs (check_val_every_n_epoch=None), the same interval is Lightning's to run
+    dm.trainer = L.Trainer(val_check_interval=50, check_val_every_n_epoch=None, logger=False)
+    assert len(dm.train_dataloader()) == 4
+
+
+def test_val_check_interval_beyond_the_epoch_in_the_console_is_one_line(in_tmp, capsys):
+    train = write_jsonl(in_tmp / "train.jsonl", chats(8))
+    evals = write_jsonl(in_tmp / "eval.jsonl", [{"messages": [{"role": "user", "content": "Say something."}]}])
+    code, err = run_main(
+        ["fit", "-c", str(TINY), "--data.train_sources", json.dumps([train]), "--data.eval_sources",
+         json.dumps([evals]), "--data.val_fraction", "0.25", "--trainer.logger", "false",
+         "--trainer.val_check_interval", "40", "--trainer.num_sanity_val_steps", "0"],
+        capsys,
+    )
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert last.startswith("lightning-spec: error: trainer.val_check_interval=40 is more than the 2 training"), last

@@ -2,7 +2,7 @@
 the examples it trains on in a shared feature store.
 
 Both runs are real `lightning-spec fit` subprocesses on the tiny target (12 training examples, so 3 optimizer
-steps per epoch and 5 steps cross an epoch boundary), logging to their own SQLite MLflow store; `fit_probe.Probe`
+steps per epoch and 5 steps cross an epoch boundary), logging to their own SQLite MLflow store; `helpers.fits.Probe`
 records every rank's batches, the prompts each rank decoded and the final drafter.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fit_probe import callback, fits_together, metric_history
+from helpers.fits import callback, fits_together, metric_history
 
 from lightning_spec.drafters import FAMILIES as REGISTRY
 
@@ -19,7 +19,7 @@ STEPS = 5
 
 
 def probe(out: Path) -> str:
-    return callback("fit_probe.Probe", out=str(out))
+    return callback("helpers.fits.Probe", out=str(out))
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_spec_validation_splits_prompts_and_agrees_across_ranks(runs):
 
 
 # ------------------------------------------------------------------------------------- every drafter family
-# family -> its `model.drafter` block on the tiny target (tests/test_families.py holds the decoding guarantees)
+# family -> its `model.drafter` block on the tiny target (tests/drafters/test_families.py holds the decoding guarantees)
 FAMILY_DRAFTERS = {  # every registered family at K = 3
     family: {"class_path": f"lightning_spec.drafters.{cls.__name__}", "init_args": {"block_size": 3}}
     for family, cls in REGISTRY.items()

@@ -44,8 +44,8 @@ LINKED_PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 LANGUAGES = {"python", "bash", "yaml", "text"}
 README_MAX_LINES = 300
 SMOLLM2, TINY = "smollm2-135m-instruct", "tiny-random"
-TINY_OVERLAY = ROOT / "tests" / "data" / "docs_tiny.yaml"
-TINY_ON_POLICY = ROOT / "tests" / "data" / "docs_tiny_on_policy.yaml"
+TINY_OVERLAY = ROOT / "tests" / "fixtures" / "docs_tiny.yaml"
+TINY_ON_POLICY = ROOT / "tests" / "fixtures" / "docs_tiny_on_policy.yaml"
 ON_POLICY_REGIMES = {"experiments/regimes/sft_then_opd.yaml"}  # the on-policy regimes the pages run
 PLACEHOLDER_CKPT = "runs/<experiment id>/<run id>/checkpoints/last.ckpt"
 EVAL_CHECKPOINTS = {"a": 1, "b": 2, "ce": 3, "edr_s0": 4, "edr_s1": 5}  # runs/<name>/last.ckpt, and their seeds
@@ -172,7 +172,7 @@ def test_the_link_checker_knows_githubs_anchors():
 def workspace(tmp_path_factory, tiny_target):
     """The folder every block runs in: the repository's experiments/, sweeps/ and benchmarks/ as the commands name
     them, a cache of its own (feature stores land there, not in the user's), and what the pages assume exists."""
-    from fit_probe import fit_checkpoint
+    from helpers.fits import fit_checkpoint
 
     from lightning_spec.cli import main
     from lightning_spec.drafters import DFlashDrafter
@@ -281,7 +281,7 @@ REWRITES = [
     ("./my-model (the reader's own model folder) -> the packaged tiny target's folder",
      _replace("./my-model", _tiny_folder)),
     ("/fast/disk/store -> fast-disk/store in the workspace", _replace("/fast/disk/store", "fast-disk/store")),
-    ("fit, features: -c tests/data/docs_tiny.yaml after the last -c file (and docs_tiny_on_policy.yaml after an "
+    ("fit, features: -c tests/fixtures/docs_tiny.yaml after the last -c file (and docs_tiny_on_policy.yaml after an "
      "on-policy regime); not with --print_config, which loads no model", _tiny_fit),
     ("rollouts: --prompts_per_source 3, --max_new_tokens 8, --target tiny-random unless one is given", _tiny_rollouts),
     ("evaluate --mode online: --prompts_per_source 1, --max_new_tokens 8", _tiny_online),

@@ -1,11 +1,11 @@
 """DraftModule: gradient reduction across accumulation, the feature cache, drafter-only checkpoints."""
 
 import contextlib
-import json
 
-import lightning as L
 import pytest
 import torch
+from helpers.data import sequences
+from helpers.fits import quiet_trainer
 from torch.utils.data import DataLoader
 
 from lightning_spec import SamplingConfig, generate, load_drafter
@@ -17,15 +17,6 @@ from lightning_spec.loaders import collate
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, ExpDecay, Objective
 
-
-def quiet_trainer(**kwargs) -> L.Trainer:
-    defaults = dict(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-    )
-    return L.Trainer(**{**defaults, **kwargs})
-
-
 # ----------------------------------------------------------------------------------- accumulation invariance
 
 
@@ -35,20 +26,6 @@ class SGDModule(DraftModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.drafter.parameters(), lr=1.0, momentum=0.0)
-
-
-def sequences(n: int = 8, seed: int = 0) -> list[dict]:
-    """Examples of different lengths whose loss masks differ, so every micro-batch has its own Σ weights."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        length = 10 + 3 * i % 11
-        ids = torch.randint(0, 256, (length,), generator=g)
-        mask = torch.ones(length, dtype=torch.bool)
-        mask[: 2 + i % 4] = False  # a "prompt" of varying length
-        mask[length // 2 + i % 3] = False  # and a hole
-        out.append({"input_ids": ids, "loss_mask": mask, "domain_id": 0, "index": i})
-    return out
 
 
 def batches(examples: list[dict], batch_size: int) -> list[dict]:
@@ -159,36 +136,6 @@ def test_cached_features_equal_fresh_ones(tiny_target, monkeypatch):
     assert calls == [(1, mixed["input_ids"].shape[1])] and len(module._features) == 4
 
 
-def write_jsonl(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def conversations(n: int, tag: str = "") -> list[dict]:
-    return [
-        {
-            "messages": [
-                {"role": "user", "content": f"question {i}{tag}: what is {i} times {i + 3}?"},
-                {"role": "assistant", "content": f"{i} times {i + 3} is {i * (i + 3)}.{tag} Anything else?"},
-            ]
-        }
-        for i in range(n)
-    ]
-
-
-@pytest.fixture
-def data_files(tmp_path):
-    eval_rows = [
-        {"messages": [{"role": "user", "content": "Say hello."}], "domain": "chat"},
-        {"messages": [{"role": "user", "content": "def add(a, b):"}], "domain": "code"},
-    ]
-    return {
-        "train": write_jsonl(tmp_path / "train.jsonl", conversations(12)),
-        "train_b": write_jsonl(tmp_path / "train_b.jsonl", conversations(12, tag=" (b)")),
-        "eval": write_jsonl(tmp_path / "eval.jsonl", eval_rows),
-    }
-
-
 def datamodule(files, train="train", **kwargs) -> SpecDataModule:
     args = dict(target="tiny-random", train_sources=[files[train]], eval_sources=[files["eval"]], train_limit=None,
                 max_length=64, batch_size=4, val_fraction=0.2, eval_prompts_per_domain=1)
@@ -218,27 +165,8 @@ def test_store_key_changes_with_layers_target_data_and_dtype(data_files, make_ra
 # -------------------------------------------------------------------------------------------- checkpoints
 
 
-@pytest.fixture
-def trained(tmp_path, data_files):
-    """A few fit steps on tiny-random with a reduced draft vocabulary (which the checkpoint must carry)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    torch.manual_seed(0)
-    dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
-                        train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
-    drafter = DFlashDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100)
-    module = DraftModule(drafter, Objective(KL(), ExpDecay(4.0)), target="tiny-random", lr=1e-2)
-    trainer = quiet_trainer(max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path,
-                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
-    trainer.fit(module, datamodule=dm)
-    assert trainer.global_step >= 2
-    # the feature cache holds every training example after one epoch
-    assert module._features is not None and len(module._features) == len(dm.train_dataset)
-    return module.eval(), tmp_path / "ckpt" / "last.ckpt", dm
-
-
-def test_checkpoint_holds_the_drafter_only_and_reloads_exactly(trained, tiny_target):
-    module, path, dm = trained
+def test_checkpoint_holds_the_drafter_only_and_reloads_exactly(trained_fit, tiny_target):
+    module, path, dm = trained_fit
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     keys = list(ckpt["state_dict"])
     assert keys and not [k for k in keys if k.startswith("target.")]
@@ -286,8 +214,8 @@ def test_checkpoint_holds_the_drafter_only_and_reloads_exactly(trained, tiny_tar
     assert resumed.target.fingerprint == tiny_target.fingerprint
 
 
-def test_loading_with_another_vocabulary_is_a_clear_error(trained, make_random_llama, tmp_path):
-    _, path, _ = trained
+def test_loading_with_another_vocabulary_is_a_clear_error(trained_fit, make_random_llama, tmp_path):
+    _, path, _ = trained_fit
     other = make_random_llama(vocab_size=96)
     with pytest.raises(ValueError, match=r"320-token vocabulary.*has 96.*'tiny-random'"):
         load_drafter(path, target=other)

@@ -4,8 +4,8 @@ a fresh optimizer), the parent a checkpoint records, and the frozen reference dr
 import lightning as L
 import pytest
 import torch
+from helpers.fits import quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_module import data_files, quiet_trainer, trained  # noqa: F401 (fixtures)
 
 from lightning_spec.checkpoint import CKPT_KEY, save_drafter
 from lightning_spec.datamodule import SpecDataModule
@@ -18,8 +18,8 @@ def drafter_like(**overrides) -> DFlashDrafter:
     return DFlashDrafter(**{**dict(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100), **overrides})
 
 
-def test_init_from_starts_from_the_weights_and_records_the_parent(trained, data_files, tmp_path):  # noqa: F811
-    module, path, _ = trained
+def test_init_from_starts_from_the_weights_and_records_the_parent(trained_fit, data_files, tmp_path):
+    module, path, _ = trained_fit
     want = module.drafter.state_dict()
     for source in (path, save_drafter(module.drafter, tmp_path / "export")):
         child = DraftModule(drafter_like(num_anchors=4), Objective(KL()), target="tiny-random", init_from=str(source))
@@ -47,8 +47,8 @@ def test_init_from_starts_from_the_weights_and_records_the_parent(trained, data_
     assert grandchild._parent["parent"]["path"] == str(path)
 
 
-def test_init_from_refuses_another_class_or_shape_in_one_sentence(trained):  # noqa: F811
-    _, path, _ = trained
+def test_init_from_refuses_another_class_or_shape_in_one_sentence(trained_fit):
+    _, path, _ = trained_fit
     with pytest.raises(ValueError, match=r"model.init_from .* holds a .*DFlashDrafter but model.drafter is a"):
         from lightning_spec.drafters import MedusaDrafter
 
@@ -63,8 +63,8 @@ class NeedsReference(Objective):
     needs_reference = True
 
 
-def test_the_reference_drafter_is_the_frozen_start_at_the_same_anchors(trained):  # noqa: F811
-    module, path, dm = trained
+def test_the_reference_drafter_is_the_frozen_start_at_the_same_anchors(trained_fit):
+    module, path, dm = trained_fit
     child = DraftModule(drafter_like(), NeedsReference(KL()), target="tiny-random", init_from=str(path))
     batch = child.seeded(next(iter(torch.utils.data.DataLoader([dm.train_dataset[i] for i in range(4)], batch_size=4,
                                                                collate_fn=dm._collate))), 0)
@@ -80,12 +80,12 @@ def test_the_reference_drafter_is_the_frozen_start_at_the_same_anchors(trained):
     L.seed_everything(0)
 
 
-def test_edr_finetune_regime_starts_from_a_trained_drafter(trained, data_files, tmp_path):  # noqa: F811
+def test_edr_finetune_regime_starts_from_a_trained_drafter(trained_fit, data_files, tmp_path):
     """experiments/regimes/edr_finetune.yaml on the tiny target: one epoch of EDR from a first stage's weights."""
     from lightning_spec.objectives import EDR
     from lightning_spec.sampling import SamplingConfig
 
-    _, path, _ = trained
+    _, path, _ = trained_fit
     dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
                         train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
     module = DraftModule(drafter_like(), EDR(SamplingConfig(temperature=1.0), max_anchors=4), target="tiny-random",

@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from fit_probe import TINY, callback, fit, metric_history, mlflow_runs
+from helpers.fits import TINY, callback, fit, metric_history, mlflow_runs
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_spec.callbacks import DomainReweighting, EvaluationCallback
@@ -59,7 +59,7 @@ def test_killed_run_resumes_from_last_ckpt_into_the_same_mlflow_run(uninterrupte
     """The killed and resumed run keep their features in a feature store (the uninterrupted one in memory): what
     was stored before the kill is read back, nothing is computed twice, and the drafter is the same."""
     store = tmp_path / "store"
-    killed = fit(tmp_path, *COMMON, callback("fit_probe.KillAt", step=6), "--model.feature_cache=disk",
+    killed = fit(tmp_path, *COMMON, callback("helpers.fits.KillAt", step=6), "--model.feature_cache=disk",
                  f"--model.feature_store={store}")
     assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL after step 6, before step 7
     (last,) = tmp_path.rglob("last.ckpt")

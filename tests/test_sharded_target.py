@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from fit_probe import callback, fits_together, metric_history
+from helpers.fits import callback, fits_together, metric_history
 
 STEPS = 4
 
@@ -95,9 +95,9 @@ def test_fit_with_a_sharded_target_trains_like_the_whole_target(tmp_path):
               "--trainer.callbacks=[]", "--model.feature_cache=off", "--data.batch_size=2", "--trainer.strategy=ddp",
               "--trainer.devices=2"]
     whole, sharded = fits_together([
-        (tmp_path / "whole", [*common, callback("fit_probe.Probe", out=str(tmp_path / "whole" / "probe"))]),
+        (tmp_path / "whole", [*common, callback("helpers.fits.Probe", out=str(tmp_path / "whole" / "probe"))]),
         (tmp_path / "sharded", [*common, "--model.shard_target=true",
-                                callback("fit_probe.Probe", out=str(tmp_path / "sharded" / "probe"))]),
+                                callback("helpers.fits.Probe", out=str(tmp_path / "sharded" / "probe"))]),
     ], timeout=600)
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert sharded.returncode == 0, sharded.stderr[-3000:]

@@ -60,9 +60,9 @@ def test_prepacked_linears_give_the_same_outputs_and_keep_the_guarantees(diverse
     and greedy speculative decoding (chain and tree) still equals the argmax loop of the prepacked target itself."""
     import copy
 
-    from test_decoding import random_prompts
-    from test_families import trained
-    from test_trees import assert_greedy_tree_is_the_argmax_loop
+    from helpers.decoding import random_prompts
+    from helpers.families import trained
+    from helpers.trees import assert_greedy_tree_is_the_argmax_loop
 
     from lightning_spec import TreeConfig
     from lightning_spec.cpu_kernels import PrepackedLinear
@@ -93,3 +93,11 @@ def test_prepack_is_refused_in_one_sentence_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     with pytest.raises(ValueError, match="prepack needs a CPU target and a torch build with oneDNN"):
         load_target("tiny-random", prepack=True)
+
+
+def test_an_unknown_target_name_lists_the_packaged_names():
+    """``load_target("no-such-name")`` reported a network error."""
+    with pytest.raises(ValueError, match=r"not a packaged name \(smollm2-135m-instruct, tiny-random\)"):
+        load_target("no-such-name")
+    with pytest.raises(ValueError, match="not a packaged name"):
+        load_target("no-such-org/no-such-model")  # HF_HUB_OFFLINE=1 in the tests: no download is tried

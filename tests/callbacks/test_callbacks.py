@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fit_probe import TINY
+from helpers.fits import TINY
 
 from lightning_spec import SamplingConfig, generate
 from lightning_spec.callbacks import DomainReweighting, MetricsCallback, OfflineEvaluation, SpecDecodeValidation

@@ -6,7 +6,7 @@ import math
 import lightning as L
 import pytest
 import torch
-from test_module import data_files, quiet_trainer  # noqa: F401 (a fixture)
+from helpers.fits import quiet_trainer
 
 from lightning_spec import generate
 from lightning_spec.callbacks import OnPolicyRollouts
@@ -161,7 +161,7 @@ def on_policy_fit(files, tmp_path, steps=4, objective=None, callbacks=(), ckpt_p
     return module, cb, dm, seen, trainer
 
 
-def test_draft_opd_trains_on_the_live_drafters_rounds(data_files, tmp_path):  # noqa: F811
+def test_draft_opd_trains_on_the_live_drafters_rounds(data_files, tmp_path):
     module, cb, dm, seen, trainer = on_policy_fit(data_files, tmp_path, steps=6)
     assert trainer.global_step == 6
     assert len(dm.train_dataset) == 4 and dm.train_dataset[0] is cb.buffer[0]
@@ -180,7 +180,7 @@ def test_draft_opd_trains_on_the_live_drafters_rounds(data_files, tmp_path):  # 
     assert math.isfinite(float(trainer.callback_metrics["train/loss"]))
 
 
-def test_draft_opd_refuses_a_fit_without_rollouts(data_files, tmp_path):  # noqa: F811
+def test_draft_opd_refuses_a_fit_without_rollouts(data_files, tmp_path):
     dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
                         train_limit=None, max_length=64, batch_size=2, val_fraction=0.2)
     module = DraftModule(DFlashDrafter(block_size=3, num_layers=1), DraftOPD(), target="tiny-random")
@@ -188,7 +188,7 @@ def test_draft_opd_refuses_a_fit_without_rollouts(data_files, tmp_path):  # noqa
         quiet_trainer(max_steps=1).fit(module, datamodule=dm)
 
 
-def test_whole_buffer_refresh_and_random_anchor_ablation(data_files, tmp_path):  # noqa: F811
+def test_whole_buffer_refresh_and_random_anchor_ablation(data_files, tmp_path):
     module, cb, dm, seen, trainer = on_policy_fit(
         data_files, tmp_path, steps=4, objective=DraftOPD(anchors="random"), rollouts_per_refresh=None,
         refresh_every=2)
@@ -196,7 +196,7 @@ def test_whole_buffer_refresh_and_random_anchor_ablation(data_files, tmp_path): 
     assert trainer.global_step == 4
 
 
-def test_adaflash_regime_runs_on_policy_with_its_length_head(data_files, tmp_path):  # noqa: F811
+def test_adaflash_regime_runs_on_policy_with_its_length_head(data_files, tmp_path):
     """experiments/regimes/adaflash.yaml on the tiny target: whole-buffer refreshes, AdaFlash's loss and the length
     head's MSE as one mixture; the head trains, and the drafter decodes the next buffer with it."""
     from lightning_spec.objectives import AdaFlashLoss, ExpDecay, LengthMSE, Mixture, Uniform
@@ -212,7 +212,7 @@ def test_adaflash_regime_runs_on_policy_with_its_length_head(data_files, tmp_pat
     assert module.drafter.length_head and any(p.grad is not None for p in module.drafter.length.parameters())
 
 
-def test_a_resumed_run_keeps_its_buffer(data_files, tmp_path):  # noqa: F811
+def test_a_resumed_run_keeps_its_buffer(data_files, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def ckpt():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fit_probe import callback, fits_together, metric_history
+from helpers.fits import callback, fits_together, metric_history
 
 STEPS = 5
 ROLLOUTS = callback("lightning_spec.callbacks.OnPolicyRollouts", buffer_size=8, refresh_every=2,
@@ -21,9 +21,9 @@ def runs(tmp_path_factory):
     common = [f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0", "--data.max_length=160", ROLLOUTS,
               OBJECTIVE, "--model.feature_cache=off"]
     one, two = fits_together([
-        (tmp / "one", [*common, "--data.batch_size=4", callback("fit_probe.BufferProbe", out=str(tmp / "one"))]),
+        (tmp / "one", [*common, "--data.batch_size=4", callback("helpers.fits.BufferProbe", out=str(tmp / "one"))]),
         (tmp / "two", [*common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
-                       callback("fit_probe.BufferProbe", out=str(tmp / "two"))]),
+                       callback("helpers.fits.BufferProbe", out=str(tmp / "two"))]),
     ])
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]

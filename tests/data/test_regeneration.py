@@ -1,5 +1,5 @@
 """Regeneration through a serving engine: an OpenAI-compatible server (a stand-in on the tiny target here; real vLLM
-in tests/test_serve_regeneration.py where .venv-serve exists) draws the target's answers with many requests in
+in tests/data/test_serve_regeneration.py where .venv-serve exists) draws the target's answers with many requests in
 flight, every assistant turn given the regenerated history, resumably after a kill -9, and says in one sentence
 when the server is down or serves another model."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from openai_standin import StandIn
+from helpers.openai_standin import StandIn
 
 from lightning_spec import SamplingConfig
 from lightning_spec.data import prompt_ids
@@ -23,7 +23,7 @@ from lightning_spec.data.rollout_writer import generate_rollouts
 from lightning_spec.data.rollouts import load_rollouts
 from lightning_spec.target import Target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"},
      {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "the end"}],

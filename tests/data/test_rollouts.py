@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from helpers.cli import run_main
 
 from lightning_spec import SamplingConfig, generate
 from lightning_spec.data import engines as E
@@ -26,6 +27,7 @@ TEXTS = [
     "Why?",
 ]
 SAMPLED = SamplingConfig(temperature=1.0, top_k=50)
+T1 = SamplingConfig(temperature=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +351,27 @@ def test_select_prompts_skips_prompts_longer_than_max_prompt_tokens(tiny_target,
     assert [p["prompt_ids"] for p in kept] == [p["prompt_ids"] for p in everything if len(p["prompt_ids"]) <= limit]
     with pytest.raises(ValueError, match="max_prompt_tokens=3 tokens; raise it"):
         select_prompts(tiny_target.tokenizer, [source], None, seed=0, max_prompt_tokens=3)
+
+
+# --------------------------------------------------------------------------------- rollouts --out unwritable
+def test_rollouts_out_that_cannot_be_written_is_refused_before_any_decoding(tiny_target, tmp_path, monkeypatch,
+                                                                            capsys):
+    """Was found only when the first shard was written, after the target was loaded and a batch decoded."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = blocker / "rollouts"  # its parent is a file: nothing can be created there (even as root)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("--out must be checked before the target is loaded or anything decoded")
+
+    monkeypatch.setattr(W, "load_target", refuse)
+    monkeypatch.setattr(E, "sample_batch", refuse)
+    code, err = run_main(["rollouts", "--target", "tiny-random", "--out", str(out), "--progress", "false"], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert f"--out '{out}' cannot be written" in last and "pick a folder you can write to" in last, last
+
+    with pytest.raises(ValueError, match=r"--out '.*' cannot be written"):  # the Python API checks it too
+        generate_rollouts(tiny_target, [[1, 2, 3]], T1, 1, 4, out, progress=False)
+    with pytest.raises(ValueError, match="is a file; name a folder"):
+        generate_rollouts(tiny_target, [[1, 2, 3]], T1, 1, 4, blocker, progress=False)

@@ -14,7 +14,7 @@ from lightning_spec.data.engines import LocalEngine, ServerEngine, ServerError
 from lightning_spec.data.prompts import select_prompts
 from lightning_spec.data.rollout_writer import generate_rollouts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVE_PYTHON = ROOT / ".venv-serve" / "bin" / "python"
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not SERVE_PYTHON.exists(), reason="no .venv-serve (make serve-setup) on this machine")]

@@ -9,8 +9,8 @@
 """
 
 import pytest
-from test_decoding import MAX_NEW, random_prompts
-from test_families import trained
+from helpers.decoding import MAX_NEW, random_prompts
+from helpers.families import trained
 
 from lightning_spec.decoding.auto import PLAIN, Costs, Setting, candidates, choose_decoding
 
@@ -104,7 +104,7 @@ def test_decode_validation_reports_decoding_autos_pick_after_a_fit(tmp_path, mon
     overlay = tmp_path / "auto.yaml"
     overlay.write_text("trainer:\n  callbacks:\n    - init_args:\n        decoding: auto\n"
                        "data:\n  eval_prompts_per_domain: 2\n")  # one decoded, one held out per domain
-    tiny = Path(__file__).resolve().parents[1] / "experiments" / "tiny.yaml"
+    tiny = Path(__file__).resolve().parents[2] / "experiments" / "tiny.yaml"
     main(["fit", "-c", str(tiny), "-c", str(overlay), "--trainer.logger=false", "--trainer.max_steps=3"])
     out = capsys.readouterr().out
     assert "decoding auto: " in out and "x plain on " in out and "; measured " in out and "on the same prompts" in out
@@ -124,7 +124,7 @@ def test_evaluate_online_decodes_each_drafter_with_decoding_autos_pick(tmp_path,
     import json
     import sys
 
-    from test_offline import saved_drafters
+    from helpers.offline import saved_drafters
 
     from lightning_spec.cli import main
 

@@ -5,21 +5,16 @@ import math
 
 import pytest
 import torch
+from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
 
 from lightning_spec import SamplingConfig, generate
 from lightning_spec.data import prompt_ids
 from lightning_spec.objectives import CE, Objective
 
 GREEDY = SamplingConfig()
-MAX_NEW = 24
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def random_prompts(vocab: int, lengths=(1, 6, 13), seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def tiny_prompts(target) -> list[list[int]]:
@@ -66,15 +61,6 @@ def check_accounting(gen, max_new: int, block_size: int) -> None:
 # verification, no drafter): a bug that breaks plain and speculative decoding alike (plain decoding is the same
 # engine with K = 0) cannot hide behind a comparison of the engine with itself. The drafters are accepted in a
 # good share of rounds, so what the target's cache keeps after an acceptance is what is checked.
-
-
-def argmax_reference(target, prompt: list[int], max_new: int) -> list[int]:
-    """Greedy decoding with no cache: a full forward over the whole sequence for every new token, stopping
-    after the first EOS. Independent of the engine (checked against transformers' ``generate`` below)."""
-    ids, eos = list(prompt), set(target.eos_token_ids)
-    while len(ids) - len(prompt) < max_new and not (len(ids) > len(prompt) and ids[-1] in eos):
-        ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def transformers_greedy(target, prompt: list[int], max_new: int) -> list[int]:
@@ -444,3 +430,54 @@ def test_greedy_speculative_equals_the_reference_smollm2(make_block_drafter, mak
         assert spec.tokens == want
         assert spec.accept_lengths == expected_reference_accepts(len(prompt), 4, len(want))
         check_accounting(spec, 16, 4)
+
+
+# ------------------------------------------------------------------------------ the arguments, one sentence
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        ([1, 2, 400], "token id 400, outside the target's vocabulary 0..319"),  # tiny-random: vocab 320
+        ([1, -3, 2], "token id -3"),
+        ([1.5, 2.0], "must be token ids"),
+        ([], "non-empty"),
+        ("hello", "must be token ids"),
+    ],
+)
+def test_generate_refuses_bad_token_ids(tiny_target, ids, match):
+    with pytest.raises(ValueError, match=match):
+        generate(tiny_target, ids, 4)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True])
+def test_generate_refuses_a_bad_token_budget(tiny_target, bad):
+    """``max_new_tokens=-1`` silently returned nothing."""
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+        generate(tiny_target, [1, 2, 3], bad)
+
+
+def test_generate_takes_sampling_as_a_dict(tiny_target):
+    as_dict = generate(tiny_target, [1, 2, 3], 5, sampling={"temperature": 1.0, "top_k": 4}, seed=3)
+    as_config = generate(tiny_target, [1, 2, 3], 5, sampling=SamplingConfig(temperature=1.0, top_k=4), seed=3)
+    assert as_dict.tokens == as_config.tokens
+    with pytest.raises(ValueError, match="unknown keys"):
+        generate(tiny_target, [1, 2, 3], 5, sampling={"temp": 1.0})
+    with pytest.raises(TypeError, match="SamplingConfig or a dict"):
+        generate(tiny_target, [1, 2, 3], 5, sampling=1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": math.nan}, "temperature must be a finite number"),
+        ({"temperature": math.inf}, "temperature must be a finite number"),
+        ({"temperature": -1.0}, "temperature must be a finite number"),
+        ({"top_p": math.nan}, "top_p must be in"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"top_k": 2.5}, "top_k must be an int"),
+        ({"top_k": -1}, "top_k must be an int"),
+    ],
+)
+def test_sampling_config_refuses_values_torch_would_choke_on(kwargs, match):
+    """``SamplingConfig(temperature=nan)`` was accepted and failed later inside torch."""
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)

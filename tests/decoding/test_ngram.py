@@ -14,9 +14,9 @@ import random
 
 import pytest
 import torch
-from test_decoding import MAX_NEW, argmax_reference, random_prompts
-from test_families import trained
-from test_lossless_sampling import assert_matches, exact_joint
+from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.families import trained
+from helpers.sampling import assert_matches, exact_joint
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, offline_rounds
 from lightning_spec.decoding.ngram import NgramDrafter, lookup, merge

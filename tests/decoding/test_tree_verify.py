@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 import torch
-from test_lossless_sampling import NEW, PROMPT, assert_matches, chi_square, empirical, exact_joint
+from helpers.sampling import NEW, PROMPT, assert_matches, chi_square, empirical, exact_joint
 
 from lightning_spec import SamplingConfig, generate
 from lightning_spec.cpu_kernels import SHARED_KV_SDPA, register_shared_kv_sdpa

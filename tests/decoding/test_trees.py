@@ -15,23 +15,22 @@
   settings, each in one sentence.
 """
 
-import contextlib
 import itertools
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from test_decoding import MAX_NEW, argmax_reference, random_prompts
-from test_families import FAMILIES, build, trained
-from test_lossless_sampling import NEW, PROMPT, assert_matches, exact_joint
+from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.families import FAMILIES, build, trained
+from helpers.sampling import NEW, PROMPT, assert_matches, exact_joint
+from helpers.trees import assert_greedy_tree_is_the_argmax_loop, committed_paths, off_the_first_branch, tree_empirical
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.data.rollouts import load_rollout_set
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
 from lightning_spec.drafters import Anchors
 from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
-from lightning_spec.target import Target
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 VARIANTS = ["dflash_served", "dspark_served", "mtp_served"]  # a family below with other options: tested there
@@ -145,45 +144,6 @@ def prompts(diverse_target):
     return random_prompts(diverse_target.vocab_size)
 
 
-@contextlib.contextmanager
-def committed_paths():
-    """The node paths the engine commits (``Target.keep``'s argument), round by round."""
-    paths: list[list[int]] = []
-    keep = Target.keep.__func__
-
-    def spy(cls, cache, past, path):
-        paths.append(list(path))
-        return keep(cls, cache, past, path)
-
-    Target.keep = classmethod(spy)
-    try:
-        yield paths
-    finally:
-        Target.keep = classmethod(keep)
-
-
-def off_the_first_branch(paths: list[list[int]]) -> int:
-    """Rounds whose committed path is not a prefix of the nodes' order: the cache compacts, keeping nodes past a
-    branch the path left (the case a wrong compaction breaks while chain-shaped paths still pass)."""
-    return sum(path != list(range(len(path))) for path in paths)
-
-
-def assert_greedy_tree_is_the_argmax_loop(drafter, target, prompts, tree: TreeConfig, off_branch: bool = True) -> None:
-    """Greedy tree decoding of every prompt equals the independent argmax loop, within the node budget, some
-    drafts were accepted (the tree's paths, not only the target's own tokens), and, with ``off_branch``, some round
-    committed a path off the first branch (so the KV compaction ran). Shared by every tree family's tests."""
-    accepted = 0
-    with committed_paths() as paths:
-        for prompt in prompts:
-            out = generate(target, prompt, MAX_NEW, drafter=drafter, tree=tree)
-            assert out.tokens == argmax_reference(target, prompt, MAX_NEW), prompt
-            accepted += sum(out.accept_lengths)
-            assert max(out.draft_lengths) <= tree.nodes
-    assert accepted > 0
-    if off_branch:
-        assert off_the_first_branch(paths) > 0, paths
-
-
 @pytest.mark.parametrize("tree", [TreeConfig(nodes=6, top_k=2), TreeConfig(nodes=12, top_k=3, depth=2)])
 def test_greedy_tree_decoding_equals_the_argmax_loop(tree_family, diverse_target, prompts, tree):
     assert_greedy_tree_is_the_argmax_loop(trained(tree_family, diverse_target, prompts, k=3), diverse_target, prompts,
@@ -198,18 +158,6 @@ def test_sampled_tree_decoding_is_lossless(tree_family, make_random_llama):
     assert_matches(counts, exact_joint(target, PROMPT, T1), target.vocab_size, NEW, tree_family)
     assert any(a == 0 for a in first) and any(a > 0 for a in first), first[:50]
     assert off_the_first_branch(paths) > 0  # sampled rounds committed through later children too
-
-
-def tree_empirical(target, drafter, runs: int = 800):
-    """``test_lossless_sampling.empirical`` with a tree of 4 nodes, top 3 per node, every round."""
-    v = target.vocab_size
-    counts = torch.zeros(v**NEW, dtype=torch.float64)
-    first = []
-    for seed in range(runs):
-        out = generate(target, PROMPT, NEW, T1, drafter=drafter, seed=seed, tree={"nodes": 4, "top_k": 3})
-        counts[sum(t * v ** (NEW - 1 - j) for j, t in enumerate(out.tokens))] += 1
-        first.append(out.accept_lengths[0])
-    return counts, first
 
 
 @pytest.mark.parametrize("family", CHAIN_ONLY)
@@ -335,7 +283,7 @@ def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_ta
     import json
     import sys
 
-    from test_offline import saved_drafters
+    from helpers.offline import saved_drafters
 
     from lightning_spec.cli import main
     from lightning_spec.data import prompt_ids
@@ -371,7 +319,7 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
     import json
     import sys
 
-    from test_offline import saved_drafters
+    from helpers.offline import saved_drafters
 
     from lightning_spec.cli import main
     from lightning_spec.data import prompt_ids
@@ -437,7 +385,7 @@ def test_decode_validation_takes_a_tree_from_yaml(tmp_path, monkeypatch):
     monkeypatch.setattr(benchmark, "generate", recording)
     overlay = tmp_path / "tree.yaml"
     overlay.write_text("trainer:\n  callbacks:\n    - init_args:\n        tree: {nodes: 4, top_k: 2}\n")
-    tiny = Path(__file__).resolve().parents[1] / "experiments" / "tiny.yaml"
+    tiny = Path(__file__).resolve().parents[2] / "experiments" / "tiny.yaml"
     main(["fit", "-c", str(tiny), "-c", str(overlay), "--trainer.logger=false", "--trainer.max_steps=3"])
     speculative = [tree for drafted, tree in seen if drafted]
     assert speculative and all(tree == TreeConfig(nodes=4, top_k=2) for tree in speculative)

@@ -8,7 +8,7 @@
 - the batched branch pass equals each branch run alone, and the teacher-forced forward at the same prefix;
 - the tree is the DFlash trunk plus the branches at the top-S boundaries, under the node and depth caps;
 - greedy tree decoding equals the argmax loop with a trained drafter (drafts accepted); sampled tree decoding is
-  distributed as the target (χ²); chain decoding is held to the family guarantees in tests/test_families.py;
+  distributed as the target (χ²); chain decoding is held to the family guarantees in tests/drafters/test_families.py;
 - the loss trains; save/load keeps the config and the tree output; offline tree scoring under sampling is refused
   in one sentence.
 """
@@ -17,10 +17,10 @@ import math
 
 import pytest
 import torch
-from test_decoding import MAX_NEW, argmax_reference, random_prompts
-from test_families import FAMILIES, build, trained
-from test_lossless_sampling import PROMPT, assert_matches, chi_square, exact_joint
-from test_trees import assert_greedy_tree_is_the_argmax_loop, tree_empirical
+from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.families import FAMILIES, build, trained
+from helpers.sampling import PROMPT, assert_matches, chi_square, exact_joint
+from helpers.trees import assert_greedy_tree_is_the_argmax_loop, tree_empirical
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import save_drafter
@@ -35,7 +35,7 @@ K = 3
 
 @pytest.fixture(scope="module")
 def family():
-    """D2SDDrafter's entry in the family harness (tests/test_families.py, which also holds it to every guarantee)."""
+    """D2SDDrafter's entry in helpers/families.py (tests/drafters/test_families.py holds it to every guarantee)."""
     assert "d2sd" in FAMILIES
     return "d2sd"
 
@@ -315,7 +315,8 @@ def test_the_tree_is_the_trunk_and_the_branches_at_the_likeliest_boundaries(dive
 
 
 def test_offline_tree_scoring_under_sampling_is_refused_in_one_sentence(diverse_target):
-    """Greedy D²SD trees are replayed offline (tests/test_trees.py); sampled ones have no exact offline score."""
+    """Greedy D²SD trees are replayed offline (tests/decoding/test_trees.py); sampled ones have no exact offline
+    score."""
     drafter = vp(diverse_target, k=3)
     with pytest.raises(ValueError, match="greedy decoding only.*evaluate --mode online"):
         offline_rounds(diverse_target, drafter, [([1, 2], [3, 4])], SamplingConfig(temperature=1.0), tree={"nodes": 4})

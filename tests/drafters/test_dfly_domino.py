@@ -1,16 +1,17 @@
 """The two-branch DFlash family (``drafters/dfly.py``, ``drafters/domino.py``): DFly's fusion context and
-hidden-state correction, Domino's GRU correction, the left-to-right chain both draft with, and Domino's λ-scheduled loss (``TwoBranchCE``).
+hidden-state correction, Domino's GRU correction, the left-to-right chain both draft with, and Domino's λ-scheduled
+loss (``TwoBranchCE``).
 
 The decoding guarantees (greedy ≡ plain, χ² at T = 1, offline ≡ engine, save/load) hold through
-tests/test_families.py; here the pieces are checked by hand, and the invariant those rest on is checked directly
-with corrections far from their zero start: the training forward, teacher-forced on the tokens a proposal drew,
-gives exactly the distributions ``propose`` drew them from.
+tests/drafters/test_families.py; here the pieces are checked by hand, and the invariant those rest on is checked
+directly with corrections far from their zero start: the training forward, teacher-forced on the tokens a proposal
+drew, gives exactly the distributions ``propose`` drew them from.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_chunked_objective import batch_of
+from helpers.objectives import batch_of
 
 from lightning_spec import SamplingConfig, load_target
 from lightning_spec.drafters import Anchors, DFlashDrafter, DFlyDrafter, DominoDrafter, DraftOutput

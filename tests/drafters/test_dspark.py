@@ -1,5 +1,5 @@
 """DSpark (Cheng et al. 2026, arXiv 2607.05147): its pieces by hand, and its variable-length blocks held to the
-guarantees (tests/test_families.py runs the generic ones for "dspark" and "dspark_rnn").
+guarantees (tests/drafters/test_families.py runs the generic ones for "dspark" and "dspark_rnn").
 
 - the Markov head (Eq. 5), the RNN head (Eq. 6) and the confidence head (Eq. 7) against their formulas, teacher-forced
   on the gold previous tokens;
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_decoding import MAX_NEW, argmax_reference, random_prompts
-from test_lossless_sampling import PROMPT, assert_matches, empirical, exact_joint
+from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.drafters import record_draft_lengths, with_target
+from helpers.sampling import PROMPT, assert_matches, empirical, exact_joint
 
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import build, save_drafter
@@ -33,7 +34,7 @@ from lightning_spec.drafters.dspark import (
 from lightning_spec.evaluation.offline import offline_report
 from lightning_spec.objectives import CE, TV, ConfidenceBCE, ExpDecay, Mixture, Objective
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K = 4
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 CUTTING = [1.0, 1.3, 1.6, 1.9, 2.2]  # cost(T) = 1 + 0.3 (T - 1): admitting a slot pays only while a_j is large
@@ -71,16 +72,6 @@ def random_batch(target, n: int = 2, s: int = 18, prompt: int = 4, seed: int = 0
 def run(drafter, target, batch, anchors=None) -> DraftOutput:
     features = target(batch["input_ids"], layers=drafter.target_layers, logits=False).features
     return drafter(batch, features, anchors)
-
-
-def with_target(draft: DraftOutput, drafter, target, batch) -> DraftOutput:
-    """The target's logits of every slot over the draft vocabulary (what the module attaches): position n + t - 1."""
-    last = target(batch["input_ids"], logits=False).last_hidden  # (N, S, H)
-    n, a, k = draft.valid.shape
-    pos = (draft.anchors[..., None] + torch.arange(k)).clamp(max=last.shape[1] - 1).reshape(n, -1)
-    h = last.gather(1, pos[..., None].expand(-1, -1, last.shape[-1])).view(n, a, k, -1)
-    draft.target_logits = drafter.head(h).detach()
-    return draft
 
 
 def every_anchor(batch) -> Anchors:
@@ -290,20 +281,6 @@ def test_calibration_is_saved_with_the_drafter_and_moves_the_cuts(cutting_drafte
         assert not torch.equal(sharp, soft)
     finally:
         drafter.confidence_temperature.fill_(1.0)
-
-
-def record_draft_lengths(drafter) -> list[int]:
-    """The list every later ``drafter.propose`` appends its proposal's draft length to."""
-    lengths = []
-    propose = drafter.propose
-
-    def recording(*args, **kwargs):
-        proposal = propose(*args, **kwargs)
-        lengths.append(proposal.num_drafted)
-        return proposal
-
-    drafter.propose = recording
-    return lengths
 
 
 def test_sampling_is_lossless_with_cut_blocks(make_random_llama):

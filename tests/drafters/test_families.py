@@ -10,54 +10,26 @@ For each family in ``FAMILIES`` (a constructor taking K):
 - a saved drafter loads back to the same weights and the same greedy output.
 
 A new family registered in ``lightning_spec.drafters.FAMILIES`` must add at least one configuration to ``FAMILIES``
-here (a test says so); the DDP equivalence is parametrised over the families in tests/test_ddp.py.
+in tests/helpers/families.py (a test here says so); the DDP equivalence is parametrised over the families in
+tests/test_ddp.py.
 """
 
 import pytest
 import torch
-from test_decoding import MAX_NEW, argmax_reference, random_prompts
-from test_lossless_sampling import NEW, PROMPT, assert_matches, chi_square, empirical, exact_joint
+from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.families import FAMILIES, build, trained
+from helpers.sampling import NEW, PROMPT, assert_matches, chi_square, empirical, exact_joint
 
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import save_drafter
 from lightning_spec.decoding import verify
-from lightning_spec.drafters import (
-    D2SDDrafter,
-    DFlashDrafter,
-    DFlyDrafter,
-    DominoDrafter,
-    DSparkDrafter,
-    Eagle3Drafter,
-    MedusaDrafter,
-    MTPDrafter,
-    SpecBlockDrafter,
-)
-from lightning_spec.objectives import CE, Objective
 
-FAMILIES = {
-    "dflash": lambda k: DFlashDrafter(block_size=k, num_layers=1, num_anchors=64),
-    # DFlash as served (qk norms, one shared mask token: what `lightning-spec export` writes for vLLM)
-    "dflash_served": lambda k: DFlashDrafter(block_size=k, num_layers=1, num_anchors=64, qk_norm=True, mask_token_id=1),
-    "dfly": lambda k: DFlyDrafter(block_size=k, num_layers=1, num_anchors=64, hidden_correction=True),
-    "dspark": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16),
-    "dspark_rnn": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov="rnn", markov_rank=16),
-    # DSpark and MTP as the speculators format holds them (what `lightning-spec export` writes)
-    "dspark_served": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16, qk_norm=True,
-                                             mask_token_id=1),
-    "domino": lambda k: DominoDrafter(block_size=k, num_layers=1, num_anchors=64, gru_size=16, correction_rank=32),
-    "eagle3": lambda k: Eagle3Drafter(block_size=k, num_anchors=64),
-    "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
-    "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
-    "mtp_served": lambda k: MTPDrafter(block_size=k, num_anchors=64, qk_norm=True, normed_chain=True),
-    "d2sd": lambda k: D2SDDrafter(block_size=k, num_layers=1, num_anchors=64),
-    "specblock": lambda k: SpecBlockDrafter(block_size=2 * k, blocks=2, num_layers=2, num_anchors=64, rank_width=32),
-}
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 
 
 def test_every_registered_family_is_tested_here():
-    """The registry decides which families exist: each has a configuration above, named after it (``dflash``,
-    ``dflash_served``, ...), whose drafter is exactly the registered class."""
+    """The registry decides which families exist: each has a configuration in helpers/families.py, named after it
+    (``dflash``, ``dflash_served``, ...), whose drafter is exactly the registered class."""
     from lightning_spec.drafters import FAMILIES as REGISTRY
 
     for name, make in FAMILIES.items():
@@ -65,34 +37,6 @@ def test_every_registered_family_is_tested_here():
         assert name == family or name.startswith(family + "_"), name
         assert type(make(2)) is REGISTRY[family], name
     assert {type(make(2)).family for make in FAMILIES.values()} == set(REGISTRY)
-
-
-def build(family: str, target, k: int, seed: int = 0):
-    torch.manual_seed(seed)
-    drafter = FAMILIES[family](k)
-    drafter.bind(target)
-    return drafter.eval()
-
-
-def trained(family: str, target, prompts, k: int, steps: int = 40):
-    """The family's drafter trained with CE on the target's own greedy continuations of ``prompts`` until it is
-    accepted in a good share of rounds (every supervised position is an anchor: deterministic)."""
-    drafter = build(family, target, k).train()
-    rows = [prompt + argmax_reference(target, prompt, MAX_NEW) for prompt in prompts]
-    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (N, S)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    for i, (prompt, row) in enumerate(zip(prompts, rows)):
-        ids[i, : len(row)] = torch.tensor(row)
-        mask[i, len(prompt) : len(row)] = True
-    batch = {"input_ids": ids, "loss_mask": mask}
-    features = target(ids, layers=drafter.target_layers, logits=False).features  # (N, S, F)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(steps):
-        terms = Objective(CE())(drafter(batch, features))
-        opt.zero_grad()
-        (terms.num / terms.den).backward()
-        opt.step()
-    return drafter.eval()
 
 
 @pytest.fixture(scope="module")

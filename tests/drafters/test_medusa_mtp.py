@@ -3,7 +3,7 @@ convention (both read h_{n-1}; Medusa never reads the anchor), teacher forcing =
 the attention scope, the papers' losses as objective parts, and gradients.
 
 The decoding guarantees (greedy == reference, lossless sampling, offline == engine rounds, save/load) are held for
-both families by tests/test_families.py.
+both families by tests/drafters/test_families.py.
 """
 
 import pytest

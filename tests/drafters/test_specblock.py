@@ -8,7 +8,7 @@ ordinal loss, the rank-sized tree, and block TTT with tree growth by block expan
   reweighting, first-mistake cut); the SpecBlock mixture trains the drafter and the rank head;
 - the tree from given rank classes by hand; greedy tree decoding equals the argmax loop with a trained drafter;
   sampled tree decoding is distributed as the target (χ²); chain decoding is held to the family guarantees in
-  tests/test_families.py (whose SpecBlock runs two blocks); save/load; one-sentence errors;
+  tests/drafters/test_families.py (whose SpecBlock runs two blocks); save/load; one-sentence errors;
 - block TTT: more blocks add no weights and leave block 1 as it was; a later block's inputs by hand (the previous
   block's state at slot M - 1, the token x_{n+M}, its rotary positions); which entries it sees; every training row
   is the block decoding starts at that M; in eval mode the forward is the chain ``propose`` drafts, slot for slot
@@ -26,10 +26,10 @@ from unittest.mock import patch
 import pytest
 import torch
 import torch.nn.functional as F
-from test_decoding import MAX_NEW, argmax_reference, random_prompts
-from test_families import FAMILIES, build, trained
-from test_lossless_sampling import PROMPT, assert_matches, exact_joint
-from test_trees import assert_greedy_tree_is_the_argmax_loop, tree_empirical
+from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.families import FAMILIES, build, trained
+from helpers.sampling import PROMPT, assert_matches, exact_joint
+from helpers.trees import assert_greedy_tree_is_the_argmax_loop, tree_empirical
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import save_drafter
@@ -45,7 +45,7 @@ K = 3
 
 @pytest.fixture(scope="module")
 def family():
-    """SpecBlockDrafter's entry in the family harness (tests/test_families.py holds it to every guarantee)."""
+    """SpecBlockDrafter's entry in helpers/families.py (tests/drafters/test_families.py holds it to every guarantee)."""
     assert "specblock" in FAMILIES
     return "specblock"
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from test_offline import in_tmp, saved_drafters  # noqa: F401 (in_tmp is a fixture)
+from helpers.offline import saved_drafters
 
 from lightning_spec import generate
 from lightning_spec.drafters import Eagle3Drafter, MedusaDrafter, SpecBlockDrafter
@@ -193,7 +193,7 @@ def test_update_time_is_inside_the_window_seconds(diverse_target, make_block_dra
 
 
 # --------------------------------------------------------------------------------------------------- evaluate
-def test_evaluate_online_with_adaptation(in_tmp, tiny_target, capsys):  # noqa: F811 (in_tmp is a fixture)
+def test_evaluate_online_with_adaptation(in_tmp, tiny_target, capsys):
     from lightning_spec.cli import main
 
     (a,) = saved_drafters(tiny_target, in_tmp, seeds=(0,))
@@ -213,7 +213,7 @@ def test_evaluate_online_with_adaptation(in_tmp, tiny_target, capsys):  # noqa: 
     assert "drafter0+adapt" in out and "s adapting" in out
 
 
-def test_adapt_needs_online_mode(in_tmp, tiny_target, capsys):  # noqa: F811 (in_tmp is a fixture)
+def test_adapt_needs_online_mode(in_tmp, tiny_target, capsys):
     from lightning_spec.cli import main
 
     (a,) = saved_drafters(tiny_target, in_tmp, seeds=(0,))

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fit_probe import fit_checkpoint
+from helpers.decoding import MAX_NEW
+from helpers.families import FAMILIES, trained
+from helpers.fits import fit_checkpoint, quiet_trainer
+from helpers.speculators_layouts import build_folder, reference
 from safetensors.torch import load_file
-from speculators_layouts import build_folder, reference
-from test_decoding import MAX_NEW
-from test_families import FAMILIES, trained
-from test_module import data_files, quiet_trainer  # noqa: F401 (fixture)
 
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
 from lightning_spec.cli import main
@@ -50,16 +49,15 @@ ROUND_TRIPS = [(name, fmt) for name, (_, formats) in EXPORTABLE.items() for fmt 
 
 @pytest.fixture(scope="module")
 def speculators_folder(tmp_path_factory) -> Path:
-    """An EAGLE-3 folder in the layout speculators 0.9.0 wrote (tests/data/speculators_eagle3_tiny: its config.json
+    """An EAGLE-3 folder in the layout speculators 0.9.0 wrote (tests/fixtures/speculators_eagle3_tiny: its config.json
     and each tensor's name, shape and dtype, the vocabulary maps' values); the float tensors, random in the
-    library's file too, are drawn (tests/speculators_layouts.py) so that no weights are committed."""
+    library's file too, are drawn (tests/helpers/speculators_layouts.py) so that no weights are committed."""
     return build_folder("eagle3", tmp_path_factory.mktemp("speculators") / "eagle3")
 
 
 @pytest.fixture(scope="module")
 def prompts(diverse_target):
-    from test_decoding import random_prompts
-
+    from helpers.decoding import random_prompts
     return random_prompts(diverse_target.vocab_size)
 
 
@@ -240,7 +238,7 @@ def test_a_drafter_written_by_the_speculators_library_loads_as_ours(speculators_
     assert out.tokens == generate(tiny_target, [1, 5, 9, 14, 200, 7], 12).tokens  # lossless with a foreign drafter
 
 
-def test_a_speculators_drafter_fine_tunes_with_init_from(speculators_folder, data_files):  # noqa: F811 (fixture)
+def test_a_speculators_drafter_fine_tunes_with_init_from(speculators_folder, data_files):
     """The EDR protocol fine-tunes released drafters: a speculators folder starts a fit like our own checkpoint."""
     dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
                         train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
@@ -293,7 +291,7 @@ def test_a_speculators_dspark_loads_as_ours_and_computes_as_the_library(tmp_path
 
 def test_a_speculators_mtp_loads_as_ours_and_computes_as_the_library(tmp_path, tiny_target):
     """The library's MTP imports as our MTPDrafter; slot 1 gives the library's step-0 logits. Its inputs begin with
-    the zero state (tests/data/make_speculators_dspark_mtp.py): the library's entry t reads (h_t, x_{t+1}), ours at
+    the zero state (tests/fixtures/make_speculators_dspark_mtp.py): the library's entry t reads (h_t, x_{t+1}), ours at
     position p reads (h_{p-1}, x_p) with h_{-1} = 0, so the shifted sequence makes the two the same entries."""
     drafter = load_drafter(build_folder("mtp", tmp_path / "mtp"), target=tiny_target)
     assert isinstance(drafter, MTPDrafter)
@@ -313,7 +311,8 @@ def test_a_speculators_mtp_loads_as_ours_and_computes_as_the_library(tmp_path, t
     assert generate(tiny_target, prompt, 12, drafter=drafter).tokens == generate(tiny_target, prompt, 12).tokens
 
 
-SERVE_PYTHON = Path(__file__).resolve().parents[1] / ".venv-serve" / "bin" / "python"
+SERVE_PYTHON = Path(__file__).resolve().parents[2] / ".venv-serve" / "bin" / "python"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
@@ -338,8 +337,8 @@ def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
             with torch.no_grad():
                 drafter.mask_embedding.add_(0.1)
         folders[name] = str(export_drafter(drafter, tmp_path / name, "speculators"))
-    run = subprocess.run([str(SERVE_PYTHON), str(Path(__file__).parent / "data" / "speculators_load.py"),
-                          *folders.values()], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([str(SERVE_PYTHON), str(FIXTURES / "speculators_load.py"), *folders.values()],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     classes = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel",
@@ -428,16 +427,16 @@ def test_an_own_head_starts_from_the_target_rows_of_the_chosen_vocabulary(divers
 
 def test_the_quickstart_drafter_exports_and_loads_back(tmp_path, monkeypatch, tiny_target):
     """`make quickstart`, then `lightning-spec export` on its checkpoint, then `load_drafter` of the folder: the path
-    a newcomer takes first. The quickstart's own drafter settings on the tiny target (tests/data/docs_tiny.yaml
+    a newcomer takes first. The quickstart's own drafter settings on the tiny target (tests/fixtures/docs_tiny.yaml
     shrinks only the target, data and steps), and the same greedy tokens from the checkpoint and the export."""
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lightning-spec"])
     try:
         main(["fit", "-c", str(root / "experiments" / "quickstart.yaml"), "-c",
-              str(root / "tests" / "data" / "docs_tiny.yaml")])
+              str(root / "tests" / "fixtures" / "docs_tiny.yaml")])
     except SystemExit as exit_:
         assert not exit_.code
     (ckpt,) = tmp_path.glob("runs/*/*/checkpoints/last.ckpt")

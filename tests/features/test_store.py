@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from fit_probe import fit, metric_history
+from helpers.fits import fit, metric_history
 
 from lightning_spec.features.store import SHARD_DIR, FeatureStore, StoreSpec, check_holds, read_spec
 
@@ -122,7 +122,7 @@ def test_fit_writes_the_store_in_its_first_epoch_and_a_second_fit_reads_it(tmp_p
 def test_training_from_the_store_equals_training_from_live_target_forwards(tiny_target):
     """One step's loss and gradients from stored features against the same step with fresh target forwards: equal
     to the store's fp16 rounding."""
-    from test_module import sequences
+    from helpers.data import sequences
 
     from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.loaders import collate

@@ -1,6 +1,7 @@
 """`lightning-spec fit` in a subprocess for tests/test_ddp.py and tests/test_resume.py, the callbacks those
-subprocesses load by class path (``fit`` puts this folder on their PYTHONPATH), and ``fit_checkpoint``, the smallest
-file a fit writes. Not a test module.
+subprocesses and sweeps load by class path (``helpers.fits.Probe``: ``fit`` puts tests/ on their PYTHONPATH),
+``fit_checkpoint``, the smallest file a fit writes, and ``quiet_trainer``, an in-process Trainer that prints and
+saves nothing.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -19,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 import lightning_spec.callbacks.spec_validation as spec_validation
 from lightning_spec.callbacks import SpecDecodeValidation
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "experiments" / "tiny.yaml"
 
 
@@ -33,9 +35,18 @@ def fit_checkpoint(drafter, path: Path, target_spec: str) -> Path:
     return path
 
 
+def quiet_trainer(**kwargs) -> L.Trainer:
+    """A CPU Trainer that logs, checkpoints, prints and validates nothing unless ``kwargs`` say so."""
+    defaults = dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
 def fit(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """``lightning-spec fit -c experiments/tiny.yaml *args`` run in ``cwd`` (its mlflow.db and runs/ land there),
-    offline, one thread per process, with this folder importable."""
+    offline, one thread per process, with tests/ importable (``helpers.fits.Probe``)."""
     return fits_together([(cwd, args)], timeout)[0]
 
 
@@ -129,7 +140,7 @@ class Probe(Callback):
 
 class BufferProbe(Callback):
     """Writes, per rank, the on-policy replay buffer at the end of the fit and the examples and rollout steps of
-    every training batch to ``<out>/buffer<r>.json`` (tests/test_on_policy_ddp.py)."""
+    every training batch to ``<out>/buffer<r>.json`` (tests/callbacks/test_on_policy_ddp.py)."""
 
     def __init__(self, out: str) -> None:
         self.out = Path(out)
@@ -161,3 +172,21 @@ class KillAt(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class PauseWhenArmed(Callback):
+    """In a trial's fit: at training step ``step``, if the file ``<folder>/armed`` exists, write
+    ``<folder>/paused`` and wait while ``armed`` exists (at most ``limit`` s). A test that sees ``paused`` knows
+    a trial is in the middle of its fit, and stays there until the test's signal arrives."""
+
+    def __init__(self, folder: str, step: int = 1, limit: float = 120.0) -> None:
+        self.folder, self.step, self.limit = Path(folder), step, limit
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        armed = self.folder / "armed"
+        if trainer.global_step != self.step or not armed.exists():
+            return
+        (self.folder / "paused").write_text(str(os.getpid()))
+        deadline = time.monotonic() + self.limit
+        while armed.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)

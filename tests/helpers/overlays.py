@@ -1,6 +1,5 @@
 """Experiment overlays for the tests: a YAML holding only what differs from a base experiment, run as the command
-its header names, ``lightning-spec fit -c experiments/quickstart.yaml -c experiments/<overlay>.yaml``. Not a
-test module.
+its header names, ``lightning-spec fit -c experiments/quickstart.yaml -c experiments/<overlay>.yaml``.
 
 What LightningCLI (jsonargparse) does with a second ``-c`` file, hence what an overlay has to say:
 - mappings merge key by key, and a class block (``class_path``) of the same class merges its ``init_args``;
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 COMMAND = "lightning-spec fit -c "
 

@@ -1,6 +1,6 @@
-"""Drafter folders in the layouts the speculators library (0.9.0) writes, rebuilt from tests/data without weights.
+"""Drafter folders in the layouts the speculators library (0.9.0) writes, rebuilt from tests/fixtures without weights.
 
-``tests/data/speculators_<name>_tiny/`` keeps what the library wrote for the packaged ``tiny-random`` target: its
+``tests/fixtures/speculators_<name>_tiny/`` keeps what the library wrote for the packaged ``tiny-random`` target: its
 config.json, and tensors.json (each tensor's name, shape and dtype, and the values of the integer and boolean ones:
 the vocabulary maps). ``draw`` fills the float tensors with seeded random values (the library's were random too);
 the generator scripts beside them draw the same values (same rule, same torch) to record, in reference.json, what
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).parent / "data"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def draw(manifest: dict[str, dict]) -> dict[str, torch.Tensor]:
@@ -59,10 +59,10 @@ def save_layout(model, out: Path) -> dict[str, dict]:
 
 
 def build_folder(name: str, dest: Path) -> Path:
-    """``dest`` made the folder the library wrote for ``tests/data/speculators_<name>_tiny`` (weights drawn)."""
+    """``dest`` made the folder the library wrote for ``tests/fixtures/speculators_<name>_tiny`` (weights drawn)."""
     from safetensors.torch import save_file
 
-    layout = DATA / f"speculators_{name}_tiny"
+    layout = FIXTURES / f"speculators_{name}_tiny"
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text((layout / "config.json").read_text())
     save_file(draw(json.loads((layout / "tensors.json").read_text())), str(dest / "model.safetensors"))
@@ -70,5 +70,5 @@ def build_folder(name: str, dest: Path) -> Path:
 
 
 def reference(name: str) -> dict:
-    """What the library's modules computed with the drawn weights (tests/data/speculators_<name>_tiny)."""
-    return json.loads((DATA / f"speculators_{name}_tiny" / "reference.json").read_text())
+    """What the library's modules computed with the drawn weights (tests/fixtures/speculators_<name>_tiny)."""
+    return json.loads((FIXTURES / f"speculators_{name}_tiny" / "reference.json").read_text())

@@ -15,14 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from fit_probe import fit_checkpoint
-from overlays import QUICKSTART, ROOT, config_files, meant_config, printed_config, printed_of, restated
-from test_benchmarks import run as run_benchmark
-from test_decoding import argmax_reference, random_prompts
-from test_drafter_dspark import record_draft_lengths, with_target
-from test_lossless_sampling import PROMPT, assert_matches, empirical, exact_joint
-from test_module import data_files, quiet_trainer  # noqa: F401 (a fixture)
-from test_offline import enumerate_rounds
+from helpers.benchmarks import run_benchmark
+from helpers.decoding import argmax_reference, random_prompts
+from helpers.drafters import record_draft_lengths, with_target
+from helpers.fits import fit_checkpoint, quiet_trainer
+from helpers.offline import enumerate_rounds
+from helpers.overlays import QUICKSTART, ROOT, config_files, meant_config, printed_config, printed_of, restated
+from helpers.sampling import PROMPT, assert_matches, empirical, exact_joint
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.checkpoint import init_weights, save_drafter
@@ -401,7 +400,7 @@ def test_the_overlay_fits_the_head_on_the_quickstart():
     assert objective["normalize"] == "anchors"
 
 
-def test_fitting_the_head_alone_leaves_the_drafter_as_trained(tiny_target, make_block_drafter, data_files,  # noqa: F811
+def test_fitting_the_head_alone_leaves_the_drafter_as_trained(tiny_target, make_block_drafter, data_files,
                                                              tmp_path):
     """The regime of the overlay: init_from a drafter without the head, LengthMSE alone: the head moves, nothing
     else does."""

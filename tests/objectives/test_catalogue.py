@@ -1,7 +1,7 @@
 """The catalogue of objectives beyond CE/KL/TV (reverse KL, JSD, LK, Bernoulli KL, E2E-TV, WTV, EAL, AUF,
 valid prefix, D-PACE, mixtures): every ℓ, b and a against hand numbers or a float64 brute force written here,
 the normalisers, mixtures, and every experiments/objectives/*.yaml: an overlay on the quickstart that merges as
-meant, instantiates, and trains a few steps on the tiny target. Their gradients: test_objective_gradients.py."""
+meant, instantiates, and trains a few steps on the tiny target. Their gradients: test_gradients.py."""
 
 import math
 from pathlib import Path
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from overlays import QUICKSTART, config_files, printed_config, printed_of
+from helpers.objectives import instantiate_objective
+from helpers.overlays import QUICKSTART, config_files, printed_config, printed_of
 
 from lightning_spec.drafters import DFlashDrafter, DraftOutput
 from lightning_spec.loaders import collate
@@ -44,7 +45,7 @@ from lightning_spec.objectives import (
 )
 from lightning_spec.sampling import SamplingConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N, A, K, VD = 2, 2, 3, 5
 # anchor (0, 1) has a hole at slot 2 (ends every chain there); anchor (1, 1) has no valid slot
 VALID = [[[True, True, True], [True, False, True]], [[True, True, False], [False, False, False]]]
@@ -440,16 +441,6 @@ def test_objective_overlay_merges_onto_the_quickstart(path):
     quick = printed_config(QUICKSTART)
     del merged["model"]["objective"], quick["model"]["objective"]
     assert merged == quick
-
-
-def instantiate_objective(path: Path) -> Objective:
-    """model.objective of a YAML, built the way the CLI builds it (jsonargparse, typed by DraftModule)."""
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_argument("--objective", type=Objective)
-    cfg = parser.parse_object({"objective": yaml.safe_load(path.read_text())["model"]["objective"]})
-    return parser.instantiate_classes(cfg).objective
 
 
 def tiny_batch(seed: int = 0) -> dict:

@@ -6,6 +6,7 @@ recomputes them in the backward pass; it must change memory only, never the loss
 
 import pytest
 import torch
+from helpers.objectives import batch_of
 
 from lightning_spec import load_target
 from lightning_spec.drafters import DFlashDrafter
@@ -32,16 +33,6 @@ OBJECTIVES = {
     "mixture": lambda: Mixture([Objective(KL(), ExpDecay(2.0)), Objective(TV(), ExpDecay(2.0))], [0.1, 1.8]),
     "edr": lambda: EDR(sampling=SamplingConfig(temperature=1.0), max_anchors=6, chunk_size=4),
 }
-
-
-def batch_of(target, n: int = 3, s: int = 24, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, target.vocab_size, (n, s), generator=g)
-    loss_mask = torch.zeros(n, s, dtype=torch.long)
-    for i, start in enumerate([4, 6, 9]):
-        loss_mask[i, start : s - i] = 1
-    return {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(ids),
-            "index": torch.arange(n)}
 
 
 @pytest.fixture(scope="module")

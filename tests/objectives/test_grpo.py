@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.fits import quiet_trainer
+from helpers.objectives import instantiate_objective
+from helpers.overlays import QUICKSTART, config_files, meant_config, printed_config, printed_of, restated
 from lightning.pytorch.callbacks import ModelCheckpoint
-from overlays import QUICKSTART, config_files, meant_config, printed_config, printed_of, restated
-from test_module import data_files, quiet_trainer, trained  # noqa: F401 (fixtures)
-from test_objective_catalogue import instantiate_objective
 
 from lightning_spec.checkpoint import CKPT_KEY, build, describe
 from lightning_spec.datamodule import SpecDataModule
@@ -26,7 +26,7 @@ from lightning_spec.objectives.grpo import (
 )
 from lightning_spec.sampling import SamplingConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REGIMES = sorted((ROOT / "experiments" / "regimes").glob("*_then_grpo.yaml"))
 
 
@@ -258,8 +258,8 @@ def test_describe_rebuilds_grpo():
 
 # --------------------------------------------------------------------------------------------- a second stage
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_grpo_stage_trains_from_a_first_stage_checkpoint(trained, data_files, tmp_path, temperature):  # noqa: F811
-    _, path, _ = trained
+def test_grpo_stage_trains_from_a_first_stage_checkpoint(trained_fit, data_files, tmp_path, temperature):
+    _, path, _ = trained_fit
     dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
                         train_limit=None, max_length=64, batch_size=4, val_fraction=0.2)
     drafter = DFlashDrafter(block_size=3, num_layers=1, num_anchors=8, draft_vocab_size=100)

@@ -17,8 +17,7 @@ import pytest
 import torch
 import yaml
 from filelock import FileLock
-from lightning.pytorch.callbacks import Callback
-from test_cli import exit_code  # tests/ is on sys.path (as for fit_probe)
+from helpers.cli import exit_code
 
 from lightning_spec.sweeps import (
     TrialReporter,
@@ -30,7 +29,7 @@ from lightning_spec.sweeps import (
     worker_is_dead,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
 TINY_SWEEP = ROOT / "sweeps" / "tiny.yaml"
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -277,27 +276,9 @@ def sweep_command(*args: str) -> list[str]:
     return [*command, "sweep", *args]
 
 
-# tests/ importable in the sweep's process: its trials load PauseWhenArmed from this module by class path
+# tests/ importable in the sweep's process: its trials load helpers.fits.PauseWhenArmed by class path
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
        "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")] if p)}
-
-
-class PauseWhenArmed(Callback):
-    """In a trial's fit: at training step ``step``, if the file ``<folder>/armed`` exists, write
-    ``<folder>/paused`` and wait while ``armed`` exists (at most ``limit`` s). A test that sees ``paused`` knows
-    a trial is in the middle of its fit, and stays there until the test's signal arrives."""
-
-    def __init__(self, folder: str, step: int = 1, limit: float = 120.0) -> None:
-        self.folder, self.step, self.limit = Path(folder), step, limit
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        armed = self.folder / "armed"
-        if trainer.global_step != self.step or not armed.exists():
-            return
-        (self.folder / "paused").write_text(str(os.getpid()))
-        deadline = time.monotonic() + self.limit
-        while armed.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, log: Path, seconds: float = 240.0) -> None:
@@ -352,7 +333,7 @@ def test_an_interrupted_or_killed_sweep_resumes_without_repeating_finished_trial
     trial: the trial stays RUNNING. The same command again: both trials are failed as interrupted (not counted)
     and their params run again, finished trials are not repeated, and the study ends with exactly 4."""
     space = {"model.drafter.init_args.block_size": {"choices": [2, 3, 4, 5]}}
-    pause = {"class_path": "test_sweeps.PauseWhenArmed", "init_args": {"folder": str(tmp_path)}}
+    pause = {"class_path": "helpers.fits.PauseWhenArmed", "init_args": {"folder": str(tmp_path)}}
     overrides = {**FAST, "trainer.callbacks": [*FAST["trainer.callbacks"], pause]}
     config = sweep_yaml(tmp_path, study_name="resume", sampler="grid", space=space, overrides=overrides)
     command = sweep_command("-c", str(config))
@@ -385,24 +366,6 @@ def test_an_interrupted_or_killed_sweep_resumes_without_repeating_finished_trial
     states = sorted(r.data.tags["state"] for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id)
     assert states == ["complete"] * 4 + ["interrupted"] * 2
     assert {client.get_run(after[v].user_attrs["mlflow_run_id"]).info.status for v in (stopped, killed)} == {"KILLED"}
-
-
-def postgres_url() -> str:
-    """The PostgreSQL server of .ci/run (``LIGHTNING_SPEC_TEST_POSTGRES``). Without one the test skips, unless
-    ``LIGHTNING_SPEC_REQUIRE_POSTGRES=1`` (.ci/run sets it unless ``LIGHTNING_SPEC_ALLOW_NO_POSTGRES=1``): then
-    a server that did not start fails CI instead of hiding behind a skip."""
-    url = os.environ.get("LIGHTNING_SPEC_TEST_POSTGRES")
-    if url:
-        return url
-    why = "LIGHTNING_SPEC_TEST_POSTGRES is unset (.ci/run starts a PostgreSQL server)"
-    if os.environ.get("LIGHTNING_SPEC_REQUIRE_POSTGRES") == "1":
-        pytest.fail(why + ", and LIGHTNING_SPEC_REQUIRE_POSTGRES=1 says this run needs it")
-    pytest.skip(why)
-
-
-@pytest.fixture
-def postgres() -> str:
-    return postgres_url()
 
 
 def test_two_workers_share_a_postgres_study(tmp_path, postgres):

@@ -1,0 +1,66 @@
+"""Every drafter family's test configurations on tiny targets (``FAMILIES``: name -> a constructor taking K), and
+a drafter of one built or trained until it is accepted. tests/drafters/test_families.py holds each to the
+guarantees; the tree, DDP, export, architecture and per-family tests reuse them."""
+
+import torch
+
+from helpers.decoding import MAX_NEW, argmax_reference
+from lightning_spec.drafters import (
+    D2SDDrafter,
+    DFlashDrafter,
+    DFlyDrafter,
+    DominoDrafter,
+    DSparkDrafter,
+    Eagle3Drafter,
+    MedusaDrafter,
+    MTPDrafter,
+    SpecBlockDrafter,
+)
+from lightning_spec.objectives import CE, Objective
+
+FAMILIES = {
+    "dflash": lambda k: DFlashDrafter(block_size=k, num_layers=1, num_anchors=64),
+    # DFlash as served (qk norms, one shared mask token: what `lightning-spec export` writes for vLLM)
+    "dflash_served": lambda k: DFlashDrafter(block_size=k, num_layers=1, num_anchors=64, qk_norm=True, mask_token_id=1),
+    "dfly": lambda k: DFlyDrafter(block_size=k, num_layers=1, num_anchors=64, hidden_correction=True),
+    "dspark": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16),
+    "dspark_rnn": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov="rnn", markov_rank=16),
+    # DSpark and MTP as the speculators format holds them (what `lightning-spec export` writes)
+    "dspark_served": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16, qk_norm=True,
+                                             mask_token_id=1),
+    "domino": lambda k: DominoDrafter(block_size=k, num_layers=1, num_anchors=64, gru_size=16, correction_rank=32),
+    "eagle3": lambda k: Eagle3Drafter(block_size=k, num_anchors=64),
+    "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
+    "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
+    "mtp_served": lambda k: MTPDrafter(block_size=k, num_anchors=64, qk_norm=True, normed_chain=True),
+    "d2sd": lambda k: D2SDDrafter(block_size=k, num_layers=1, num_anchors=64),
+    "specblock": lambda k: SpecBlockDrafter(block_size=2 * k, blocks=2, num_layers=2, num_anchors=64, rank_width=32),
+}
+
+
+def build(family: str, target, k: int, seed: int = 0):
+    torch.manual_seed(seed)
+    drafter = FAMILIES[family](k)
+    drafter.bind(target)
+    return drafter.eval()
+
+
+def trained(family: str, target, prompts, k: int, steps: int = 40):
+    """The family's drafter trained with CE on the target's own greedy continuations of ``prompts`` until it is
+    accepted in a good share of rounds (every supervised position is an anchor: deterministic)."""
+    drafter = build(family, target, k).train()
+    rows = [prompt + argmax_reference(target, prompt, MAX_NEW) for prompt in prompts]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (N, S)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, len(prompt) : len(row)] = True
+    batch = {"input_ids": ids, "loss_mask": mask}
+    features = target(ids, layers=drafter.target_layers, logits=False).features  # (N, S, F)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        terms = Objective(CE())(drafter(batch, features))
+        opt.zero_grad()
+        (terms.num / terms.den).backward()
+        opt.step()
+    return drafter.eval()

@@ -1,0 +1,10 @@
+"""The runs an MLflow store holds, read back by the tests of what fits and sweeps log."""
+
+
+def runs(tracking_uri: str, experiment: str = "lightning_spec") -> tuple:
+    """(client, runs) of ``experiment`` in the store at ``tracking_uri`` (no runs when it has no such experiment)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client, (client.search_runs([exp.experiment_id]) if exp is not None else [])
