@@ -1,4 +1,4 @@
-# A throwaway PostgreSQL server for the tests that need one (tests/test_sweeps.py, tests/test_faults_tracking.py).
+# A throwaway PostgreSQL server for the tests that need one (tests/sweeps/test_sweeps.py, tests/sweeps/test_storage.py).
 # Sourced by .ci/run:
 #   start_postgres   installs the server if missing (Debian's postgresql package), initdb's a cluster in a temp
 #                    folder, starts it on a free port of 127.0.0.1, creates the database and exports

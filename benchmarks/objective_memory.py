@@ -11,7 +11,7 @@ target (only the hidden size is small: the logits, which dominate, have the real
 
 Each side runs in its own process (peak resident memory is per process), with an address-space cap so that a
 side that does not fit fails cleanly instead of swapping the machine. The loss and gradients of the two sides
-are compared (they must agree within 1e-6 relative; ``tests/test_chunked_objective.py`` holds that as a test).
+are compared (they must agree within 1e-6 relative; ``tests/objectives/test_chunked.py`` holds that as a test).
 """
 
 from __future__ import annotations

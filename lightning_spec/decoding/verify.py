@@ -65,7 +65,7 @@ def candidate_rule(
     replacement: bool,  # drawn independently (True) or without replacement (False)
 ) -> tuple[Tensor, Tensor]:
     """The multi-candidate rule at one node of a token tree under sampling (METHODS §1.2, DERIVED there; exact
-    enumeration in tests/test_tree_verify.py): the probability a_i (m,) of accepting child i once every earlier
+    enumeration in tests/decoding/test_tree_verify.py): the probability a_i (m,) of accepting child i once every earlier
     child was rejected, and the distribution (V,) the target's token is drawn from when all m are rejected. The
     committed token is then distributed as p.
 

@@ -20,7 +20,7 @@ Reads top to bottom:
       cascade attention: the shared prefix is verified once, no KV is replicated either way).
 
 Choices where the paper leaves room (DERIVED here, checked against the authors' decoding loop,
-catnanami/D2-SD ``generation/d3_generator.py``; tested in tests/test_drafter_d2sd.py):
+catnanami/D2-SD ``generation/d3_generator.py``; tested in tests/drafters/test_d2sd.py):
 - One model. The authors run two checkpoints, a DFlash drafter for the trunk and the VP-drafter for the branches;
   here the VP-drafter drafts both, since l = 0 is in its training distribution (it is DFlash there). Loading a
   separate DFlash trunk is not offered.

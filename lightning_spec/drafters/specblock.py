@@ -52,7 +52,7 @@ What the training forward returns, per mode (the contract: every slot ``propose`
   start token is a valid label of the previous block (a supervised token of the draft vocabulary: a state decoding
   can reach); the data's tokens are used whether or not the previous block drafted them.
 
-Choices where the paper leaves room (tested in tests/test_drafter_specblock.py):
+Choices where the paper leaves room (tested in tests/drafters/test_specblock*.py):
 - ``block_size`` is what every family's is, the most tokens a round proposes: B x K. The slots per block, K, are
   ``block_size / blocks`` (``slots``); B = 1 is the single-block drafter of before, weights and all.
 - Which (feature, token) pair a position holds: SpecForge's EAGLE-3 lineage pairs the target state at i with the

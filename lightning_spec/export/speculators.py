@@ -4,7 +4,8 @@ three from it (DSpark only in its model runner V2); it has no loader for the for
 A folder holds ``config.json`` (``speculators_model_type``, ``transformer_layer_config`` — the drafter's decoder
 layers as an HF config —, the family's fields and ``speculators_config`` {algorithm, proposal_methods, verifier})
 and ``model.safetensors``. Conventions this module maps, EAGLE-3's and DFlash's checked by serving the export with
-vLLM (``make serve-check``), DSpark's and MTP's against the speculators library's own modules (tests/test_export.py):
+vLLM (``make serve-check``), DSpark's and MTP's against the speculators library's own modules
+(tests/export/test_export.py):
 
 * Feature layers. Ours are 0-indexed layer outputs (HF ``hidden_states[l + 1]``); speculators / vLLM number an aux
   hidden state by the layer it enters (vLLM records the residual stream *before* layer i), so id = ours + 1.
