@@ -25,7 +25,7 @@ from helpers.fits import quiet_trainer  # noqa: E402
 from lightning_spec import load_target  # noqa: E402
 from lightning_spec.datamodule import SpecDataModule  # noqa: E402
 from lightning_spec.decoding.proposals import ChainProposal  # noqa: E402
-from lightning_spec.drafters import DFlashDrafter, Drafter, DraftVocab  # noqa: E402
+from lightning_spec.drafters import DFlashDrafter, Drafter  # noqa: E402
 from lightning_spec.module import DraftModule  # noqa: E402
 from lightning_spec.objectives import KL, ExpDecay, Objective  # noqa: E402
 from lightning_spec.target import Target  # noqa: E402
@@ -124,14 +124,13 @@ class FixedDrafter(Drafter):
     """
 
     def __init__(self, target: Target, block_size: int, scale: float = 1.0, seed: int = 1) -> None:
-        super().__init__()
-        self.block_size = block_size
-        self.target_layers = [0]
+        super().__init__(block_size, target_layers=[0])
         g = torch.Generator().manual_seed(seed)
         self.logits = torch.randn(block_size, target.vocab_size, generator=g) * scale  # (K, V)
-        self.vocab = DraftVocab()
-        self.vocab.build(target.vocab_size)
         self.bind(target)
+
+    def build(self, target: Target) -> None:
+        pass  # nothing target-shaped: the proposals are fixed
 
     def begin(self, features, input_ids=None):
         return SimpleNamespace(length=features.shape[1])

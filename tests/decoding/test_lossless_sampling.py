@@ -220,6 +220,10 @@ class HistoryTarget:
         n, t = input_ids.shape
         return SimpleNamespace(logits=torch.stack([torch.stack(r) for r in rows]), features=torch.zeros(n, t, 1))
 
+    @staticmethod
+    def check_layers(layers: list[int]) -> None:
+        pass  # any layer: its features are zeros
+
     def new_cache(self) -> TokenCache:
         return TokenCache()
 

@@ -21,7 +21,7 @@ from lightning_spec import SamplingConfig, generate
 from lightning_spec.cpu_kernels import SHARED_KV_SDPA, register_shared_kv_sdpa
 from lightning_spec.decoding import verify
 from lightning_spec.decoding.proposals import TreeProposal
-from lightning_spec.drafters import Drafter, DraftVocab
+from lightning_spec.drafters import Drafter
 
 F64 = torch.float64
 GREEDY, T1 = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)
@@ -167,17 +167,16 @@ class FixedTreeDrafter(Drafter):
     depth d (drawn independently or without replacement, or the top-m of q_d when ``kind`` is deterministic)."""
 
     def __init__(self, target, parents: list[int], kind: str, seed: int = 1) -> None:
-        super().__init__()
-        self.parents, self.kind = parents, kind
         depth = TreeProposal(tokens=torch.zeros(len(parents), dtype=torch.long),
                              parents=torch.tensor(parents)).verify_inputs(torch.zeros(1, dtype=torch.long))[1]
-        self.block_size = int(depth.max())
-        self.target_layers = [0]
+        super().__init__(int(depth.max()), target_layers=[0])
+        self.parents, self.kind = parents, kind
         g = torch.Generator().manual_seed(seed)
         self.q = torch.randn(self.block_size, target.vocab_size, generator=g).softmax(-1)  # (D, V)
-        self.vocab = DraftVocab()
-        self.vocab.build(target.vocab_size)
         self.bind(target)
+
+    def build(self, target) -> None:
+        pass  # nothing target-shaped: the tree is fixed
 
     def begin(self, features, input_ids=None):
         return None

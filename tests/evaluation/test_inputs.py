@@ -94,7 +94,7 @@ def drafter(tiny_target):
         ([([1, 2], [3], [4])], r"rollout 0 is a tuple of length 3; each rollout is a \(prompt_ids, response_ids\)"),
         ([{"prompt_ids": [1, 2]}], r"rollout 0 is a mapping without response_ids"),
         ([[1, 2, 3]], r"rollout 0 is a list of length 3; each rollout is a \(prompt_ids, response_ids\) pair"),
-        ("hello", r"takes loaded rollouts, not the path 'hello'; pass load_rollout_set\('hello'\)"),
+        ("hello", r"hello is not a rollouts folder \(no rollouts.json\); make one with `lightning-spec rollouts"),
         ({"prompt_ids": [[1]], "response_ids": [[2]]}, r"rollouts is a dict; pass a rollouts folder"),
         ([([1, 2], [3, 320])], r"rollout 0's response holds token id 320, outside the target's vocabulary 0\.\.319"),
         ([([1, 2], [-1, 3])], r"rollout 0's response holds token id -1, outside the target's vocabulary 0\.\.319"),
