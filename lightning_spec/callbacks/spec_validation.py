@@ -39,7 +39,7 @@ class SpecDecodeValidation(EvaluationCallback):
         tree: decode with a best-first token tree per round (``TreeConfig`` fields: nodes, top_k, depth) instead
             of a chain; for the families with per-slot distributions (DFlash, Medusa).
         decoding: ``fixed`` decodes with the chain (or ``tree``) only; ``auto`` also, once training has started,
-            picks the fastest decoding from measured costs (``decoding/auto.py``: plain, n-gram lookup, the chain,
+            picks the fastest decoding from measured costs (``evaluation/auto.py``: plain, n-gram lookup, the chain,
             a tree, a tree with n-gram candidates), calibrated on ``calibration_prompts`` other held-out prompts,
             decodes the prompts with it (first sampling config) and logs ``val/auto/...`` and
             ``val/auto/speedup``.
@@ -76,7 +76,7 @@ class SpecDecodeValidation(EvaluationCallback):
         self.tree = TreeConfig.coerce(tree)
         self.decoding = decoding
         self.calibration_prompts = calibration_prompts
-        self.choice: Any = None  # decoding auto's last pick (decoding/auto.Choice)
+        self.choice: Any = None  # decoding auto's last pick (evaluation/auto.Choice)
         self._table_due = False  # a fit or validate ended with something to print
 
     @staticmethod
@@ -135,7 +135,7 @@ class SpecDecodeValidation(EvaluationCallback):
                      domains: list[str], metrics: dict[str, float]) -> dict[str, float]:
         """Pick the fastest decoding on the calibration prompts (each rank measures its own machine), decode this
         rank's prompts with it under the first sampling config, and log ``val/auto/...``."""
-        from lightning_spec.decoding.auto import choose_decoding
+        from lightning_spec.evaluation.auto import choose_decoding
 
         sampling = self.sampling[0]
         calibration = [p["prompt_ids"] for p in self._prompts(trainer, calibration=True)]

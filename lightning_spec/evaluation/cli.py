@@ -253,7 +253,7 @@ def evaluate(
         tree: decode (online) or score (offline, exactly) rounds that verify a token tree instead of a chain, e.g.
             --tree '{nodes: 16, top_k: 4}', built by each family's tree builder; offline, best-first trees (DFlash,
             Medusa) are scored under any sampling, the others (EAGLE-3, MTP, D²SD, SpecBlock) on greedy rollouts.
-            Online, ``auto`` picks each drafter's fastest decoding from measured costs (``decoding/auto.py``: plain,
+            Online, ``auto`` picks each drafter's fastest decoding from measured costs (``evaluation/auto.py``: plain,
             n-gram lookup, its chain, a tree, a tree with n-gram candidates), calibrated on held-out prompts of the
             same sources; the arm decodes with the pick and reports it with the speedup it expected.
         trees: one tree setting per drafter instead of ``tree`` (null: a chain), e.g. the same checkpoint twice as

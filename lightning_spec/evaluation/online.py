@@ -78,7 +78,7 @@ class DrafterDecoding:
         checkpoint: the checkpoint or exported folder it was loaded from.
         drafter: the loaded drafter, bound to the target (None: plain decoding).
         setting: the requested tree (None: a chain; ``auto``: decoding auto picks, ``choose_decodings``).
-        pick: decoding auto's ``Choice`` (``decoding/auto.py``): what decodes instead of the drafter, and its tree.
+        pick: decoding auto's ``Choice`` (``evaluation/auto.py``): what decodes instead of the drafter, and its tree.
     """
 
     name: str
@@ -192,7 +192,7 @@ def choose_decodings(decodings: list[DrafterDecoding], target: Target, calibrati
                      sampling: SamplingConfig, max_new_tokens: int, progress: bool) -> list[DrafterDecoding]:
     """Every decoding whose tree is ``auto`` with decoding auto's pick (``choose_decoding`` on ``calibration``,
     held-out prompts); the others as they are. Prints each pick."""
-    from lightning_spec.decoding.auto import choose_decoding
+    from lightning_spec.evaluation.auto import choose_decoding
 
     chosen = [dataclasses.replace(d, pick=choose_decoding(target, d.drafter, calibration, sampling, max_new_tokens,
                                                           progress=progress))

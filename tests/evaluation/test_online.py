@@ -1,7 +1,7 @@
 """The online runner's parts alone: the timed loop (``OnlineRun.run``) records what each decoding reports, in
 interleaved order, and the statistics (``online_statistics``) are a pure function of that record: a fixed record
 gives the figures worked out by hand. The real runner end to end is ``evaluate --mode online`` (test_offline.py,
-test_adaptation.py, decoding/test_trees.py, decoding/test_auto.py)."""
+test_adaptation.py, decoding/test_trees.py, evaluation/test_auto.py)."""
 
 from dataclasses import dataclass, field
 

@@ -28,6 +28,7 @@ from torch import Tensor
 from lightning_spec.decoding.engine import _as_ids, draft, generate
 from lightning_spec.decoding.ngram import NgramDrafter
 from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 
@@ -260,8 +261,6 @@ def estimate(target: Any, drafter: Any, setting: Setting, outputs: list[tuple[li
     """The setting's exact rounds on ``outputs`` (prompt, response) and their expected seconds; None when they
     cannot be scored exactly (a tree grown from drawn drafts, under sampling). ``features``: the target's features
     of each output for the drafter's layers, computed once for every setting (None: computed here)."""
-    from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
-
     tokens = sum(len(r) for _, r in outputs)
     if setting.kind == "plain":
         return Estimate(setting, tokens, tokens, tokens * costs.verify_seconds(1, tree=False))

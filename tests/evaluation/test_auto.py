@@ -1,4 +1,4 @@
-"""``decoding: auto`` (``decoding/auto.py``): the setting with the most expected tokens/s from measured costs.
+"""``decoding: auto`` (``evaluation/auto.py``): the setting with the most expected tokens/s from measured costs.
 
 - with the verify cost linear in the query tokens (a draft never pays) it keeps plain decoding; with a flat verify
   cost and free drafts it picks the setting that commits the most tokens per round;
@@ -12,7 +12,7 @@ import pytest
 from helpers.decoding import MAX_NEW, random_prompts
 from helpers.families import trained
 
-from lightning_spec.decoding.auto import PLAIN, Costs, Setting, candidates, choose_decoding
+from lightning_spec.evaluation.auto import PLAIN, Costs, Setting, candidates, choose_decoding
 
 
 @pytest.fixture(scope="module")
