@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.families import fit_to_greedy_continuations
 
 from lightning_spec import SamplingConfig, generate
 from lightning_spec.data import prompt_ids
-from lightning_spec.objectives import CE, Objective
 
 GREEDY = SamplingConfig()
 
@@ -126,23 +126,8 @@ def train_on_greedy_continuations(target, prompts, block_size: int, make_block_d
     """A real ``DFlashDrafter`` trained (CE, AdamW) on the target's own greedy continuations of ``prompts``: it
     learns them well enough to be accepted in a good share of rounds, not so well that it never misses.
     Every supervised position is an anchor (``num_anchors`` exceeds the length), so training is deterministic."""
-    drafter = make_block_drafter(target, block_size=block_size, num_anchors=64).train()
-    rows = [prompt + argmax_reference(target, prompt, MAX_NEW) for prompt in prompts]
-    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (N, S)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    for i, (prompt, row) in enumerate(zip(prompts, rows)):
-        ids[i, : len(row)] = torch.tensor(row)
-        mask[i, len(prompt) : len(row)] = True
-    batch = {"input_ids": ids, "loss_mask": mask}
-    features = target(ids, layers=drafter.target_layers, logits=False).features  # (N, S, F)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    objective = Objective(CE())
-    for _ in range(steps):
-        terms = objective(drafter(batch, features))
-        opt.zero_grad()
-        (terms.num / terms.den).backward()
-        opt.step()
-    return drafter.eval()
+    drafter = make_block_drafter(target, block_size=block_size, num_anchors=64)
+    return fit_to_greedy_continuations(target, drafter, prompts, steps)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 8])
@@ -185,27 +170,6 @@ def test_drafter_context_equals_a_fresh_prefill(diverse_target, make_reference_d
         assert fresh.length == length
         for got, want_key in zip(keys, fresh.keys):
             torch.testing.assert_close(got, want_key, atol=1e-4, rtol=1e-4)
-
-
-def fit_to_greedy_continuations(target, drafter, prompts, steps: int = 35):
-    """``drafter`` (any family) trained with CE on the target's own greedy continuations of ``prompts``, every
-    supervised position an anchor: accepted in a good share of rounds, not in all."""
-    drafter.train()
-    rows = [prompt + argmax_reference(target, prompt, MAX_NEW) for prompt in prompts]
-    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (N, S)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    for i, (prompt, row) in enumerate(zip(prompts, rows)):
-        ids[i, : len(row)] = torch.tensor(row)
-        mask[i, len(prompt) : len(row)] = True
-    batch = {"input_ids": ids, "loss_mask": mask}
-    features = target(ids, layers=drafter.target_layers, logits=False).features  # (N, S, F)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(steps):
-        terms = Objective(CE())(drafter(batch, features))
-        opt.zero_grad()
-        (terms.num / terms.den).backward()
-        opt.step()
-    return drafter.eval()
 
 
 def rounds_against_a_fresh_begin(target, drafter, prompts, monkeypatch) -> tuple[list[str], list[int]]:
@@ -263,7 +227,7 @@ def test_acceptance_after_extend_stays_at_a_fresh_begins(diverse_target, make_bl
     drafter = make_block_drafter(target, block_size=3, num_anchors=64) if family == "dflash" else \
         Eagle3Drafter(block_size=3, num_anchors=64)
     drafter.bind(target)
-    drafter = fit_to_greedy_continuations(target, drafter, prompts)
+    drafter = fit_to_greedy_continuations(target, drafter, prompts, steps=35)
     wrong, later = rounds_against_a_fresh_begin(target, drafter, prompts, monkeypatch)
     assert not wrong, "\n".join(wrong)
     assert sum(a > 0 for a in later) >= 0.25 * len(later), later  # acceptance after extend is not trivially 0

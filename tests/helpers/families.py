@@ -48,7 +48,13 @@ def build(family: str, target, k: int, seed: int = 0):
 def trained(family: str, target, prompts, k: int, steps: int = 40):
     """The family's drafter trained with CE on the target's own greedy continuations of ``prompts`` until it is
     accepted in a good share of rounds (every supervised position is an anchor: deterministic)."""
-    drafter = build(family, target, k).train()
+    return fit_to_greedy_continuations(target, build(family, target, k), prompts, steps)
+
+
+def fit_to_greedy_continuations(target, drafter, prompts, steps: int = 40):
+    """``drafter`` (any family, bound) trained with CE on the target's own greedy continuations of ``prompts``,
+    every supervised position an anchor; returned in eval mode."""
+    drafter.train()
     rows = [prompt + argmax_reference(target, prompt, MAX_NEW) for prompt in prompts]
     ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)  # (N, S)
     mask = torch.zeros_like(ids, dtype=torch.bool)
