@@ -8,7 +8,7 @@ the on-policy rollouts that on-policy regimes train on (a replay buffer decoded 
 
 from lightning_spec.callbacks.base import EvaluationCallback, MetricsCallback
 from lightning_spec.callbacks.domain_weighting import DomainReweighting
-from lightning_spec.callbacks.offline_validation import OfflineEvaluation
+from lightning_spec.callbacks.offline_evaluation import OfflineEvaluation
 from lightning_spec.callbacks.on_policy import OnPolicyRollouts
 from lightning_spec.callbacks.spec_validation import SpecDecodeValidation
 
