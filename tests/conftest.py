@@ -20,6 +20,7 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from helpers.data import conversations, write_jsonl  # noqa: E402
+from helpers.decoding import random_prompts  # noqa: E402
 from helpers.fits import quiet_trainer  # noqa: E402
 
 from lightning_spec import load_target  # noqa: E402
@@ -71,6 +72,13 @@ def random_llama(vocab_size: int = 96, hidden_size: int = 32, init: float = 0.3,
 @pytest.fixture(scope="session")
 def diverse_target() -> Target:
     return random_llama()
+
+
+@pytest.fixture(scope="session")
+def prompts(diverse_target: Target) -> list[list[int]]:
+    """Three random prompts (1, 6 and 13 tokens) in ``diverse_target``'s vocabulary, the same in every module
+    (a module that wants others defines its own ``prompts``)."""
+    return random_prompts(diverse_target.vocab_size)
 
 
 def block_drafter(target: Target, block_size: int = 4, seed: int = 0, **kwargs) -> DFlashDrafter:

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.decoding import MAX_NEW, argmax_reference
 from helpers.families import FAMILIES, build, trained
 from helpers.sampling import PROMPT, assert_matches, chi_square, exact_joint
 from helpers.trees import assert_greedy_tree_is_the_argmax_loop, tree_empirical
@@ -38,11 +38,6 @@ def family():
     """D2SDDrafter's entry in helpers/families.py (tests/drafters/test_families.py holds it to every guarantee)."""
     assert "d2sd" in FAMILIES
     return "d2sd"
-
-
-@pytest.fixture(scope="module")
-def prompts(diverse_target):
-    return random_prompts(diverse_target.vocab_size)
 
 
 @pytest.fixture(scope="module")

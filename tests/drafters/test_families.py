@@ -16,7 +16,7 @@ tests/test_ddp.py.
 
 import pytest
 import torch
-from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.decoding import MAX_NEW, argmax_reference
 from helpers.families import FAMILIES, build, trained
 from helpers.sampling import NEW, PROMPT, assert_matches, chi_square, empirical, exact_joint
 
@@ -37,11 +37,6 @@ def test_every_registered_family_is_tested_here():
         assert name == family or name.startswith(family + "_"), name
         assert type(make(2)) is REGISTRY[family], name
     assert {type(make(2)).family for make in FAMILIES.values()} == set(REGISTRY)
-
-
-@pytest.fixture(scope="module")
-def prompts(diverse_target):
-    return random_prompts(diverse_target.vocab_size)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.decoding import MAX_NEW, argmax_reference
 from helpers.families import FAMILIES, build, trained
 from helpers.sampling import PROMPT, assert_matches, exact_joint
 from helpers.specblock import a_batch, features_of, sb
@@ -38,11 +38,6 @@ def family():
     """SpecBlockDrafter's entry in helpers/families.py (tests/drafters/test_families.py holds it to every guarantee)."""
     assert "specblock" in FAMILIES
     return "specblock"
-
-
-@pytest.fixture(scope="module")
-def prompts(diverse_target):
-    return random_prompts(diverse_target.vocab_size)
 
 
 # ------------------------------------------------------------------------------------------ architecture

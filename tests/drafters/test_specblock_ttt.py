@@ -18,7 +18,7 @@ from unittest.mock import patch
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
+from helpers.decoding import MAX_NEW, argmax_reference
 from helpers.families import FAMILIES, trained
 from helpers.sampling import PROMPT, assert_matches, exact_joint
 from helpers.specblock import a_batch, features_of, sb
@@ -33,11 +33,6 @@ from lightning_spec.objectives import KL, Geometric, Objective, PositionProduct,
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 K = 3
-
-
-@pytest.fixture(scope="module")
-def prompts(diverse_target):
-    return random_prompts(diverse_target.vocab_size)
 
 
 @pytest.fixture(scope="module")

@@ -56,12 +56,6 @@ def speculators_folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prompts(diverse_target):
-    from helpers.decoding import random_prompts
-    return random_prompts(diverse_target.vocab_size)
-
-
-@pytest.fixture(scope="module")
 def trained_exportable(diverse_target, prompts):
     """name -> a drafter accepted in a good share of rounds, its draft vocabulary (where reduced) a non-prefix set,
     DSpark's confidence temperatures calibrated-looking (not 1); trained once per module, on first use."""
