@@ -241,7 +241,13 @@ def low_mid_high_layers(num_target_layers: int) -> list[int]:
 # --------------------------------------------------------------------------------------- shared: h_{n-1}
 class LastHiddenDrafter(Drafter):
     """What Medusa and MTP share: the last target layer as their only feature, and h_{n-1} per anchor (zero at
-    n = 0, where no position precedes the anchor, in training and decoding alike)."""
+    n = 0, where no position precedes the anchor, in training and decoding alike).
+
+    A round is anchored at n, the last committed token (the bonus); the target has run positions < n only, so the
+    anchor has no target hidden state yet. Both families read h_{n-1}: the last layer's state at n - 1, whose LM
+    head predicted x_n (the anchor), as the target feature layer ``target_layers = [L - 1]``. The HF hidden state
+    of the last layer is already final-normed (``target.py``), i.e. the state the LM head reads, which is Medusa's
+    h_t exactly; MTP normalises its input with its own RMSNorm anyway."""
 
     def __init__(self, block_size: int, num_anchors: int, draft_vocab_size: int | None) -> None:
         super().__init__(block_size, None, num_anchors, draft_vocab_size)  # target_layers: [L - 1], chosen at bind

@@ -5,12 +5,8 @@ residual block and the LM head, p^(k)_t = softmax(W_2 (SiLU(W_1^(k) h_t) + h_t))
 heads run side by side and see nothing but h_t; W_1 starts at zero and W_2 is the LM head, so each head starts
 as the target's own next-token head.
 
-Our convention. A round is anchored at n, the last committed token (the bonus); the target has run positions
-< n only, so the anchor has no target hidden state yet. Medusa and MTP (``mtp.py``) both read h_{n-1}:
-the last layer's state at n - 1, whose LM head predicted x_n (the anchor). They get it as a target feature layer,
-``target_layers = [L - 1]`` (``layers.LastHiddenDrafter``): the HF hidden state of the last layer is already
-final-normed (``target.py``), i.e. the state the LM head reads, which is Medusa's h_t exactly; MTP normalises its
-input with its own RMSNorm anyway.
+Our convention: a round is anchored at n, the last committed token, and the family reads h_{n-1}, the target's
+last-layer state before it (``layers.LastHiddenDrafter``, shared with MTP, says why).
 
 - Medusa: head k reads h_{n-1} and predicts x_{n+k}, k = 1..K (the paper's t = n - 1). The heads never see the
   anchor token x_n: where the target sampled x_n, they still spread their mass over every x_n it might have

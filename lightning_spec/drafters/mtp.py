@@ -6,12 +6,8 @@ RMSNorm(Emb(t_{i+k}))], runs one transformer block, h^k = TRM_k(h'^k), and predi
 output head. Embedding and output head are shared with the main model; each module has its own final RMSNorm
 before the head (``shared_head.norm`` in the released checkpoints).
 
-Our convention. A round is anchored at n, the last committed token (the bonus); the target has run positions
-< n only, so the anchor has no target hidden state yet. MTP and Medusa (``medusa.py``) both read h_{n-1}:
-the last layer's state at n - 1, whose LM head predicted x_n (the anchor). They get it as a target feature layer,
-``target_layers = [L - 1]`` (``layers.LastHiddenDrafter``): the HF hidden state of the last layer is already
-final-normed (``target.py``), i.e. the state the LM head reads, which is Medusa's h_t exactly; MTP normalises its
-input with its own RMSNorm anyway.
+Our convention: a round is anchored at n, the last committed token, and the family reads h_{n-1}, the target's
+last-layer state before it (``layers.LastHiddenDrafter``, shared with Medusa, says why).
 
 - MTP streams. Index every depth by the token its entry embeds: s^0_p = h_p, and module k's entry at position p is
   u^k_p = M_k[RMSNorm(s^{k-1}_{p-1}); RMSNorm(Emb(x_p))], its output s^k_p = TRM_k(u^k)_p with causal attention over
