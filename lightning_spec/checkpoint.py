@@ -289,8 +289,8 @@ def export_checkpoint(ckpt: str, out: str, format: str = "speculators",  # noqa:
         format: speculators (EAGLE-3, DFlash, DSpark, which vLLM serves, and MTP) or sglang (EAGLE-3, DFlash).
         target_path: the verifier path written into the config (default: the target's local folder).
     """
-    record, _ = read_drafter_state(ckpt, "export --ckpt")
-    drafter = load_drafter(ckpt)
+    record, state = read_drafter_state(ckpt, "export --ckpt")  # read once: the record and the weights
+    drafter = _bind(record, state, None, "export --ckpt")
     parent = {"path": str(ckpt), "drafter_class": record["drafter_class"], "parent": record.get("parent")}
     folder = export_drafter(drafter, out, format, record["target"], target_path, parent)
     k = drafter.block_size
