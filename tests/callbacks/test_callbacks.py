@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 from helpers.fits import TINY
@@ -133,20 +134,24 @@ def test_the_table_is_printed_after_the_progress_bar_stopped(tmp_path, command, 
 
 def test_decoding_before_training_takes_none_of_the_max_time_budget(tmp_path, monkeypatch):
     """The evaluation before training runs in on_fit_start, before Lightning's Timer starts the training clock at
-    on_train_start: with max_time, the untrained drafter's decoding is not paid for with training steps."""
-    import time
-
+    on_train_start: with max_time, the untrained drafter's decoding is not paid for with training steps. Lightning's
+    Timer reads an injected clock that the evaluation before training moves by 1000 s."""
+    import lightning.pytorch.callbacks.timer as timer
+    from helpers.clock import FakeClock
     from lightning.pytorch.callbacks import Timer
 
     from lightning_spec.cli import run_cli
 
+    clock = FakeClock()
+    monkeypatch.setattr(timer, "time", clock)
     ended: list[float] = []
     evaluate = SpecDecodeValidation.evaluate
 
     def timed(self, trainer, module, before_training=False):
         metrics = evaluate(self, trainer, module, before_training=before_training)
         if before_training:
-            ended.append(time.monotonic())
+            clock.advance(1000.0)
+            ended.append(clock.now)
         return metrics
 
     monkeypatch.setattr(SpecDecodeValidation, "evaluate", timed)
@@ -162,3 +167,35 @@ def test_decoding_before_training_takes_none_of_the_max_time_budget(tmp_path, mo
     run_cli(["fit", "-c", str(TINY), "--trainer.logger=false", "--trainer.max_time=00:00:10:00",
              "--trainer.max_steps=2", "--trainer.enable_progress_bar=false"], exit_on_error=False)
     assert ended and seen["start"] >= ended[0]  # the training clock started after the evaluation ended
+
+
+def test_the_summary_prints_the_training_time_the_budget_counted(tmp_path, monkeypatch, capsys):
+    """The summary line's seconds are what max_time's Timer counted when training ended, not the decoding after it:
+    with Lightning's Timer on an injected clock, each batch takes 1 s and each evaluation 1000 s, so 3 steps are
+    "3 s of training" (the Timer stops its clock only in its own on_train_end, after this callback's evaluation). No
+    validation runs inside training, as in the quickstart: a validation there is training time the Timer counts."""
+    import lightning.pytorch.callbacks.timer as timer
+    from helpers.clock import FakeClock
+
+    from lightning_spec.cli import run_cli
+
+    clock = FakeClock()
+    monkeypatch.setattr(timer, "time", clock)
+    evaluate = SpecDecodeValidation.evaluate
+
+    def slow(self, trainer, module, before_training=False):
+        clock.advance(1000.0)
+        return evaluate(self, trainer, module, before_training=before_training)
+
+    class Second(L.Callback):
+        def on_train_batch_start(self, *args, **kwargs):
+            clock.advance(1.0)
+
+    monkeypatch.setattr(SpecDecodeValidation, "evaluate", slow)
+    monkeypatch.chdir(tmp_path)
+    run_cli(["fit", "-c", str(TINY), "--trainer.logger=false", "--trainer.max_time=00:00:10:00",
+             "--trainer.max_steps=3", "--trainer.val_check_interval=null", "--trainer.check_val_every_n_epoch=1000",
+             "--trainer.enable_progress_bar=false"],
+            callbacks=[Second()], exit_on_error=False)
+    out = capsys.readouterr().out
+    assert "training: 3 optimizer steps in 3 s of training (trainer.max_steps=3 reached" in out, out[-400:]

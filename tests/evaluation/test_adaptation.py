@@ -6,7 +6,6 @@ on hand values; the scopes' parameter names per family; the update's time inside
 
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -176,20 +175,37 @@ def test_scopes_of_other_families_and_empty_scopes(diverse_target):
 
 # ------------------------------------------------------------------------------------------------------ timing
 def test_update_time_is_inside_the_window_seconds(diverse_target, make_block_drafter, monkeypatch):
+    """The adapter's update is paid inside the window's ``seconds``: with the engine's and the adapter's clocks
+    injected, every round of decoding takes 0.125 s and the update 0.25 s, exactly."""
+    from helpers.clock import FakeClock
+
+    import lightning_spec.decoding.engine as engine
+    import lightning_spec.evaluation.adaptation as adaptation
+
+    clock = FakeClock()
+    monkeypatch.setattr(engine, "time", clock)
+    monkeypatch.setattr(adaptation, "time", clock)
     drafter = make_block_drafter(diverse_target, block_size=3)
     adapter = CostAwareAdapter(drafter, diverse_target, lr=1e-2, force="head")
     real = adapter._update
 
     def slow(*args, **kwargs):
-        time.sleep(0.25)
+        clock.sleep(0.25)
         return real(*args, **kwargs)
 
+    draft = engine.draft
+
+    def timed_draft(*args, **kwargs):  # a round's own time, read by the engine's clock
+        clock.advance(0.125)
+        return draft(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "draft", timed_draft)
     monkeypatch.setattr(adapter, "_update", slow)
     out = adapter.generate(prompts(diverse_target.vocab_size, 1)[0], 8)
     d = adapter.history[0]
-    assert d.arm == "head" and d.update_seconds >= 0.25
-    assert out.seconds >= d.decode_seconds + d.overhead_seconds >= d.decode_seconds + 0.25
-    assert out.seconds == pytest.approx(d.decode_seconds + d.overhead_seconds, abs=0.05)
+    assert d.arm == "head" and d.update_seconds == 0.25 and d.score_seconds == 0.0
+    assert d.rounds > 0 and d.decode_seconds == 0.125 * d.rounds
+    assert out.seconds == d.decode_seconds + d.overhead_seconds == 0.125 * d.rounds + 0.25
 
 
 # --------------------------------------------------------------------------------------------------- evaluate

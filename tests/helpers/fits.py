@@ -55,26 +55,72 @@ def fits_together(jobs: list[tuple[Path, tuple[str, ...] | list[str]]], timeout:
     """Several ``fit`` runs (cwd, args) started at once and awaited: a 1-process reference next to a 2-rank DDP run
     keeps both cores busy instead of one (each process computes on one thread, so results do not change)."""
     procs = [_start_fit(cwd, *args) for cwd, args in jobs]
+    return _await(procs, procs, timeout)
+
+
+def _start_fit(cwd: Path, *args: str) -> tuple[list[str], subprocess.Popen]:
+    cwd.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "lightning_spec", "fit", "-c", str(TINY), "--trainer.enable_progress_bar=false",
+           *args]
+    return cmd, subprocess.Popen(cmd, cwd=cwd, env=_fit_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+
+
+def _fit_env() -> dict[str, str]:
+    """Offline, one thread per process, tests/ importable (``helpers.fits.Probe``)."""
+    path = os.pathsep.join(p for p in [str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")] if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+
+
+def fit_jobs(jobs: list[tuple[Path, list[str]]], ranks: int, folder: Path, timeout: int = 600
+             ) -> list[subprocess.CompletedProcess]:
+    """Every job (cwd, args) of ``fit -c experiments/tiny.yaml *args`` in ``ranks`` processes started once
+    (``helpers/fit_jobs.py``): with ``ranks=2`` they are the two gloo ranks of each job's DDP fit (each job must say
+    ``--trainer.strategy=ddp --trainer.devices=2``). Returns the processes, rank 0 first; ``folder`` holds the job
+    list. Two calls started together (a 1-process reference beside 2 ranks): ``fit_jobs_together``."""
+    return fit_jobs_together([(jobs, ranks)], folder, timeout)[0]
+
+
+def fit_jobs_together(launches: list[tuple[list[tuple[Path, list[str]]], int]], folder: Path, timeout: int = 600
+                      ) -> list[list[subprocess.CompletedProcess]]:
+    """Several ``fit_jobs`` launches (jobs, ranks) started at once and awaited."""
+    folder.mkdir(parents=True, exist_ok=True)
+    started = []
+    for i, (jobs, ranks) in enumerate(launches):
+        listing = folder / f"jobs{i}.json"
+        listing.write_text(json.dumps([{"cwd": str(cwd), "args": list(args)} for cwd, args in jobs]))
+        port = _free_port()
+        procs = []
+        for rank in range(ranks):
+            env = {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(ranks),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if ranks > 1 else {}
+            cmd = [sys.executable, "-m", "helpers.fit_jobs", str(listing)]
+            procs.append((cmd, subprocess.Popen(cmd, cwd=folder, env={**_fit_env(), **env}, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, text=True)))
+        started.append(procs)
+    return [_await([p for procs in started for p in procs], procs, timeout) for procs in started]
+
+
+def _await(every: list, procs: list, timeout: int) -> list[subprocess.CompletedProcess]:
     done = []
-    for (cmd, proc) in procs:
+    for cmd, proc in procs:
         try:
             out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for _, p in procs:
+        except subprocess.TimeoutExpired:  # a rank that failed leaves the other waiting in a collective
+            for _, p in every:
                 p.kill()
             raise
         done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
     return done
 
 
-def _start_fit(cwd: Path, *args: str) -> tuple[list[str], subprocess.Popen]:
-    cwd.mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join(p for p in [str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")] if p)
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
-    cmd = [sys.executable, "-m", "lightning_spec", "fit", "-c", str(TINY), "--trainer.enable_progress_bar=false",
-           *args]
-    return cmd, subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def callback(class_path: str, **init_args) -> str:
