@@ -25,11 +25,18 @@ $(STAMP): pyproject.toml Makefile
 quickstart: setup
 	$(VENV)/bin/lightning-spec fit -c experiments/quickstart.yaml
 
+# The suite on every core (pytest-xdist; each worker computes on one torch thread, tests/conftest.py), its 25
+# slowest tests printed on every run (tests/README.md says what each costs and why). `make test` runs everything;
+# `make test-fast`, the inner loop, leaves out the real SmolLM2 target (slow) and tests/integration/ (subprocess
+# fits, DDP, resume, docs, serving).
+TEST_WORKERS ?= auto
+PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
+
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow and not integration"
 
 lint: setup
 	$(VENV)/bin/ruff check .

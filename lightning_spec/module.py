@@ -9,8 +9,8 @@ gradient, and 2 ranks give the same gradient as 1 rank with the doubled batch.
 Determinism across batch layouts. Anchors are drawn per example from a seed of (run seed, optimizer step,
 example index) (``anchor_seeds``), not from the global RNG, so an example gets the same anchors whichever batch,
 DDP rank or resumed process it lands in: 2 DDP ranks train like 1 process with the doubled batch, and a run
-killed mid-epoch and resumed from ``last.ckpt`` trains like the uninterrupted one (tests/test_ddp.py,
-tests/test_resume.py). Logged training metrics are those of the global batch (sums all-reduced over ranks).
+killed mid-epoch and resumed from ``last.ckpt`` trains like the uninterrupted one (tests/integration/test_ddp.py,
+tests/integration/test_resume.py). Logged training metrics are those of the global batch (sums all-reduced over ranks).
 
 Checkpoints hold the drafter only: the frozen target's weights are stripped on save and re-attached on load;
 ``load_drafter`` rebuilds a drafter from a checkpoint (see ``checkpoint.py``). They also carry the MLflow run id

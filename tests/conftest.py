@@ -36,6 +36,16 @@ from lightning_spec.target import Target  # noqa: E402
 torch.set_num_threads(1)
 
 
+INTEGRATION = os.path.join(os.path.dirname(__file__), "integration")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test under tests/integration/ is an integration test (``make test-fast`` leaves them out)."""
+    for item in items:
+        if str(item.path).startswith(INTEGRATION):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> Target:
     """The packaged ``tiny-random`` target: 2 layers, hidden 64, vocab 320, byte tokenizer with ChatML."""

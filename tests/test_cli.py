@@ -200,6 +200,7 @@ def tail(text: str, lines: int = 6) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+@pytest.mark.integration  # a subprocess: the process boundary is what it tests
 def test_user_errors_in_the_console(tmp_path):
     """What a user sees on stderr: the last lines name the field (no bare torch/datasets traceback)."""
     bad_key = yaml.safe_load(TINY.read_text())

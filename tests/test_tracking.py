@@ -1,7 +1,7 @@
 """Tracking (``tracking.py``): secrets never leave the machine in clear (a URI's password masked in the saved
 config and the error tag), runs started together on a fresh MLflow store are never lost, and a run that fails says
 why (FAILED, tagged with the sentence the console printed). Kept as they were: kill -9 then ``fit --ckpt_path``
-continues the same MLflow run (tests/test_resume.py), and a NaN loss stops with one sentence.
+continues the same MLflow run (tests/integration/test_resume.py), and a NaN loss stops with one sentence.
 """
 
 import os
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from helpers.cli import exit_code, last_error_line, local_data_args
 from helpers.tracking import runs
 
@@ -74,6 +75,7 @@ client.set_terminated(run.info.run_id)
 """
 
 
+@pytest.mark.integration  # a subprocess: the process boundary is what it tests
 def test_processes_opening_a_fresh_mlflow_db_together_all_get_their_run(tmp_path):
     """Four processes open a fresh SQLite store in the same instant and each logs a run: every one succeeds and
     every run is there (without the store lock the tables are created twice: `table ... already exists`)."""
@@ -88,6 +90,7 @@ def test_processes_opening_a_fresh_mlflow_db_together_all_get_their_run(tmp_path
     assert {r.info.status for r in found} == {"FINISHED"}
 
 
+@pytest.mark.integration  # a subprocess: the process boundary is what it tests
 def test_two_fits_started_together_on_a_fresh_mlflow_db_both_finish(tmp_path):
     """`lightning-spec fit` twice at once in one folder with no mlflow.db yet: two FINISHED runs."""
     command = [sys.executable, "-m", "lightning_spec", "fit", "-c", str(TINY), "--trainer.enable_progress_bar=false",

@@ -114,6 +114,7 @@ def run_tiny(cwd: Path, command: str, terminal: bool) -> subprocess.CompletedPro
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.integration  # a subprocess: the process boundary is what it tests
 @pytest.mark.parametrize(("command", "terminal", "bar"), [("fit", False, "Epoch"), ("fit", True, "Epoch"),
                                                            ("validate", False, "Validation")],
                          ids=["fit-piped", "fit-terminal", "validate-piped"])

@@ -172,21 +172,29 @@ def test_the_work_ahead_and_an_estimate_are_printed_before_decoding(chatty, serv
     assert "at most 108 tokens to generate; at the probe's pace" in err and "at most ~" in err
 
 
-def test_the_server_probe_measures_generation_apart_from_a_prefix_cached_prefill(tiny_target):
+def test_the_server_probe_measures_generation_apart_from_a_prefix_cached_prefill(tiny_target, monkeypatch):
     """The estimate's two rates against a stand-in with known simulated costs and a prefix cache, which once made a
-    probe that subtracted the first prefill from a cached rerun report a billion tokens/s. The costs are sleeps, so
-    the measured rates can only come out slower; the bounds allow 2x of it."""
-    standin = StandIn(tiny_target, delay=0.0, prefill_cost=0.002, token_cost=0.01)
+    probe that subtracted the first prefill from a cached rerun report a billion tokens/s. The stand-in pays its
+    costs on the clock the engine reads (injected), so the rates come out exact on any machine."""
+    from helpers.clock import FakeClock
+
+    import lightning_spec.data.engines as engines
+
+    clock = FakeClock()
+    monkeypatch.setattr(engines, "time", clock)
+    standin = StandIn(tiny_target, delay=0.0, prefill_cost=0.002, token_cost=0.01, clock=clock)
     url = standin.start()
     try:
         prompts = [[1, 2, 3 + i] * 10 for i in range(4)]  # 30 tokens each, never seen by the stand-in
         prefill, per_token = ServerEngine(url, concurrency=4).probe(prompts, SamplingConfig(), [])
     finally:
         standin.stop()
-    assert 0.002 <= prefill < 0.004  # seconds per prompt token: the requests are served one at a time
-    assert 0.01 <= per_token < 0.02  # seconds per generated token, the cached prefill not subtracted twice
+    # seconds per prompt token: 120 prompt tokens at 0.002, with the one token each request generates (4 x 0.01)
+    assert prefill == pytest.approx((120 * 0.002 + 4 * 0.01) / 120)
+    assert per_token == pytest.approx(0.01)  # seconds per generated token, the cached prefill not subtracted twice
 
 
+@pytest.mark.integration  # a subprocess: the process boundary is what it tests
 def test_a_killed_server_regeneration_resumes_with_nothing_lost_or_written_twice(tiny_target, tmp_path):
     """`lightning-spec rollouts --backend server` killed with SIGKILL while requests are in flight, then rerun: every
     conversation once, the same rows as an uninterrupted run."""

@@ -11,7 +11,7 @@ For each family in ``FAMILIES`` (a constructor taking K):
 
 A new family registered in ``lightning_spec.drafters.FAMILIES`` must add at least one configuration to ``FAMILIES``
 in tests/helpers/families.py (a test here says so); the DDP equivalence is parametrised over the families in
-tests/test_ddp.py.
+tests/integration/test_ddp.py.
 """
 
 import pytest

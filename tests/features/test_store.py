@@ -71,7 +71,8 @@ def test_a_store_of_other_weights_layers_data_or_dtype_is_refused(tmp_path):
 
 def test_two_ranks_creating_one_store_at_once_both_open_it(tmp_path, monkeypatch):
     """DDP ranks open a new store together: one may find no spec yet and then see the other's spec (or its temporary
-    file) in the folder; that is the same store being created, not other files (a race seen in tests/test_ddp.py)."""
+    file) in the folder; that is the same store being created, not other files (a race seen in
+    tests/integration/test_ddp.py)."""
     import lightning_spec.features.store as store_module
 
     FeatureStore.open(tmp_path, spec())  # the other rank's spec, written

@@ -1,7 +1,7 @@
-"""`lightning-spec fit` in a subprocess for tests/test_ddp.py and tests/test_resume.py, the callbacks those
-subprocesses and sweeps load by class path (``helpers.fits.Probe``: ``fit`` puts tests/ on their PYTHONPATH),
-``fit_checkpoint``, the smallest file a fit writes, and ``quiet_trainer``, an in-process Trainer that prints and
-saves nothing.
+"""`lightning-spec fit` in a subprocess for tests/integration/test_ddp.py and tests/integration/test_resume.py (and
+several fits in the same processes: ``fit_jobs_together``), the callbacks those subprocesses and sweeps load by class
+path (``helpers.fits.Probe``: ``fit`` puts tests/ on their PYTHONPATH), ``fit_checkpoint``, the smallest file a fit
+writes, and ``quiet_trainer``, an in-process Trainer that prints and saves nothing.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class Probe(Callback):
 
 class BufferProbe(Callback):
     """Writes, per rank, the on-policy replay buffer at the end of the fit and the examples and rollout steps of
-    every training batch to ``<out>/buffer<r>.json`` (tests/callbacks/test_on_policy_ddp.py)."""
+    every training batch to ``<out>/buffer<r>.json`` (tests/integration/test_on_policy_ddp.py)."""
 
     def __init__(self, out: str) -> None:
         self.out = Path(out)

@@ -19,8 +19,9 @@ from lightning_spec import SamplingConfig, generate
 
 class StandIn:
     def __init__(self, target: Any, model: str = "standin", token_ids: bool = True, delay: float = 0.02,
-                 prefill_cost: float = 0.0, token_cost: float = 0.0) -> None:
+                 prefill_cost: float = 0.0, token_cost: float = 0.0, clock: Any = time) -> None:
         self.target, self.model, self.token_ids, self.delay = target, model, token_ids, delay
+        self.clock = clock  # what pays the simulated costs: ``time`` sleeps, a test's FakeClock moves instead
         # simulated costs, paid one request at a time: seconds per prompt token not in the prefix cache (a prompt
         # seen before costs nothing, as in vLLM), seconds per generated token
         self.prefill_cost, self.token_cost, self.cached = prefill_cost, token_cost, set()
@@ -43,8 +44,8 @@ class StandIn:
                 out = generate(self.target, body["prompt"], body["max_tokens"], sampling, seed=body.get("seed"))
                 if tuple(body["prompt"]) not in self.cached:
                     self.cached.add(tuple(body["prompt"]))
-                    time.sleep(self.prefill_cost * len(body["prompt"]))
-                time.sleep(self.token_cost * len(out.tokens))
+                    self.clock.sleep(self.prefill_cost * len(body["prompt"]))
+                self.clock.sleep(self.token_cost * len(out.tokens))
         finally:
             with self.lock:
                 self.in_flight -= 1

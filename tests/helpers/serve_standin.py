@@ -1,6 +1,6 @@
-"""A stand-in for benchmarks/serve_vllm.py that decodes with our own engine, so tests/test_benchmarks.py can run
-benchmarks/serve_check.py end to end without vLLM. It answers in serve_vllm.py's JSON and counts the way vLLM does:
-the prefill gives the first token, then one draft per verification forward (so drafts = our rounds - 1)."""
+"""A stand-in for benchmarks/serve_vllm.py that decodes with our own engine, so tests/integration/test_benchmarks.py
+can run benchmarks/serve_check.py end to end without vLLM. It answers in serve_vllm.py's JSON and counts the way vLLM
+does: the prefill gives the first token, then one draft per verification forward (so drafts = our rounds - 1)."""
 
 import argparse
 import json

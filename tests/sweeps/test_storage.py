@@ -10,6 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 from helpers.cli import exit_code, last_error_line
 from helpers.tracking import runs
@@ -27,6 +28,7 @@ def artifact_texts(client, run_id: str, folder: Path) -> str:
     return "".join(p.read_text() for p in out.rglob("*") if p.suffix in (".yaml", ".json", ".txt"))
 
 
+@pytest.mark.integration  # a subprocess: the process boundary is what it tests
 def test_credentials_never_leave_a_sweep_or_its_fit_in_clear(tmp_path, postgres):
     """A sweep (one trial = one fit) whose Optuna storage and MLflow tracking URI carry a password (the CI
     server trusts local connections, so any password works): the password is in no printed line, no param or

@@ -328,6 +328,7 @@ def stop_during_a_trial(command: list[str], cwd: Path, storage: str, sig: int, l
     return victim
 
 
+@pytest.mark.integration  # a subprocess: the process boundary is what it tests
 def test_an_interrupted_or_killed_sweep_resumes_without_repeating_finished_trials(tmp_path):
     """Ctrl-C the sweep during a trial: it stops, the trial is failed as interrupted. Then kill -9 it during a
     trial: the trial stays RUNNING. The same command again: both trials are failed as interrupted (not counted)
@@ -368,6 +369,7 @@ def test_an_interrupted_or_killed_sweep_resumes_without_repeating_finished_trial
     assert {client.get_run(after[v].user_attrs["mlflow_run_id"]).info.status for v in (stopped, killed)} == {"KILLED"}
 
 
+@pytest.mark.integration  # a subprocess: the process boundary is what it tests
 def test_two_workers_share_a_postgres_study(tmp_path, postgres):
     """Two `sweep` processes on one study: exactly n_trials=4 trials between them, no number twice, each trial
     exactly one MLflow child run (MLflow in its own fresh PostgreSQL database)."""

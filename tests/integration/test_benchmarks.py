@@ -8,7 +8,7 @@ from pathlib import Path
 
 from helpers.benchmarks import run_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_decode_speed_compares_chain_tree_and_plain():

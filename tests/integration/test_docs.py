@@ -37,7 +37,7 @@ import pytest
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(p for p in DOCS.glob("*.md") if not p.name.startswith("_"))]
 LINKED_PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
@@ -317,8 +317,8 @@ def run_command(argv: list[str], folder: Path) -> None:
     elif argv[:2] == [".venv/bin/python", "benchmarks/decode_speed.py"]:
         run = lambda: runpy.run_path(str(folder / argv[1]), run_name="__main__")
     else:
-        pytest.fail(f"no rewrite runs `{shown}` fast: add one to REWRITES in tests/test_docs.py, or move the line to "
-                    f"a block whose first line is `# needs: <{'|'.join(NEEDS)}> ...`")
+        pytest.fail(f"no rewrite runs `{shown}` fast: add one to REWRITES in tests/integration/test_docs.py, or move "
+                    f"the line to a block whose first line is `# needs: <{'|'.join(NEEDS)}> ...`")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", argv if argv[0] == "lightning-spec" else argv[1:])
         try:
@@ -386,7 +386,7 @@ def check_yaml(block: Block, folder: Path) -> None:
                         assert printed[section][key] == value, f"{block.name}: {section}.{key} did not arrive"
     else:
         pytest.fail(f"{block.name}: neither an experiment (keys among {sorted(EXPERIMENT_KEYS)}) nor a sweep "
-                    "(base, space); say in tests/test_docs.py how to check it")
+                    "(base, space); say in tests/integration/test_docs.py how to check it")
 
 
 # ------------------------------------------------------------------------------------------------- the run
