@@ -99,7 +99,11 @@ class EvaluationCallback(MetricsCallback):
         the steps their budget buys. A resumed fit (its history restored from the checkpoint) does not repeat it."""
         refuse_sharded_target(pl_module, type(self).__name__)
         if self.before_training and not self.history and trainer.ckpt_path is None:
-            self.measure(trainer, pl_module, step=0, before_training=True)
+            self.measure_before_training(trainer, pl_module)
+
+    def measure_before_training(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """The evaluation at step 0; a subclass may defer it (``SpecDecodeValidation.offline_before``)."""
+        self.measure(trainer, module, step=0, before_training=True)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:

@@ -10,10 +10,12 @@ decoding of the same prompts, measured in the same call. Extra sampling configs 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 
 from lightning_spec.callbacks.base import EvaluationCallback, full_parameters
 from lightning_spec.datamodule import SpecDataModule
@@ -33,6 +35,12 @@ class SpecDecodeValidation(EvaluationCallback):
         measure_speedup: also decode the same prompts without the drafter (first sampling config only) and log
             ``val/speedup`` = speculative tokens/s ÷ plain tokens/s.
         before_training: evaluate once before the first optimizer step (logged at step 0).
+        offline_before: with ``before_training``, score the untrained drafter with the exact offline evaluator instead
+            of decoding with it: its weights are kept when training starts and scored after the first evaluation, on
+            the answers that evaluation decoded (a greedy speculative answer is the target's greedy answer, and a
+            sampled one a sample of the target's: speculative decoding is lossless), one target and one drafter
+            forward per answer, no decoding. Greedy MAL is exact; a sampled one is the expectation over those
+            samples. Still logged at step 0; on a drafter whose start is worth minutes of decoding, it costs seconds.
         print_summary: print a per-domain table of MAL before and after training when fit ends (and the MAL
             measured by ``lightning-spec validate``).
         seed: base seed; prompt i uses ``seed + i``.
@@ -55,6 +63,7 @@ class SpecDecodeValidation(EvaluationCallback):
         sampling: list[SamplingConfig] | None = None,
         measure_speedup: bool = True,
         before_training: bool = True,
+        offline_before: bool = False,
         print_summary: bool = True,
         seed: int = 0,
         tree: TreeConfig | None = None,
@@ -79,6 +88,8 @@ class SpecDecodeValidation(EvaluationCallback):
         self.choice: Any = None  # decoding auto's last pick (evaluation/auto.Choice)
         self._table_due = False  # a fit or validate ended with something to print
         self._train_seconds: float | None = None  # what max_time's Timer had counted when training ended
+        self.offline_before = offline_before
+        self._initial: dict[str, torch.Tensor] | None = None  # the untrained drafter's weights, until scored
 
     @staticmethod
     def prefix(i: int, sampling: SamplingConfig) -> str:
@@ -118,6 +129,7 @@ class SpecDecodeValidation(EvaluationCallback):
         was_training = module.drafter.training
         module.drafter.eval()
         metrics: dict[str, float] = {}
+        reports = []
         try:
             with full_parameters(trainer):
                 for i, sampling in enumerate(self.sampling):
@@ -125,12 +137,58 @@ class SpecDecodeValidation(EvaluationCallback):
                         module.target, module.drafter, mine, sampling, self.max_new_tokens,
                         measure_plain=not before_training and self.measure_speedup and i == 0, tree=self.tree,
                     )
+                    reports.append(report)
                     metrics.update(self._reduce(trainer, report, domains, self.prefix(i, sampling)))
                 if self.decoding == "auto" and not before_training:
                     metrics.update(self._decode_auto(trainer, module, mine, domains, metrics))
+                if self._initial is not None:
+                    self._score_initial(trainer, module, reports, domains)
         finally:
             module.drafter.train(was_training)
         return metrics
+
+    # ----------------------------------------------------------------------------- the drafter before training
+    def measure_before_training(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Decode now, or (``offline_before``) keep the untrained weights to score after the first evaluation."""
+        if not self.offline_before:
+            return super().measure_before_training(trainer, module)
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError("SpecDecodeValidation.offline_before keeps the untrained drafter's weights, which FSDP "
+                             "shards; set offline_before: false under the fsdp strategy.")
+        self._initial = {k: v.detach().clone() for k, v in module.drafter.state_dict().items()}
+
+    def _score_initial(self, trainer: L.Trainer, module: L.LightningModule, reports: list[DecodeReport],
+                       domains: list[str]) -> None:
+        """The untrained drafter's exact offline MAL on the answers just decoded (``offline_before``), kept and
+        published at step 0 as a decoded evaluation before training would have been."""
+        from lightning_spec.data.rollouts import RolloutSet
+        from lightning_spec.evaluation.offline import offline_report
+
+        start = time.perf_counter()
+        trained = {k: v.detach().clone() for k, v in module.drafter.state_dict().items()}
+        module.drafter.load_state_dict(self._initial)
+        metrics: dict[str, float] = {}
+        try:
+            for i, (sampling, report) in enumerate(zip(self.sampling, reports)):
+                answers = [a for a in report.answers if a[1]]  # an answer of no token takes no round
+                none = torch.zeros(module.drafter.block_size, dtype=torch.float64)
+                sums = acceptance_sums({}, none, none, domains)  # a rank with no answer adds nothing
+                if answers:
+                    rollouts = RolloutSet([a[0] for a in answers], [a[1] for a in answers], [a[2] for a in answers],
+                                          [str(j) for j in range(len(answers))], [True] * len(answers))
+                    scored = offline_report(module.target, module.drafter, rollouts, sampling)
+                    sums = acceptance_sums(scored.domain_sums(), scored.slot_accepted, scored.slot_reached, domains)
+                sums = reduce_sums(trainer, sums)
+                prefix = self.prefix(i, sampling)
+                metrics.update(acceptance_metrics(sums, domains, f"{prefix}/mal", f"{prefix}/accept_rate"))
+        finally:
+            module.drafter.load_state_dict(trained)
+            self._initial = None
+        self.history.insert(0, (0, metrics))
+        self.publish(trainer, metrics, 0)
+        if trainer.is_global_zero:
+            print(f"[{self.name}] step 0 (the untrained drafter, exact offline on these answers): "
+                  f"{self.headline(metrics, time.perf_counter() - start)}", file=sys.stderr)
 
     def _decode_auto(self, trainer: L.Trainer, module: L.LightningModule, mine: list[dict[str, Any]],
                      domains: list[str], metrics: dict[str, float]) -> dict[str, float]:

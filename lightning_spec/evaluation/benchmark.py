@@ -35,6 +35,7 @@ class DecodeReport:
     plain_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    answers: list[tuple[list[int], list[int], str]] = field(default_factory=list)  # (prompt, tokens, domain) each
 
     def add(self, gen: Any, domain: str, tree: bool = False) -> None:
         """Add one speculative ``Generation`` of a prompt of ``domain``; with ``tree``, slot k counts depth k (a
@@ -107,6 +108,7 @@ def decode_prompts(
         gen = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=drafter, seed=prompt_seed,
                        tree=tree)
         report.add(gen, prompt["domain"], tree=tree is not None)
+        report.answers.append((list(map(int, prompt["prompt_ids"])), list(gen.tokens), prompt["domain"]))
         if measure_plain:
             plain = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=None, seed=prompt_seed)
             report.plain_tokens += len(plain.tokens)

@@ -200,3 +200,62 @@ def test_the_summary_prints_the_training_time_the_budget_counted(tmp_path, monke
             callbacks=[Second()], exit_on_error=False)
     out = capsys.readouterr().out
     assert "training: 3 optimizer steps in 3 s of training (trainer.max_steps=3 reached" in out, out[-400:]
+
+
+def test_offline_before_decodes_nothing_before_training(tmp_path, monkeypatch):
+    """``offline_before``: no prompt is decoded before training, and step 0 is still in the history and the table."""
+    import lightning_spec.callbacks.spec_validation as spec_validation
+    from lightning_spec.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    decoded_at: list[int] = []
+    decode = spec_validation.decode_prompts
+
+    class Steps(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            self.trainer = trainer
+
+    steps = Steps()
+
+    def counting(*args, **kwargs):
+        decoded_at.append(steps.trainer.global_step)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(spec_validation, "decode_prompts", counting)
+    callback = SpecDecodeValidation(prompts_per_domain=1, max_new_tokens=12, measure_speedup=False,
+                                    sampling=[SamplingConfig(), SamplingConfig(temperature=1.0)], offline_before=True)
+    run_cli(["fit", "-c", str(TINY), "--trainer.logger=false", "--trainer.max_steps=3",
+             "--trainer.val_check_interval=null", "--trainer.check_val_every_n_epoch=1000",
+             "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]",
+             "--trainer.enable_checkpointing=false"], callbacks=[steps, callback], exit_on_error=False)
+    assert decoded_at == [3, 3]  # greedy and T=1 after training, nothing before
+    assert [s for s, _ in callback.history] == [0, 3]
+    assert {"val/mal", "val/mal/chat", "val/temp1/mal", "val/accept_rate/t1"} <= set(callback.history[0][1])
+
+
+def test_offline_before_scores_the_initial_weights_as_decoding_with_them_would(diverse_target, prompts):
+    """The drafter before training is scored on the answers the evaluation after it decoded: its greedy MAL, per
+    domain and pooled, equals decoding with it. Here the weights kept at the start are a trained drafter's (MAL well
+    above 1) and the live ones a fresh drafter's, so scoring the wrong ones fails. (Per-slot acceptance is the offline
+    evaluator's expectation: the budget's last round, cut short in decoding, can differ.)"""
+    from helpers.families import build, trained
+
+    from lightning_spec.evaluation.benchmark import decode_prompts
+
+    start = trained("dflash", diverse_target, prompts, k=3)
+    rows = [{"prompt_ids": p, "domain": d} for p, d in zip(prompts, ["chat", "code", "chat"])]
+    before = decode_prompts(diverse_target, start, rows, SamplingConfig(), 16)
+    assert before.mal > 1.5  # the check has power: a fresh drafter is near 1
+    live = build("dflash", diverse_target, 3, seed=1).eval()
+    callback = SpecDecodeValidation(offline_before=True)
+    callback._initial = {k: v.clone() for k, v in start.state_dict().items()}
+    kept = {k: v.clone() for k, v in live.state_dict().items()}
+    trainer = SimpleNamespace(world_size=1, is_global_zero=True, loggers=[], callback_metrics={})
+    after = decode_prompts(diverse_target, live, rows, SamplingConfig(), 16)
+    callback._score_initial(trainer, SimpleNamespace(target=diverse_target, drafter=live), [after], ["chat", "code"])
+    ((step, scored),) = callback.history
+    assert step == 0 and callback._initial is None
+    assert scored["val/mal"] == pytest.approx(before.mal, abs=1e-9)
+    assert scored["val/mal/chat"] == pytest.approx(before.mal_by_domain["chat"], abs=1e-9)
+    assert scored["val/mal/code"] == pytest.approx(before.mal_by_domain["code"], abs=1e-9)
+    assert all(torch.equal(v, live.state_dict()[k]) for k, v in kept.items())  # the live weights are back
