@@ -20,12 +20,34 @@ TINY = Path(__file__).resolve().parents[2] / "experiments" / "tiny.yaml"
 
 
 def main(jobs_file: str) -> None:
+    """Each job's output (this process's stdout and stderr, file descriptors included) goes to ``fit-rank<r>.log`` in
+    its folder, which a test reads; a job that fails prints its log's tail on the real stderr and ends the process."""
+    rank = os.environ.get("LOCAL_RANK", "0")
     for job in json.loads(Path(jobs_file).read_text()):
         cwd = Path(job["cwd"])
         cwd.mkdir(parents=True, exist_ok=True)
         os.chdir(cwd)
-        print(f"[fit_jobs] {cwd}", file=sys.stderr, flush=True)
-        run_cli(["fit", "-c", str(TINY), "--trainer.enable_progress_bar=false", *job["args"]])
+        log = cwd / f"fit-rank{rank}.log"
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            with open(log, "w") as out:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(out.fileno(), 1)
+                os.dup2(out.fileno(), 2)
+                try:
+                    run_cli(["fit", "-c", str(TINY), "--trainer.enable_progress_bar=false", *job["args"]])
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os.dup2(saved[0], 1)
+                    os.dup2(saved[1], 2)
+        except BaseException:
+            print(f"[fit_jobs] {cwd} failed; the end of {log.name}:\n{log.read_text()[-3000:]}", file=sys.stderr)
+            raise
+        finally:
+            for fd in saved:
+                os.close(fd)
 
 
 if __name__ == "__main__":

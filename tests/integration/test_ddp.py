@@ -4,9 +4,10 @@ the examples it trains on in a shared feature store.
 Both runs are real `lightning-spec fit` runs on the tiny target (12 training examples, so 3 optimizer steps per
 epoch and 5 steps cross an epoch boundary), logging to their own SQLite MLflow store; `helpers.fits.Probe` records
 every rank's batches, the prompts each rank decoded and the final drafter. The process boundary is what DDP is, so
-the ranks are real processes; but they start once for the whole file (`helpers.fits.fit_jobs_together`): one process
-runs every 1-process reference in turn and two gloo ranks every DDP fit, instead of three new processes per fit
-(165 s of the suite's time before, 32 s after, on a 2-core Zen 5 EPYC).
+the ranks are real processes; but they start once for every DDP fit of the integration tests (``ddp_jobs`` below,
+run by tests/integration/conftest.py): one process runs every 1-process reference in turn and two gloo ranks every
+DDP fit, instead of three new processes per fit (this file's 165 s of the suite's time before, 32 s after, on a
+2-core Zen 5 EPYC).
 """
 
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.fits import callback, fit_jobs_together, metric_history
+from helpers.fits import callback, metric_history
 
 from lightning_spec.drafters import FAMILIES as REGISTRY
 
@@ -26,25 +27,27 @@ def probe(out: Path) -> str:
     return callback("helpers.fits.Probe", out=str(out))
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> Path:
-    """Every fit of this file, started once: one process runs the 1-process references one after another, and two
-    gloo ranks run the DDP fits (``helpers.fits.fit_jobs``: starting processes is most of a tiny fit's cost)."""
-    tmp = tmp_path_factory.mktemp("ddp")
+def ddp_jobs(root: Path) -> list[tuple[Path, list[str], int]]:
+    """This file's fits for the one launch of tests/integration/conftest.py (``ddp_fits``): the 5-step pair with
+    validation and a feature store, and a 3-step pair per family; the 1-process references with batch 4 and the
+    2-rank runs with batch 2 each."""
+    tmp = root / "ddp"
     common = [f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=3", "--model.feature_cache=disk"]
-    ones = [(tmp / "one", [*common, "--data.batch_size=4", probe(tmp / "one" / "probe"),
-                           f"--model.feature_store={tmp / 'one' / 'store'}"])]
-    twos = [(tmp / "two", [*common, "--data.batch_size=2", *DDP, probe(tmp / "two" / "probe"),
-                           f"--model.feature_store={tmp / 'two' / 'store'}"])]
+    jobs = [(tmp / "one", [*common, "--data.batch_size=4", probe(tmp / "one" / "probe"),
+                           f"--model.feature_store={tmp / 'one' / 'store'}"], 1),
+            (tmp / "two", [*common, "--data.batch_size=2", *DDP, probe(tmp / "two" / "probe"),
+                           f"--model.feature_store={tmp / 'two' / 'store'}"], 2)]
     for family in FAMILY_DRAFTERS:
-        ones.append((tmp / family / "one", [*family_args(family), "--data.batch_size=4",
-                                            probe(tmp / family / "one" / "probe")]))
-        twos.append((tmp / family / "two", [*family_args(family), "--data.batch_size=2", *DDP,
-                                            probe(tmp / family / "two" / "probe")]))
-    (one,), two = fit_jobs_together([(ones, 1), (twos, 2)], tmp / "jobs")
-    for proc in [one, *two]:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp
+        jobs.append((tmp / family / "one", [*family_args(family), "--data.batch_size=4",
+                                            probe(tmp / family / "one" / "probe")], 1))
+        jobs.append((tmp / family / "two", [*family_args(family), "--data.batch_size=2", *DDP,
+                                            probe(tmp / family / "two" / "probe")], 2))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def launched(ddp_fits) -> Path:
+    return ddp_fits / "ddp"
 
 
 @pytest.fixture(scope="module")

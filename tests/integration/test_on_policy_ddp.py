@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.fits import callback, fits_together, metric_history
+from helpers.fits import callback, metric_history
 
 STEPS = 5
 ROLLOUTS = callback("lightning_spec.callbacks.OnPolicyRollouts", buffer_size=8, refresh_every=2,
@@ -15,19 +15,22 @@ ROLLOUTS = callback("lightning_spec.callbacks.OnPolicyRollouts", buffer_size=8, 
 OBJECTIVE = "--model.objective=" + json.dumps({"class_path": "lightning_spec.objectives.DraftOPD"})
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("opd_ddp")
+def ddp_jobs(root: Path) -> list[tuple[Path, list[str], int]]:
+    """This file's fits for the one launch of tests/integration/conftest.py (``ddp_fits``): 1 process with batch 4,
+    2 ranks with batch 2 each."""
+    tmp = root / "opd"
     common = [f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0", "--data.max_length=160", ROLLOUTS,
               OBJECTIVE, "--model.feature_cache=off"]
-    one, two = fits_together([
-        (tmp / "one", [*common, "--data.batch_size=4", callback("helpers.fits.BufferProbe", out=str(tmp / "one"))]),
+    return [
+        (tmp / "one", [*common, "--data.batch_size=4", callback("helpers.fits.BufferProbe", out=str(tmp / "one"))], 1),
         (tmp / "two", [*common, "--data.batch_size=2", "--trainer.strategy=ddp", "--trainer.devices=2",
-                       callback("helpers.fits.BufferProbe", out=str(tmp / "two"))]),
-    ])
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert two.returncode == 0, two.stderr[-3000:]
-    return tmp / "one", tmp / "two"
+                       callback("helpers.fits.BufferProbe", out=str(tmp / "two"))], 2),
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(ddp_fits):
+    return ddp_fits / "opd" / "one", ddp_fits / "opd" / "two"
 
 
 def load(run: Path, rank: int) -> dict:

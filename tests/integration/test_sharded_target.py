@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers.fits import callback, fits_together, metric_history
+from helpers.fits import callback, metric_history
 
 STEPS = 4
 
@@ -90,18 +90,22 @@ def test_shard_target_needs_features_computed_every_step(tiny_target):
         DraftModule(DFlashDrafter(block_size=3), target=tiny_target, shard_target=True)
 
 
-def test_fit_with_a_sharded_target_trains_like_the_whole_target(tmp_path):
+def ddp_jobs(root: Path) -> list[tuple[Path, list[str], int]]:
+    """This file's fits for the one launch of tests/integration/conftest.py (``ddp_fits``): 2 ranks with the whole
+    target, 2 ranks with its decoder layers sharded."""
+    tmp = root / "sharded"
     common = [f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
               "--trainer.callbacks=[]", "--model.feature_cache=off", "--data.batch_size=2", "--trainer.strategy=ddp",
               "--trainer.devices=2"]
-    whole, sharded = fits_together([
-        (tmp_path / "whole", [*common, callback("helpers.fits.Probe", out=str(tmp_path / "whole" / "probe"))]),
-        (tmp_path / "sharded", [*common, "--model.shard_target=true",
-                                callback("helpers.fits.Probe", out=str(tmp_path / "sharded" / "probe"))]),
-    ], timeout=600)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    assert sharded.returncode == 0, sharded.stderr[-3000:]
-    assert "target: decoder layers sharded over 2 ranks" in sharded.stdout + sharded.stderr
+    return [(tmp / "whole", [*common, callback("helpers.fits.Probe", out=str(tmp / "whole" / "probe"))], 2),
+            (tmp / "sharded", [*common, "--model.shard_target=true",
+                               callback("helpers.fits.Probe", out=str(tmp / "sharded" / "probe"))], 2)]
+
+
+def test_fit_with_a_sharded_target_trains_like_the_whole_target(ddp_fits):
+    tmp_path = ddp_fits / "sharded"
+    assert "target: decoder layers sharded over 2 ranks" in (tmp_path / "sharded" / "fit-rank0.log").read_text()
+    assert "sharded over" not in (tmp_path / "whole" / "fit-rank0.log").read_text()
     a, b = metric_history(tmp_path / "whole", "train/loss"), metric_history(tmp_path / "sharded", "train/loss")
     assert len(a) == STEPS and a == b
     for rank in (0, 1):
