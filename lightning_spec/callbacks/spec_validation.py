@@ -250,13 +250,14 @@ class SpecDecodeValidation(EvaluationCallback):
             bar.teardown(trainer, pl_module, stage)
         if trainer.is_global_zero and self.history:
             before = self.history[0][1] if stage == "fit" and self.before_training and self.history[0][0] == 0 else None
-            print_table(self.history[-1][1], before, self.sampling, self.choice)
+            print_table(self.history[-1][1], before, self.sampling, self.choice,
+                        offline_before=self.offline_before and before is not None)
             if stage == "fit":
                 print(training_summary(trainer, self._train_seconds))
 
 
 def print_table(after: dict[str, float], before: dict[str, float] | None, samplings: list[SamplingConfig],
-                choice: Any = None) -> None:
+                choice: Any = None, offline_before: bool = False) -> None:
     """Per-domain MAL table (rich), before/after training for every sampling config, the speedup, and decoding
     auto's pick with its expected and measured speed (``choice``)."""
     from rich.console import Console
@@ -282,6 +283,8 @@ def print_table(after: dict[str, float], before: dict[str, float] | None, sampli
             cells.append(f"{src[key]:.3f}" if src is not None and key in src else "-")
         table.add_row(row, *cells)
     Console(file=sys.stdout).print(table)
+    if offline_before:
+        print("before: the untrained drafter scored exactly (offline) on the answers decoded after training")
     if "val/speedup" in after:
         print(
             f"speculative {after['val/tokens_per_s']:.1f} tok/s vs plain {after['val/plain_tokens_per_s']:.1f} tok/s "

@@ -202,7 +202,7 @@ def test_the_summary_prints_the_training_time_the_budget_counted(tmp_path, monke
     assert "training: 3 optimizer steps in 3 s of training (trainer.max_steps=3 reached" in out, out[-400:]
 
 
-def test_offline_before_decodes_nothing_before_training(tmp_path, monkeypatch):
+def test_offline_before_decodes_nothing_before_training(tmp_path, monkeypatch, capsys):
     """``offline_before``: no prompt is decoded before training, and step 0 is still in the history and the table."""
     import lightning_spec.callbacks.spec_validation as spec_validation
     from lightning_spec.cli import run_cli
@@ -229,6 +229,8 @@ def test_offline_before_decodes_nothing_before_training(tmp_path, monkeypatch):
              "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]",
              "--trainer.enable_checkpointing=false"], callbacks=[steps, callback], exit_on_error=False)
     assert decoded_at == [3, 3]  # greedy and T=1 after training, nothing before
+    out = capsys.readouterr().out
+    assert "greedy before" in out and "before: the untrained drafter scored exactly (offline)" in out
     assert [s for s, _ in callback.history] == [0, 3]
     assert {"val/mal", "val/mal/chat", "val/temp1/mal", "val/accept_rate/t1"} <= set(callback.history[0][1])
 
