@@ -103,3 +103,19 @@ def test_save_and_load_round_trip(accepted_drafter, diverse_target, prompts, tmp
         ).tokens
     sampled = generate(diverse_target, prompts[0], 6, T1, drafter=loaded, seed=0)
     assert sampled.tokens == generate(diverse_target, prompts[0], 6, T1, drafter=accepted_drafter, seed=0).tokens
+
+
+def test_a_trained_drafter_shared_across_tests_is_the_one_training_gives(diverse_target, prompts):
+    """``helpers.families.trained`` trains once per process and hands later callers the same weights in a drafter
+    of their own: those weights are what training afresh gives, bit for bit, and a caller's changes stay its own."""
+    from helpers.families import fit_to_greedy_continuations
+
+    first, again = trained("dflash", diverse_target, prompts, k=3), trained("dflash", diverse_target, prompts, k=3)
+    fresh = fit_to_greedy_continuations(diverse_target, build("dflash", diverse_target, 3), prompts)
+    assert again is not first
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(first.state_dict()[name], value) and torch.equal(again.state_dict()[name], value), name
+    with torch.no_grad():
+        next(again.parameters()).add_(1.0)
+    assert torch.equal(next(trained("dflash", diverse_target, prompts, k=3).parameters()),
+                       next(first.parameters()))

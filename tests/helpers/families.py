@@ -2,6 +2,8 @@
 a drafter of one built or trained until it is accepted. tests/drafters/test_families.py holds each to the
 guarantees; the tree, DDP, export, architecture and per-family tests reuse them."""
 
+import weakref
+
 import torch
 
 from helpers.decoding import MAX_NEW, argmax_reference
@@ -45,10 +47,27 @@ def build(family: str, target, k: int, seed: int = 0):
     return drafter.eval()
 
 
+# (family, its constructor, the target, prompts, K, steps) -> (the target, weakly, and the trained weights)
+_TRAINED: dict[tuple, tuple[weakref.ref, dict[str, torch.Tensor]]] = {}
+
+
 def trained(family: str, target, prompts, k: int, steps: int = 40):
     """The family's drafter trained with CE on the target's own greedy continuations of ``prompts`` until it is
-    accepted in a good share of rounds (every supervised position is an anchor: deterministic)."""
-    return fit_to_greedy_continuations(target, build(family, target, k), prompts, steps)
+    accepted in a good share of rounds (every supervised position is an anchor: deterministic).
+
+    Trained once per test process: a later call with the same family, target object, prompts, K and steps builds a
+    new drafter (its own weights, which the caller may change; the same random draws as a first call) and loads the
+    weights the first call trained, which training again would reproduce bit for bit."""
+    make = FAMILIES[family]
+    key = (family, id(make), id(target), tuple(tuple(int(t) for t in p) for p in prompts), k, steps)
+    drafter = build(family, target, k)
+    hit = _TRAINED.get(key)
+    if hit is not None and hit[0]() is target:  # the same target object, not a new one at a reused id
+        drafter.load_state_dict(hit[1])
+        return drafter.eval()
+    drafter = fit_to_greedy_continuations(target, drafter, prompts, steps)
+    _TRAINED[key] = (weakref.ref(target), {name: v.detach().clone() for name, v in drafter.state_dict().items()})
+    return drafter
 
 
 def fit_to_greedy_continuations(target, drafter, prompts, steps: int = 40):
