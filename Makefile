@@ -29,8 +29,9 @@ quickstart: setup
 # slowest tests printed on every run (tests/README.md says what each costs and why). `make test` runs everything;
 # `make test-fast`, the inner loop, leaves out the real SmolLM2 target (slow) and tests/integration/ (subprocess
 # fits, DDP, resume, docs, serving).
+# A worker holds ~1 GB (torch, transformers, a few tiny models): at most 8 of them on a many-core machine.
 TEST_WORKERS ?= auto
-PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
+PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses 8 --dist worksteal --durations=25
 
 test: setup
 	$(PYTEST)

@@ -162,9 +162,11 @@ FAMILY_OBJECTIVES = {
 
 
 def family_args(family: str) -> list[str]:
-    """3 steps, no validation, the family's drafter (and the objective that trains its own heads)."""
+    """3 steps, no validation, no MLflow store (the probe's files are what the test reads), the family's drafter
+    (and the objective that trains its own heads)."""
     args = ["--trainer.max_steps=3", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
-            "--trainer.callbacks=[]", f"--model.drafter={json.dumps(FAMILY_DRAFTERS[family])}"]
+            "--trainer.callbacks=[]", "--trainer.logger=false",
+            f"--model.drafter={json.dumps(FAMILY_DRAFTERS[family])}"]
     if family in FAMILY_OBJECTIVES:
         args.append(f"--model.objective={json.dumps(FAMILY_OBJECTIVES[family])}")
     return args
