@@ -1,7 +1,7 @@
 """Regeneration through a serving engine: an OpenAI-compatible server (a stand-in on the tiny target here; real vLLM
-in tests/data/test_serve_regeneration.py where .venv-serve exists) draws the target's answers with many requests in
-flight, every assistant turn given the regenerated history, resumably after a kill -9, and says in one sentence
-when the server is down or serves another model."""
+in tests/integration/test_serve_regeneration.py where .venv-serve exists) draws the target's answers with many
+requests in flight, every assistant turn given the regenerated history, resumably after a kill -9, and says in one
+sentence when the server is down or serves another model."""
 
 import copy
 import json
