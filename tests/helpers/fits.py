@@ -73,18 +73,12 @@ def _fit_env() -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
-def fit_jobs(jobs: list[tuple[Path, list[str]]], ranks: int, folder: Path, timeout: int = 600
-             ) -> list[subprocess.CompletedProcess]:
-    """Every job (cwd, args) of ``fit -c experiments/tiny.yaml *args`` in ``ranks`` processes started once
-    (``helpers/fit_jobs.py``): with ``ranks=2`` they are the two gloo ranks of each job's DDP fit (each job must say
-    ``--trainer.strategy=ddp --trainer.devices=2``). Returns the processes, rank 0 first; ``folder`` holds the job
-    list. Two calls started together (a 1-process reference beside 2 ranks): ``fit_jobs_together``."""
-    return fit_jobs_together([(jobs, ranks)], folder, timeout)[0]
-
-
 def fit_jobs_together(launches: list[tuple[list[tuple[Path, list[str]]], int]], folder: Path, timeout: int = 600
                       ) -> list[list[subprocess.CompletedProcess]]:
-    """Several ``fit_jobs`` launches (jobs, ranks) started at once and awaited."""
+    """Launches (jobs, ranks) started at once and awaited: each starts ``ranks`` processes once
+    (``helpers/fit_jobs.py``) that run every job (cwd, args) of ``fit -c experiments/tiny.yaml *args`` in turn; with
+    ``ranks=2`` they are the two gloo ranks of each job's DDP fit (each job must say ``--trainer.strategy=ddp
+    --trainer.devices=2``). Returns each launch's processes, rank 0 first; ``folder`` holds the job lists."""
     folder.mkdir(parents=True, exist_ok=True)
     started = []
     for i, (jobs, ranks) in enumerate(launches):
@@ -96,10 +90,24 @@ def fit_jobs_together(launches: list[tuple[list[tuple[Path, list[str]]], int]], 
             env = {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(ranks),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if ranks > 1 else {}
             cmd = [sys.executable, "-m", "helpers.fit_jobs", str(listing)]
-            procs.append((cmd, subprocess.Popen(cmd, cwd=folder, env={**_fit_env(), **env}, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, text=True)))
+            out, err = folder / f"launch{i}-rank{rank}.out", folder / f"launch{i}-rank{rank}.err"
+            with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: nobody reads while they run
+                procs.append((cmd, out, err, subprocess.Popen(cmd, cwd=folder, env={**_fit_env(), **env}, stdout=o,
+                                                              stderr=e)))
         started.append(procs)
-    return [_await([p for procs in started for p in procs], procs, timeout) for procs in started]
+    every = [p for procs in started for *_, p in procs]
+    deadline = time.monotonic() + timeout
+    # a rank that fails leaves the other waiting in a collective: end every process as soon as one fails
+    while any(p.poll() is None for p in every):
+        if any(p.returncode not in (None, 0) for p in every) or time.monotonic() > deadline:
+            for p in every:
+                p.kill()
+            break
+        time.sleep(0.2)
+    for p in every:
+        p.wait()
+    return [[subprocess.CompletedProcess(cmd, p.returncode, out.read_text(), err.read_text())
+             for cmd, out, err, p in procs] for procs in started]
 
 
 def _await(every: list, procs: list, timeout: int) -> list[subprocess.CompletedProcess]:
