@@ -10,6 +10,8 @@ file lock, the others wait for it and read the same folder.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,8 @@ from helpers.fits import fit_jobs_together
 @pytest.fixture(scope="session")
 def ddp_fits(request, tmp_path_factory) -> Path:
     """The folder under which every module's ``ddp_jobs`` ran (each job in its own ``cwd``)."""
-    root = tmp_path_factory.getbasetemp().parent / "ddp-fits"  # the same folder for every xdist worker
+    base = tmp_path_factory.getbasetemp()  # this run's; an xdist worker's is one folder below the run's
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ddp-fits"
     modules = {item.module for item in request.session.items if "ddp_fits" in item.fixturenames}
     jobs = [job for module in sorted(modules, key=lambda m: m.__name__) for job in module.ddp_jobs(root)]
     with FileLock(str(root) + ".lock"):
@@ -28,8 +31,13 @@ def ddp_fits(request, tmp_path_factory) -> Path:
         if not done.exists():
             one = [(cwd, args) for cwd, args, ranks in jobs if ranks == 1]
             two = [(cwd, args) for cwd, args, ranks in jobs if ranks == 2]
-            (first,), ranks = fit_jobs_together([(one, 1), (two, 2)], root / "jobs")
-            failed = [p for p in [first, *ranks] if p.returncode != 0]
+            for attempt in range(2):  # the free port the ranks meet on can be taken in between: once more then
+                for cwd, _, _ in jobs:  # afresh: a stored feature or a probe of the first try would mislead
+                    shutil.rmtree(cwd, ignore_errors=True)
+                (first,), ranks = fit_jobs_together([(one, 1), (two, 2)], root / f"jobs{attempt}")
+                failed = [p for p in [first, *ranks] if p.returncode != 0]
+                if not any("address already in use" in p.stderr.lower() for p in failed):
+                    break
             assert not failed, failed[0].stderr[-3000:]
             done.write_text("\n".join(str(cwd) for cwd, _, _ in jobs))
     ran = set(done.read_text().splitlines())
