@@ -2,8 +2,8 @@
 
 ``JOBS`` is a JSON file, a list of ``{"cwd": folder, "args": [...]}``; each job is ``fit -c experiments/tiny.yaml
 *args`` run in its folder, exactly as ``lightning-spec fit`` runs it. What costs a DDP test is starting processes
-(importing torch, Lightning and transformers takes most of a tiny fit), so ``helpers.fits.fit_jobs`` starts the
-ranks once and runs every job in them: the ranks are launched from outside (``LOCAL_RANK`` and friends set, as
+(importing torch, Lightning and transformers takes most of a tiny fit), so ``helpers.fits.fit_jobs_together`` starts
+the ranks once and runs every job in them: the ranks are launched from outside (``LOCAL_RANK`` and friends set, as
 torchrun does), so Lightning spawns nothing, and the gloo process group the first fit opens serves the next ones.
 """
 
@@ -14,9 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from helpers.fits import TINY
 from lightning_spec.cli import run_cli
-
-TINY = Path(__file__).resolve().parents[2] / "experiments" / "tiny.yaml"
 
 
 def main(jobs_file: str) -> None:

@@ -55,7 +55,16 @@ def fits_together(jobs: list[tuple[Path, tuple[str, ...] | list[str]]], timeout:
     """Several ``fit`` runs (cwd, args) started at once and awaited: a 1-process reference next to a 2-rank DDP run
     keeps both cores busy instead of one (each process computes on one thread, so results do not change)."""
     procs = [_start_fit(cwd, *args) for cwd, args in jobs]
-    return _await(procs, procs, timeout)
+    done = []
+    for cmd, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for _, p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    return done
 
 
 def _start_fit(cwd: Path, *args: str) -> tuple[list[str], subprocess.Popen]:
@@ -84,7 +93,7 @@ def fit_jobs_together(launches: list[tuple[list[tuple[Path, list[str]]], int]], 
     for i, (jobs, ranks) in enumerate(launches):
         listing = folder / f"jobs{i}.json"
         listing.write_text(json.dumps([{"cwd": str(cwd), "args": list(args)} for cwd, args in jobs]))
-        port = _free_port()
+        port = free_port()
         procs = []
         for rank in range(ranks):
             env = {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(ranks),
@@ -110,20 +119,8 @@ def fit_jobs_together(launches: list[tuple[list[tuple[Path, list[str]]], int]], 
              for cmd, out, err, p in procs] for procs in started]
 
 
-def _await(every: list, procs: list, timeout: int) -> list[subprocess.CompletedProcess]:
-    done = []
-    for cmd, proc in procs:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:  # a rank that failed leaves the other waiting in a collective
-            for _, p in every:
-                p.kill()
-            raise
-        done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
-    return done
-
-
-def _free_port() -> int:
+def free_port() -> int:
+    """A port of 127.0.0.1 no process listens on now (the ranks of a launch meet there)."""
     import socket
 
     with socket.socket() as s:

@@ -9,7 +9,6 @@
 """
 
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,15 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers.fits import callback, metric_history
+from helpers.fits import callback, free_port, metric_history
 
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -74,7 +67,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_sharded_target_gives_the_same_features_and_gradients(tmp_path):
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["local_rows"] == r["rows"] // 2  # each rank holds half of the layer's rows between forwards
