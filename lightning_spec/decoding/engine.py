@@ -37,6 +37,7 @@ class Generation:
     seconds: float  # wall time of the whole call (prefill included)
     draft_seconds: float = 0.0  # time inside drafter.propose
     verify_seconds: float = 0.0  # time inside the target verify forwards
+    prefill_seconds: float = 0.0  # the prompt's prefill and the drafter's begin, inside ``seconds`` (GPU: not synced)
     block_size: int = 0  # K, the most a round drafts (0 for plain decoding)
     draft_lengths: list[int] = field(default_factory=list)  # draft tokens submitted per round (<= K)
     # with trace=True, per round: the drafted chain (target ids) and the target's log-probability of each drafted
@@ -137,6 +138,7 @@ def generate(
             state = drafter.begin(out.features, ids[:, :-1])
     elif drafter is not None:
         state = drafter.begin(torch.zeros(1, 0, len(layers) * target.hidden_size, device=device), ids[:, :0])
+    prefill_seconds = time.perf_counter() - start
     anchor = ids[0, -1:]  # (1,)
     context = ids[0].tolist() if tree is not None and tree.ngram else []  # committed tokens, for n-gram merges
     tokens: list[int] = []
@@ -189,6 +191,7 @@ def generate(
         seconds=time.perf_counter() - start,
         draft_seconds=t_draft,
         verify_seconds=t_verify,
+        prefill_seconds=prefill_seconds,
         block_size=k,
         draft_lengths=draft_lengths,
         drafts=drafts,
