@@ -476,7 +476,7 @@ def main() -> None:
           "round by round (what the loop itself costs)")
     if choice is not None:
         sums = mode_sums[f"auto: {choice.setting.label}"]
-        print("  " + choice.describe(measured_speedup=(sums[0] / sums[2]) / plain_tps))
+        print("  " + choice.describe((sums[0] / sums[2]) / plain_tps, sums[0] / sums[2]))
     print(f"\n  forward times, warm cache of {ctx.shape[1]} tokens, median of {repeats} (ms)")
     print(f"  {'target, 1 query token':<38}{t['target_1']:>8.1f}")
     print(

@@ -48,10 +48,13 @@ class SpecDecodeValidation(EvaluationCallback):
             of a chain; for the families with per-slot distributions (DFlash, Medusa).
         decoding: ``fixed`` decodes with the chain (or ``tree``) only; ``auto`` also, once training has started,
             picks the fastest decoding from measured costs (``evaluation/auto.py``: plain, n-gram lookup, the chain,
-            a tree, a tree with n-gram candidates), calibrated on ``calibration_prompts`` other held-out prompts,
-            decodes the prompts with it (first sampling config) and logs ``val/auto/...`` and
+            a tree, a tree with n-gram candidates), calibrated on ``calibration_prompts_per_domain`` other held-out
+            prompts of every domain and picked over plain only when its speedup's lower confidence bound beats plain
+            by a margin, decodes the prompts with it (first sampling config) and logs ``val/auto/...`` and
             ``val/auto/speedup``.
-        calibration_prompts: held-out prompts (not among the decoded ones) that ``decoding: auto`` calibrates on.
+        calibration_prompts_per_domain: held-out prompts of every domain (not among the decoded ones) that
+            ``decoding: auto`` calibrates on; the data needs ``eval_prompts_per_domain`` >= ``prompts_per_domain`` +
+            this. Its lower bound is over all of them, so 2 per domain and 3 domains give 6.
     """
 
     name = "spec-validation"
@@ -68,13 +71,15 @@ class SpecDecodeValidation(EvaluationCallback):
         seed: int = 0,
         tree: TreeConfig | None = None,
         decoding: str = "fixed",
-        calibration_prompts: int = 2,
+        calibration_prompts_per_domain: int = 2,
     ) -> None:
         if prompts_per_domain < 1 or max_new_tokens < 1:
             raise ValueError("SpecDecodeValidation.prompts_per_domain and max_new_tokens must be >= 1.")
-        if decoding not in ("fixed", "auto") or calibration_prompts < 1:
-            raise ValueError(f"SpecDecodeValidation.decoding must be fixed or auto (got {decoding!r}) and "
-                             f"calibration_prompts >= 1 (got {calibration_prompts}).")
+        if decoding not in ("fixed", "auto"):
+            raise ValueError(f"SpecDecodeValidation.decoding must be fixed or auto (got {decoding!r}).")
+        if calibration_prompts_per_domain < 1:
+            raise ValueError(f"SpecDecodeValidation.calibration_prompts_per_domain={calibration_prompts_per_domain} "
+                             "must be >= 1; decoding auto needs 2 per domain or more for a lower bound worth having.")
         super().__init__(before_training)
         self.prompts_per_domain = prompts_per_domain
         self.max_new_tokens = max_new_tokens
@@ -84,7 +89,7 @@ class SpecDecodeValidation(EvaluationCallback):
         self.seed = seed
         self.tree = TreeConfig.coerce(tree)
         self.decoding = decoding
-        self.calibration_prompts = calibration_prompts
+        self.calibration_prompts_per_domain = calibration_prompts_per_domain
         self.choice: Any = None  # decoding auto's last pick (evaluation/auto.Choice)
         self._table_due = False  # a fit or validate ended with something to print
         self._train_seconds: float | None = None  # what max_time's Timer had counted when training ended
@@ -99,23 +104,40 @@ class SpecDecodeValidation(EvaluationCallback):
         return {f"{self.prefix(i, s)}/mal" for i, s in enumerate(self.sampling)}
 
     # ------------------------------------------------------------------------------------------ evaluation
-    def _prompts(self, trainer: L.Trainer, calibration: bool = False) -> list[dict[str, Any]]:
-        """The decoded prompts (``prompts_per_domain`` per domain), or the next ones of every domain, round-robin:
-        ``calibration_prompts`` of them, held out from the decoded ones (for ``decoding: auto``)."""
+    def _datamodule(self, trainer: L.Trainer) -> SpecDataModule:
         dm = trainer.datamodule
         if not isinstance(dm, SpecDataModule):  # plain dataloaders or another data module: no held-out prompts
             raise ValueError("SpecDecodeValidation needs a datamodule with eval_prompts() (SpecDataModule).")
+        return dm
+
+    def _prompts(self, trainer: L.Trainer, calibration: bool = False) -> list[dict[str, Any]]:
+        """The decoded prompts (``prompts_per_domain`` per domain), or the next ``calibration_prompts_per_domain`` of
+        every domain, held out from the decoded ones (for ``decoding: auto``). The data module's prompts carry the
+        target's chat-template arguments."""
         per_domain: dict[str, list[dict[str, Any]]] = {}
-        for p in dm.eval_prompts():
+        for p in self._datamodule(trainer).eval_prompts():
             per_domain.setdefault(p["domain"], []).append(p)
         if not calibration:
             return [p for domain in sorted(per_domain) for p in per_domain[domain][: self.prompts_per_domain]]
-        rest = [per_domain[d][self.prompts_per_domain :] for d in sorted(per_domain)]
-        spread = [bucket[i] for i in range(max(map(len, rest), default=0)) for bucket in rest if i < len(bucket)]
-        if not spread:
-            raise ValueError("SpecDecodeValidation decoding: auto needs held-out prompts beyond prompts_per_domain to "
-                             "calibrate on; lower prompts_per_domain or raise the data's eval prompts per domain.")
-        return spread[: self.calibration_prompts]
+        first, last = self.prompts_per_domain, self.prompts_per_domain + self.calibration_prompts_per_domain
+        short = sorted(d for d, ps in per_domain.items() if len(ps) < last)
+        if short:
+            raise ValueError(f"SpecDecodeValidation decoding: auto calibrates on calibration_prompts_per_domain="
+                             f"{self.calibration_prompts_per_domain} held-out prompts per domain after the "
+                             f"prompts_per_domain={first} decoded ones, and {', '.join(short)} has fewer; raise "
+                             f"data.eval_prompts_per_domain to {last} or lower those two.")
+        return [p for domain in sorted(per_domain) for p in per_domain[domain][first:last]]
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Refuse before training, not after it, data that holds out too few prompts for ``decoding: auto``."""
+        if self.decoding == "auto":
+            need = self.prompts_per_domain + self.calibration_prompts_per_domain
+            if self._datamodule(trainer).eval_prompts_per_domain < need:
+                raise ValueError(f"SpecDecodeValidation decoding: auto decodes prompts_per_domain="
+                                 f"{self.prompts_per_domain} prompts per domain and calibrates on "
+                                 f"calibration_prompts_per_domain={self.calibration_prompts_per_domain} others; raise "
+                                 f"data.eval_prompts_per_domain to {need} or lower those two.")
+        super().on_fit_start(trainer, pl_module)
 
     def evaluate(
         self, trainer: L.Trainer, module: L.LightningModule, before_training: bool = False
@@ -291,8 +313,8 @@ def print_table(after: dict[str, float], before: dict[str, float] | None, sampli
             f"-> speedup {after['val/speedup']:.2f}x (greedy, same prompts, same process)"
         )
     if choice is not None and "val/auto/speedup" in after:
-        print(f"{choice.describe(measured_speedup=after['val/auto/speedup'])}: {after['val/auto/tokens_per_s']:.1f} "
-              f"tok/s, MAL {after['val/auto/mal']:.3f} on the same prompts")
+        print(f"{choice.describe(after['val/auto/speedup'], after['val/auto/tokens_per_s'])}, MAL "
+              f"{after['val/auto/mal']:.3f} on the same prompts")
 
 
 def _timer(trainer: L.Trainer) -> Any:

@@ -1,5 +1,6 @@
 """Decoding chosen from measured costs: plain, n-gram lookup, the drafter's chain or one of its trees (with or
-without n-gram candidates), whichever is expected to give the most tokens per second on this machine.
+without n-gram candidates), whichever is expected to give the most tokens per second on this machine, picked over
+plain decoding only when it is sure enough to be faster.
 
 A setting's speed is tokens per round over seconds per round, and both are measured, not assumed:
 - tokens per round: the setting's rounds scored exactly on calibration outputs, the target's own answers to a few
@@ -8,15 +9,25 @@ A setting's speed is tokens per round over seconds per round, and both are measu
   scored by the exact evaluator, ``offline_report``);
 - seconds per round: the proposal's time plus the target's verify forward over the anchor and the proposal's nodes,
   both timed on this machine against a warm KV cache (``measure_costs``; the target's times are kept for the
-  process, per machine, dtype, thread count and target).
-Expected tokens/s = Σ tokens / Σ over rounds of (draft + verify(1 + nodes)). Plain decoding is one of the settings
-and the others must beat it to be picked, so a drafter whose acceptance cannot pay for its verify cost falls back
-to plain decoding or to n-gram lookup. What the estimate leaves out (the loop's own bookkeeping per round, the
-prefill) is what ``benchmarks/decode_speed.py`` reports as engine efficiency: measured over expected.
+  process, per machine, dtype, thread count and target), plus the loop's own bookkeeping per round, measured as
+  what a timed decode spent beyond those (``round_overhead``: plain decoding's from the calibration decodes, a
+  speculative setting's from one decode of a calibration prompt with it); each prompt's prefill is added once.
+Each setting is estimated per calibration prompt; its expected tokens/s is Σ tokens / Σ seconds over them.
+
+Plain decoding is one of the settings and the judge: another setting is picked only when the one-sided 95% lower
+confidence bound of its speedup over plain on a prompt (``speedup_bound``: a t interval on the per-prompt log
+speedups, paired because every setting is scored on the same outputs) exceeds 1 + ``margin``, and among those the
+highest bound wins. A point estimate would take whatever the calibration prompts happened to favour: two of them
+whose answers repeated themselves made an n-gram trie look 1.42x faster, and it measured 0.69x on other prompts.
+One calibration prompt gives no bound, so it keeps plain decoding. What the estimate leaves out (the cache's
+growth over the answer: verify times are taken at one context length) is what ``benchmarks/decode_speed.py``
+reports as engine efficiency: measured over expected.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_spec.decoding.engine import _as_ids, draft, generate
+from lightning_spec.decoding.engine import Generation, _as_ids, draft, generate
 from lightning_spec.decoding.ngram import NgramDrafter
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
@@ -99,12 +110,23 @@ def machine_name(device: torch.device) -> str:
 @dataclass
 class Costs:
     """Seconds on this machine: the target's forward over T query tokens after a warm cache, causal (chains) and
-    under an ancestor mask (trees), at a few T (linear in between), and each setting's proposal."""
+    under an ancestor mask (trees), at a few T (linear in between), each setting's proposal, and the loop's own
+    bookkeeping per round (``round_overhead``)."""
 
     verify: dict[int, float]  # T -> seconds, causal
     tree_verify: dict[int, float]  # T -> seconds, under a tree mask
     draft: dict[Setting, float] = field(default_factory=dict)
     machine: str = ""
+    overhead: dict[Setting, float] = field(default_factory=dict)  # seconds per round beyond draft and verify
+
+    def overhead_seconds(self, setting: Setting) -> float:
+        """The seconds per round ``setting``'s decoding spends beyond its modelled draft and verify
+        (``round_overhead``): its own where measured; a speculative setting not measured takes the largest measured
+        (speculative rounds keep caches, accept and extend at least as plain rounds do: the cautious guess); 0 where
+        nothing was measured (costs passed in)."""
+        if setting in self.overhead:
+            return self.overhead[setting]
+        return max(self.overhead.values()) if self.overhead and setting != PLAIN else 0.0
 
     def verify_seconds(self, tokens: int, tree: bool) -> float:
         """The verify forward over ``tokens`` query tokens (the anchor included), interpolated."""
@@ -193,15 +215,37 @@ def measure_costs(target: Any, drafter: Any, settings: list[Setting], context: l
     return Costs(verify=verify, tree_verify=tree_verify, draft=draft_seconds, machine=key[0])
 
 
-# -------------------------------------------------------------------------------------------- the choice
-@dataclass
+# ------------------------------------------------------------------------------------------ the estimate
+CONFIDENCE = 0.95  # one-sided: a setting is picked when its speedup's lower bound at this confidence clears the margin
+MARGIN = 0.05  # what the bound must beat plain by: machine noise between calibration and decoding (plain decoding
+# measured against itself spread 0.94x-1.00x on the 2-core CPU), the cache growth the verify model leaves out, and
+# prompts less like the calibration ones than they are like each other; 5% keeps a pick >= ~0.98x plain elsewhere
+PROBES = 2  # decodes of one calibration prompt that measure a leading speculative setting's bookkeeping per round
+
+
+@dataclass(frozen=True)
 class Estimate:
-    """A setting's figures on the calibration outputs: tokens, rounds (expected, exact) and expected seconds."""
+    """A setting's figures on each calibration output: tokens, rounds (exact; expected for drawn chains) and expected
+    seconds (the prompt's prefill + Σ over rounds of draft + verify + bookkeeping); ``lcb``: the lower confidence
+    bound of its speedup over plain on a prompt (``speedup_bound``; plain's is 1, None where undefined)."""
 
     setting: Setting
-    tokens: int
-    rounds: float
-    seconds: float
+    prompt_tokens: tuple[int, ...]  # (P,)
+    prompt_rounds: tuple[float, ...]  # (P,)
+    prompt_seconds: tuple[float, ...]  # (P,)
+    lcb: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.prompt_tokens)
+
+    @property
+    def rounds(self) -> float:
+        return sum(self.prompt_rounds)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.prompt_seconds)
 
     @property
     def mal(self) -> float:
@@ -212,77 +256,56 @@ class Estimate:
         return self.tokens / max(self.seconds, 1e-12)
 
 
-@dataclass
-class Choice:
-    """The setting ``choose_decoding`` picked, what ``generate`` takes for it, and every setting's estimate."""
-
-    setting: Setting
-    drafter: Any  # generate(drafter=...)
-    tree: TreeConfig | None  # generate(tree=...)
-    estimates: list[Estimate]
-    machine: str
-    dtype: str
-
-    @property
-    def expected(self) -> Estimate:
-        return next(e for e in self.estimates if e.setting == self.setting)
-
-    @property
-    def expected_speedup(self) -> float:
-        plain = next(e for e in self.estimates if e.setting == PLAIN)
-        return self.expected.tokens_per_s / plain.tokens_per_s
-
-    def generate(self, target: Any, input_ids: Any, max_new_tokens: int, sampling: Any = None, seed: int | None = None
-                 ) -> Any:
-        return generate(target, input_ids, max_new_tokens, sampling, drafter=self.drafter, seed=seed, tree=self.tree)
-
-    def describe(self, measured_speedup: float | None = None) -> str:
-        """One line: what was picked, its expected MAL and speedup over plain, and the measured one if given."""
-        e = self.expected
-        line = (f"decoding auto: {self.setting.label} (expected MAL {e.mal:.2f}, {e.tokens_per_s:.1f} tokens/s, "
-                f"{self.expected_speedup:.2f}x plain on {self.machine}, {self.dtype})")
-        if measured_speedup is not None:
-            line += f"; measured {measured_speedup:.2f}x"
-        return line
-
-    def table(self) -> str:
-        """Every setting's estimate, fastest first."""
-        rows = sorted(self.estimates, key=lambda e: -e.tokens_per_s)
-        plain = next(e for e in self.estimates if e.setting == PLAIN).tokens_per_s
-        lines = [f"  {'setting':<36}{'MAL':>6}{'tokens/s':>10}{'/ plain':>9}"]
-        lines += [f"  {e.setting.label:<36}{e.mal:>6.2f}{e.tokens_per_s:>10.2f}{e.tokens_per_s / plain:>8.2f}x"
-                  + ("  <- picked" if e.setting == self.setting else "") for e in rows]
-        return "\n".join(lines)
-
-
 @torch.no_grad()
 def estimate(target: Any, drafter: Any, setting: Setting, outputs: list[tuple[list[int], list[int]]],
-             sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None = None) -> Estimate | None:
-    """The setting's exact rounds on ``outputs`` (prompt, response) and their expected seconds; None when they
-    cannot be scored exactly (a tree grown from drawn drafts, under sampling). ``features``: the target's features
-    of each output for the drafter's layers, computed once for every setting (None: computed here)."""
-    tokens = sum(len(r) for _, r in outputs)
+             sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None = None,
+             prefill: list[float] | None = None) -> Estimate | None:
+    """The setting's exact rounds on each of ``outputs`` (prompt, response) and their expected seconds: its proposals
+    and verify forwards (``costs``), its bookkeeping per round (``Costs.overhead_seconds``) and each prompt's
+    ``prefill`` seconds (None: none). None when they cannot be scored exactly (a tree grown from drawn drafts, under
+    sampling). ``features``: the target's features of each output for the drafter's layers, computed once for every
+    setting (None: computed here). ``lcb`` is left to ``with_bounds``, which compares settings."""
+    counted = _count(target, drafter, setting, outputs, sampling, costs, features)
+    return None if counted is None else _with_overheads(counted, costs, prefill)
+
+
+def _count(target: Any, drafter: Any, setting: Setting, outputs: list[tuple[list[int], list[int]]],
+           sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None) -> Estimate | None:
+    """``estimate`` without bookkeeping and prefill: per prompt, its rounds and their draft + verify seconds."""
+    tokens = tuple(len(r) for _, r in outputs)
     if setting.kind == "plain":
-        return Estimate(setting, tokens, tokens, tokens * costs.verify_seconds(1, tree=False))
+        verify = costs.verify_seconds(1, tree=False)
+        return Estimate(setting, tokens, tuple(map(float, tokens)), tuple(t * verify for t in tokens))
     d = setting.drafter(drafter)
     d.use_target(target)
     tree = setting.tree
     per_round_draft = costs.draft[setting]
     chosen = sampling.greedy or d.chosen_drafts or (tree is not None and d.best_first_trees)
     if chosen:  # replay every round: exact, with each round's size
-        sizes: list[int] = []
         layers = list(d.target_layers)
         features = features or output_features(target, layers, outputs)
+        rounds, seconds = [], []
         for (prompt, response), feats in zip(outputs, features):
+            sizes: list[int] = []  # draft nodes of each of this output's rounds
             if response:
                 ids = torch.tensor([prompt + response], device=target.device)
                 replay_tree_rounds(d, ids, feats if layers else None, [prompt], [response], tree, sampling, sizes)
-        seconds = sum(per_round_draft + costs.verify_seconds(1 + n, tree is not None) for n in sizes)
-        return Estimate(setting, tokens, len(sizes), seconds)
+            rounds.append(float(len(sizes)))
+            seconds.append(sum(per_round_draft + costs.verify_seconds(1 + n, tree is not None) for n in sizes))
+        return Estimate(setting, tokens, tuple(rounds), tuple(seconds))
     if tree is not None:
         return None
-    rounds = float(offline_report(target, d, outputs, sampling).rounds.sum())  # drawn chains: exact expected rounds
-    return Estimate(setting, tokens, rounds, rounds * (per_round_draft + costs.verify_seconds(1 + d.block_size, False)))
+    rounds = offline_report(target, d, outputs, sampling).rounds.tolist()  # drawn chains: exact expected rounds
+    per_round = per_round_draft + costs.verify_seconds(1 + d.block_size, False)
+    return Estimate(setting, tokens, tuple(rounds), tuple(r * per_round for r in rounds))
+
+
+def _with_overheads(counted: Estimate, costs: Costs, prefill: list[float] | None) -> Estimate:
+    """``counted`` (draft + verify seconds per prompt) with its bookkeeping per round and each prompt's prefill."""
+    per_round = costs.overhead_seconds(counted.setting)
+    prefill = prefill or [0.0] * len(counted.prompt_tokens)
+    seconds = tuple(s + r * per_round + p for s, r, p in zip(counted.prompt_seconds, counted.prompt_rounds, prefill))
+    return dataclasses.replace(counted, prompt_seconds=seconds)
 
 
 def output_features(target: Any, layers: list[int], outputs: list[tuple[list[int], list[int]]]
@@ -294,6 +317,154 @@ def output_features(target: Any, layers: list[int], outputs: list[tuple[list[int
             for p, r in outputs]
 
 
+def round_overhead(gen: Generation, setting: Setting, costs: Costs) -> float:
+    """Seconds per round that a timed decode with ``setting`` spent beyond its prefill and what ``costs`` model (a
+    proposal and a verify forward over each round's drafted nodes): the loop's own bookkeeping (keeping the cache,
+    accepting, the drafter's extend, the n-gram context) and what the verify times, taken at one context length,
+    miss at this decode's (negative where they cost more than the loop's forwards did). Never below minus the
+    cheapest round's modelled cost (a proposal and a 1-token verify), so no round costs less than nothing."""
+    draft_seconds = costs.draft.get(setting, 0.0)
+    modelled = sum(draft_seconds + costs.verify_seconds(1 + n, setting.tree is not None) for n in gen.draft_lengths)
+    residual = (gen.seconds - gen.prefill_seconds - modelled) / max(gen.rounds, 1)
+    return max(residual, -(draft_seconds + costs.verify_seconds(1, tree=False)))
+
+
+# ---------------------------------------------------------------------------------------------- the judge
+def t_quantile(q: float, dof: int) -> float:
+    """Student's t quantile (P(T <= t) = q >= 0.5, ``dof`` >= 1 degrees of freedom), by bisection on the closed
+    form of P(|T| <= t) for integer degrees of freedom (Abramowitz & Stegun 26.7.3-4)."""
+    lo, hi = 0.0, 1e6
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_within(mid, dof) < 2 * q - 1 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _t_within(t: float, dof: int) -> float:
+    """P(|T| <= t) for Student's t with ``dof`` degrees of freedom; θ = atan(t / √dof)."""
+    theta = math.atan(t / math.sqrt(dof))
+    c2 = math.cos(theta) ** 2
+    total = 0.0
+    if dof % 2:  # odd: (2/π)(θ + sinθ (cosθ + (2/3) cos³θ + (2·4)/(3·5) cos⁵θ + ...)), (dof - 1) / 2 terms
+        term = math.sin(theta) * math.cos(theta)
+        for j in range((dof - 1) // 2):
+            total += term
+            term *= c2 * (2 * j + 2) / (2 * j + 3)
+        return 2 / math.pi * (theta + total)
+    term = 1.0  # even: sinθ (1 + (1/2) cos²θ + (1·3)/(2·4) cos⁴θ + ...), dof / 2 terms
+    for j in range(dof // 2):
+        total += term
+        term *= c2 * (2 * j + 1) / (2 * j + 2)
+    return math.sin(theta) * total
+
+
+def speedup_bound(plain: Estimate, other: Estimate, confidence: float = CONFIDENCE) -> float | None:
+    """The one-sided lower confidence bound of ``other``'s speedup over plain decoding on a prompt like the
+    calibration ones. Both are estimated on the same outputs, so the speedups pair up: s_i = plain seconds_i /
+    other seconds_i (same tokens). A speedup is a ratio, so the t interval is taken on log s_i and exponentiated:
+    exp(mean - t_{confidence, n-1} · sd / √n). None from fewer than 2 prompts with tokens: one says nothing of how
+    the speedup varies from prompt to prompt."""
+    logs = [math.log(p / o) for p, o, t in zip(plain.prompt_seconds, other.prompt_seconds, plain.prompt_tokens)
+            if t > 0 and p > 0 and o > 0]
+    if len(logs) < 2:
+        return None
+    spread = statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(statistics.fmean(logs) - t_quantile(confidence, len(logs) - 1) * spread)
+
+
+def with_bounds(estimates: list[Estimate], confidence: float = CONFIDENCE) -> list[Estimate]:
+    """``estimates`` (plain's among them), each with its ``lcb`` over plain's (plain's own: 1)."""
+    plain = next(e for e in estimates if e.setting == PLAIN)
+    return [dataclasses.replace(e, lcb=1.0 if e.setting == PLAIN else speedup_bound(plain, e, confidence))
+            for e in estimates]
+
+
+def pick(estimates: list[Estimate], margin: float = MARGIN) -> Setting:
+    """Plain decoding, unless some setting's ``lcb`` exceeds 1 + ``margin``; of those, the one with the highest bound.
+    Not the highest estimate: of many settings scored on a few prompts, the one estimated fastest is the likeliest
+    to have been lucky on them (the winner's curse), and the bound discounts a setting by how much its speedup
+    varied from prompt to prompt. Ties go to the simpler setting, listed first."""
+    best = None
+    for e in estimates:
+        if e.setting != PLAIN and e.lcb is not None and e.lcb > 1 + margin and (best is None or e.lcb > best.lcb):
+            best = e
+    return PLAIN if best is None else best.setting
+
+
+# -------------------------------------------------------------------------------------------- the choice
+@dataclass
+class Choice:
+    """The setting ``choose_decoding`` picked, what ``generate`` takes for it, every setting's estimate (with its
+    lower bound), and the margin and confidence it was judged at."""
+
+    setting: Setting
+    drafter: Any  # generate(drafter=...)
+    tree: TreeConfig | None  # generate(tree=...)
+    estimates: list[Estimate]
+    machine: str
+    dtype: str
+    margin: float = MARGIN
+    confidence: float = CONFIDENCE
+    costs: Costs | None = None  # what the estimates were computed from (timed here, or passed in)
+
+    @property
+    def expected(self) -> Estimate:
+        return next(e for e in self.estimates if e.setting == self.setting)
+
+    @property
+    def plain(self) -> Estimate:
+        return next(e for e in self.estimates if e.setting == PLAIN)
+
+    @property
+    def expected_speedup(self) -> float:
+        return self.expected.tokens_per_s / self.plain.tokens_per_s
+
+    @property
+    def prompts(self) -> int:
+        """Calibration prompts that count in the bounds (an answer of no token counts in none)."""
+        return sum(t > 0 for t in self.plain.prompt_tokens)
+
+    def generate(self, target: Any, input_ids: Any, max_new_tokens: int, sampling: Any = None, seed: int | None = None
+                 ) -> Any:
+        return generate(target, input_ids, max_new_tokens, sampling, drafter=self.drafter, seed=seed, tree=self.tree)
+
+    def describe(self, measured_speedup: float | None = None, measured_tokens_per_s: float | None = None) -> str:
+        """One line: what was picked, its expected MAL, tokens/s and speedup over plain with the lower bound (or why
+        plain was kept), and the measured speedup and tokens/s when given."""
+        e, pct = self.expected, f"{self.confidence:.0%}"
+        if self.setting != PLAIN:
+            why = (f"{self.expected_speedup:.2f}x plain, {pct} lower bound {e.lcb:.2f}x over {self.prompts} "
+                   f"calibration prompts")
+        elif self.prompts < 2:
+            why = (f"{self.prompts} calibration prompt with tokens gives no lower bound (it takes 2), so no setting "
+                   "is picked over plain")
+        else:
+            best = max((x for x in self.estimates if x.lcb is not None and x.setting != PLAIN),
+                       key=lambda x: x.lcb, default=None)
+            why = (f"no setting's {pct} lower bound over {self.prompts} calibration prompts beat plain by "
+                   f"{self.margin:.0%}" + (f"; best {best.setting.label} at {best.lcb:.2f}x, expected "
+                                            f"{best.tokens_per_s / self.plain.tokens_per_s:.2f}x" if best else ""))
+        line = (f"decoding auto: {self.setting.label} (expected MAL {e.mal:.2f}, {e.tokens_per_s:.1f} tokens/s, "
+                f"{why}; {self.machine}, {self.dtype})")
+        if measured_speedup is not None:
+            line += f"; measured {measured_speedup:.2f}x"
+            if measured_tokens_per_s is not None:
+                line += f", {measured_tokens_per_s:.1f} tokens/s"
+        return line
+
+    def table(self) -> str:
+        """Every setting's estimate, fastest first, with its lower bound."""
+        rows = sorted(self.estimates, key=lambda e: -e.tokens_per_s)
+        plain = self.plain.tokens_per_s
+        lines = [f"  {'setting':<36}{'MAL':>6}{'tokens/s':>10}{'/ plain':>9}{'LCB':>8}"]
+        lines += [f"  {e.setting.label:<36}{e.mal:>6.2f}{e.tokens_per_s:>10.2f}{e.tokens_per_s / plain:>8.2f}x"
+                  + (f"{e.lcb:>7.2f}x" if e.lcb is not None else f"{'-':>8}")
+                  + ("  <- picked" if e.setting == self.setting else "") for e in rows]
+        lines.append(f"  LCB: the {self.confidence:.0%} lower bound of the speedup over plain on a prompt, over "
+                     f"{self.prompts} calibration prompts; picked over plain only above {1 + self.margin:.2f}x")
+        return "\n".join(lines)
+
+
 def choose_decoding(
     target: Any,
     drafter: Any,
@@ -303,47 +474,66 @@ def choose_decoding(
     settings: list[Setting] | None = None,
     costs: Costs | None = None,
     outputs: list[list[int]] | None = None,
+    margin: float = MARGIN,
     progress: bool = False,
 ) -> Choice:
-    """``decoding: auto``: the fastest setting for this target, drafter and machine.
+    """``decoding: auto``: the fastest setting for this target, drafter and machine that is sure enough to beat plain
+    decoding (``pick``), else plain decoding.
 
     Args:
         target: a loaded ``Target``.
         drafter: the trained drafter (bound to ``target``), or None (plain and n-gram settings only).
-        prompts: calibration prompts (each as ``generate`` takes it: token ids or a tokenizer's output), a few the
-            decoding will not be judged on.
+        prompts: calibration prompts (each as ``generate`` takes it: token ids or a tokenizer's output), prompts the
+            decoding will not be judged on, a few of every kind it will decode (one gives no lower bound: plain).
         sampling: the decoding's sampling config (None: greedy).
         max_new_tokens: tokens the target answers each calibration prompt with.
         settings: the settings to compare (default ``candidates(drafter)``); plain is always among them.
-        costs: measured ``Costs`` to use instead of timing them (``measure_costs``).
-        outputs: the target's answers to ``prompts`` under ``sampling`` if already decoded (else decoded here).
+        costs: measured ``Costs`` to use instead of timing them (``measure_costs``); given, nothing is timed, and
+            bookkeeping and prefill count only as far as ``costs.overhead`` says.
+        outputs: the target's answers to ``prompts`` under ``sampling`` if already decoded (else decoded here, timed
+            for plain decoding's bookkeeping per round and each prompt's prefill when ``costs`` is None).
+        margin: how much faster than plain a setting's lower bound must be (``MARGIN``: why 5%).
         progress: show a progress bar over the settings.
     """
     sampling = SamplingConfig.coerce(sampling)
     if not prompts:
         raise ValueError("choose_decoding needs calibration prompts: a few prompts like those it will decode.")
+    if margin < 0:
+        raise ValueError(f"choose_decoding margin={margin} must be >= 0: it is how far a setting's lower bound must "
+                         "beat plain decoding (0.05: by 5%).")
     prompts = [_as_ids(p, target.vocab_size, target.device)[0].tolist() for p in prompts]  # what generate takes
     settings = list(settings or candidates(drafter))
     if PLAIN not in settings:
         settings.insert(0, PLAIN)
+    decodes = None
     if outputs is None:
-        outputs = [generate(target, p, max_new_tokens, sampling, seed=i).tokens for i, p in enumerate(prompts)]
+        decodes = [generate(target, p, max_new_tokens, sampling, seed=i) for i, p in enumerate(prompts)]
+        outputs = [g.tokens for g in decodes]
     pairs = [(list(p), list(o)) for p, o in zip(prompts, outputs)]
+    timed = costs is None and decodes is not None  # costs passed in: nothing is timed (deterministic)
     if costs is None:
         longest = max(pairs, key=lambda pr: len(pr[0]) + len(pr[1]))
         costs = measure_costs(target, drafter, settings, longest[0] + longest[1][: len(longest[1]) // 2])
+    if timed:  # the median over the decodes: the first pays one-off costs
+        costs.overhead[PLAIN] = statistics.median(round_overhead(g, PLAIN, costs) for g in decodes)
     # one target forward per output for every drafter setting (n-gram lookup reads no features)
     features = output_features(target, list(drafter.target_layers) if drafter is not None else [], pairs)
-    estimates = []
+    counted = []
     with progress_bar("decoding auto: scoring settings", len(settings), progress) as bar:
         for setting in settings:
-            e = estimate(target, drafter, setting, pairs, sampling, costs, features)
-            if e is not None:
-                estimates.append(e)
+            c = _count(target, drafter, setting, pairs, sampling, costs, features)
+            if c is not None:
+                counted.append(c)
             bar.advance(1)
-    best = PLAIN
-    for e in estimates:  # strictly faster than the best so far: ties keep the simpler setting listed first
-        if e.tokens_per_s > next(x for x in estimates if x.setting == best).tokens_per_s:
-            best = e.setting
+    prefill = [g.prefill_seconds for g in decodes] if timed else None
+    probe = max(range(len(pairs)), key=lambda i: len(pairs[i][1]))  # the longest answer: the most rounds timed
+    for probes in range(PROBES + 1):  # measure the leader's bookkeeping, then judge again
+        estimates = with_bounds([_with_overheads(c, costs, prefill) for c in counted])
+        best = pick(estimates, margin)
+        if not timed or best == PLAIN or best in costs.overhead or probes == PROBES:
+            break
+        gen = generate(target, prompts[probe], max_new_tokens, sampling, drafter=best.drafter(drafter), seed=probe,
+                       tree=best.tree)
+        costs.overhead[best] = round_overhead(gen, best, costs)
     return Choice(best, best.drafter(drafter), best.tree, estimates, costs.machine or machine_name(target.device),
-                  str(target.dtype).replace("torch.", ""))
+                  str(target.dtype).replace("torch.", ""), margin, CONFIDENCE, costs)

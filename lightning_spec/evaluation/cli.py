@@ -254,8 +254,9 @@ def evaluate(
             --tree '{nodes: 16, top_k: 4}', built by each family's tree builder; offline, best-first trees (DFlash,
             Medusa) are scored under any sampling, the others (EAGLE-3, MTP, D²SD, SpecBlock) on greedy rollouts.
             Online, ``auto`` picks each drafter's fastest decoding from measured costs (``evaluation/auto.py``: plain,
-            n-gram lookup, its chain, a tree, a tree with n-gram candidates), calibrated on held-out prompts of the
-            same sources; the arm decodes with the pick and reports it with the speedup it expected.
+            n-gram lookup, its chain, a tree, a tree with n-gram candidates), calibrated on 2 held-out prompts of
+            every source and picked over plain only when its speedup's 95% lower bound beats plain by 5%; the arm
+            decodes with the pick and reports the tokens/s and speedup it expected beside those it measured.
         trees: one tree setting per drafter instead of ``tree`` (null: a chain), e.g. the same checkpoint twice as
             a chain and as a tree: --drafters '[a.ckpt, a.ckpt]' --names '[chain, tree]'
             --trees '[null, {nodes: 16, top_k: 4}]' (a paired comparison of the two).

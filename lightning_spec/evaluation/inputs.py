@@ -111,15 +111,22 @@ def open_prompts(target: Target, spec: str, sources: list[str], per_source: int,
 
 
 def calibration_prompts(target: Target, sources: list[str], per_source: int, seed: int,
-                        used: list[dict[str, Any]]) -> list[list[int]]:
-    """Up to 4 held-out prompts for decoding auto: the next prompt of every source, none of ``used``."""
+                        used: list[dict[str, Any]], per_domain: int = 2) -> list[list[int]]:
+    """Held-out prompts for decoding auto, ``per_domain`` of every domain: the prompts after the first ``per_source``
+    of every source, selected and templated as ``open_prompts`` does (the target's chat-template arguments
+    included), none of ``used``. A domain whose source has none left is refused in one sentence."""
     from lightning_spec.data.prompts import select_prompts
     from lightning_spec.data.sources import as_source
 
     taken = {p["id"] for p in used}
-    more = select_prompts(target.tokenizer, [as_source(s) for s in sources], per_source + 1, seed)
-    calibration = [p["prompt_ids"] for p in more if p["id"] not in taken][:4]
-    if not calibration:
-        raise ValueError("--tree auto calibrates on prompts beyond --prompts_per_source and the sources have none "
-                         "left; lower --prompts_per_source.")
-    return calibration
+    more = select_prompts(target.tokenizer, [as_source(s) for s in sources], per_source + per_domain, seed,
+                          chat_template_kwargs=target.chat_template_kwargs)
+    held_out: dict[str, list[list[int]]] = {}
+    for p in more:
+        if p["id"] not in taken:
+            held_out.setdefault(p["domain"], []).append(p["prompt_ids"])
+    empty = sorted({p["domain"] for p in more} - set(held_out))
+    if empty:
+        raise ValueError(f"--tree auto calibrates on prompts beyond --prompts_per_source and the {', '.join(empty)} "
+                         "prompts have none left; lower --prompts_per_source.")
+    return [ids for domain in sorted(held_out) for ids in held_out[domain][:per_domain]]

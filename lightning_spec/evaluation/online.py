@@ -121,12 +121,16 @@ class DrafterDecoding:
         return decode_prompts(target, self.decoder, prompts, sampling, max_new_tokens, seed=seed, tree=self.tree)
 
     def arm_details(self, seeds: list[Decoding]) -> dict[str, Any]:
-        """Decoding auto's pick of the arm's first checkpoint and the speed it expected."""
+        """Decoding auto's pick of the arm's first checkpoint, the speed it expected on its calibration prompts and
+        the lower bound it was picked on (the arm's measured figures sit beside them)."""
         if self.pick is None:
             return {}
         choice = self.pick
         return {"decoding": {"picked": choice.setting.label, "expected_mal": choice.expected.mal,
-                             "expected_speedup": choice.expected_speedup, "machine": choice.machine}}
+                             "expected_tokens_per_s": choice.expected.tokens_per_s,
+                             "expected_speedup": choice.expected_speedup, "lcb": choice.expected.lcb,
+                             "confidence": choice.confidence, "margin": choice.margin,
+                             "calibration_prompts": choice.prompts, "machine": choice.machine}}
 
 
 @dataclass

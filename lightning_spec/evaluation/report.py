@@ -31,6 +31,15 @@ def arm_label(arm: dict[str, Any]) -> str:
     return _tree_label(arm.get("tree"))
 
 
+def auto_line(name: str, arm: dict[str, Any]) -> str:
+    """One line for an arm decoding auto picked for: expected (on its calibration prompts) against measured."""
+    d = arm["decoding"]
+    bound = f", {d['confidence']:.0%} lower bound {d['lcb']:.2f}x" if d["picked"] != "plain" else ""
+    return (f"{name}: decoding auto picked {d['picked']}: expected {d['expected_tokens_per_s']:.1f} tokens/s, "
+            f"{d['expected_speedup']:.2f}x plain{bound} (on {d['calibration_prompts']} calibration prompts); "
+            f"measured {arm['tokens_per_s']:.1f} tokens/s, {arm['speedup']:.2f}x plain")
+
+
 def _tree_label(tree: dict[str, Any] | None) -> str:
     if tree is None:
         return "chain"
@@ -103,6 +112,8 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     if mode == "online":
         console.print(f"plain decoding: {result['plain']['tokens_per_s']:.1f} tokens/s (same prompts, same process)")
         for name, arm in result["arms"].items():
+            if arm.get("decoding"):  # decoding auto's pick: what it expected on its calibration prompts, and got
+                console.print(auto_line(name, arm))
             for a in arm.get("adaptation", []):  # an adapting arm: what it spent its update time on
                 applied = ", ".join(f"{s} {v['updates']}" for s, v in a["arms"].items())
                 console.print(f"{name}: updates over {a['windows']} prompts: {applied or 'no scope'}; "
