@@ -19,9 +19,12 @@ confidence bound of its speedup over plain on a prompt (``speedup_bound``: a t i
 speedups, paired because every setting is scored on the same outputs) exceeds 1 + ``margin``, and among those the
 highest bound wins. A point estimate would take whatever the calibration prompts happened to favour: two of them
 whose answers repeated themselves made an n-gram trie look 1.42x faster, and it measured 0.69x on other prompts.
-One calibration prompt gives no bound, so it keeps plain decoding. What the estimate leaves out (the cache's
-growth over the answer: verify times are taken at one context length) is what ``benchmarks/decode_speed.py``
-reports as engine efficiency: measured over expected.
+One calibration prompt gives no bound, so it keeps plain decoding.
+
+What the estimate still leaves out: the cache's growth over an answer (verify times are taken at one context
+length; the measured per-round residual absorbs it only for plain and the settings decoded to measure it), the
+bookkeeping of speculative settings not decoded (they take the largest measured), and prompts unlike the
+calibration ones. ``benchmarks/decode_speed.py`` reports measured over expected as engine efficiency.
 """
 
 from __future__ import annotations
