@@ -1,11 +1,14 @@
 """The benchmark scripts run end to end on the packaged tiny target (their figures come from SmolLM2 runs in
 benchmarks/README.md; here only that they run and print what they promise)."""
 
+import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from helpers.benchmarks import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,3 +82,32 @@ def test_gpu_check_runs_its_cpu_parts(tmp_path):
     assert "gpu_check: no GPU" in out and "== 1. fit (cpu)" in out and "checkpoint " in out
     assert "speculative / plain tokens/s" in out and "float32: greedy identity guaranteed" in out
     assert "fsdp: skipped on CPU" in out
+
+
+def test_learning_curve_trains_each_knob_from_one_store_resumes_and_reports(tmp_path):
+    """Two points of benchmarks/learning_curve.py on the tiny target: each trained with its knob, scored with CIs per
+    domain, its costs and losses recorded; a rerun trains nothing; the table and the plot come from the points."""
+    out = tmp_path / "curve"
+    args = ("--target", "tiny-random", "--out", str(out), "--eval-prompts", "2", "--eval-tokens", "8",
+            "--lines", "base", "vocabfull", "--max-steps", "2")
+    text = run_benchmark("learning_curve.py", *args)
+    points = {p.stem: json.loads(p.read_text()) for p in (out / "points").glob("*.json")}
+    assert set(points) == {"dflash-rows24-len64-v64-d1-k4-s2", "dflash-rows24-len64-vfull-d1-k4-s2"}
+    for name, p in points.items():
+        e = p["eval"]
+        assert e["mal_ci"][0] <= e["mal"] <= e["mal_ci"][1] and e["mal"] >= 1.0
+        assert set(e["by_domain"]) == {"chat", "code", "math"} and 0 <= e["ar1"] <= 1
+        assert p["train_cpu_s"] > 0 and p["store"]["cpu_s"] > 0 and p["store"]["examples"] > 0
+        assert math.isfinite(p["train_loss"]) and math.isfinite(p["val_loss"])
+        record = torch.load(p["checkpoint"], map_location="cpu", weights_only=False)["lightning_spec"]
+        config = record["drafter_config"]
+        assert config["draft_vocab_size"] == (64 if "-v64-" in name else None), config  # the knob reached the fit
+        assert config["block_size"] == 4
+    # the vocabulary does not change the target's features: both points read one store
+    assert sorted(d.name for d in (out / "stores").iterdir() if d.is_dir()) == ["dflash-d1-rows24-len64"]
+    assert "| base | 2 |" in text and "HumanEval" in text
+    row = next(line for line in text.splitlines() if line.startswith("| vocabfull | 2 |")).split(" | ")
+    assert row[4].startswith(("+", "-")) and "[" in row[4]  # its Δ against base at 2 steps, paired over rollouts
+    assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = run_benchmark("learning_curve.py", *args)  # every point is on disk: nothing is trained again
+    assert "[curve] fit-" not in again and "[curve] store-" not in again and "| vocabfull | 2 |" in again
