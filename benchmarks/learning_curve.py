@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/learning_curve.py                          # every line of the grid (many hours)
     .venv/bin/python benchmarks/learning_curve.py --lines base vocab8192   # some lines
     .venv/bin/python benchmarks/learning_curve.py --max-steps 1000         # every line, points up to 1000 steps
-    .venv/bin/python benchmarks/learning_curve.py --report-only --docs docs   # the table and plot of what is done
+    .venv/bin/python benchmarks/learning_curve.py --report-only --docs docs   # the table, and the plot in docs/
 
 One start, the quickstart's exportable DFlash (``experiments/quickstart.yaml``: 1 layer, K = 8, a 2048-token draft
 vocabulary, KL with the position decay, 1200 ShareGPT rows cut at 160 tokens), and lines that each move one knob
@@ -29,8 +29,8 @@ validates once at the end (held-out loss on 16 batches). Each point records:
   CPU named in the table. A point's total cost counts its store in full: that is what the first run pays.
 
 Each point lands in ``<out>/points/<name>.json`` as soon as it is done, and a rerun skips it (a killed run continues).
-The table (markdown) and the plot (MAL on MT-Bench against CPU-hours, one line per knob) are written from every point
-found, to ``<out>`` or to ``--docs``.
+The table (markdown, printed and in ``<out>``) and the plot (MAL on MT-Bench against CPU-hours, one line per knob,
+in ``<out>`` or ``--docs``) are written from every point found.
 """
 
 from __future__ import annotations
@@ -327,15 +327,16 @@ def plot(points: list[dict], path: Path, domain: str = "chat") -> None:
 
 
 def report(settings: Settings, docs: Path | None) -> None:
+    """The table (printed, and in ``<out>/learning_curve_table.md``) and the plot (in ``docs``, else ``<out>``)."""
     points = [json.loads(p.read_text()) for p in sorted((settings.out / "points").glob("*.json"))]
     if not points:
         raise SystemExit(f"[curve] no points under {settings.out / 'points'} yet: run without --report-only first.")
-    where = docs or settings.out
     text = table(points, settings)
-    (where / "learning_curve_table.md").write_text(text)
-    plot(points, where / "learning_curve.png")
+    (settings.out / "learning_curve_table.md").write_text(text)
+    figure = (docs or settings.out) / "learning_curve.png"
+    plot(points, figure)
     print(text)
-    print(f"[curve] wrote {where / 'learning_curve_table.md'} and {where / 'learning_curve.png'}")
+    print(f"[curve] wrote {settings.out / 'learning_curve_table.md'} and {figure}")
 
 
 # ----------------------------------------------------------------------------------------------------- main
@@ -349,7 +350,7 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=80, help="per domain (MT-Bench has 80)")
     parser.add_argument("--eval-tokens", type=int, default=96, help="per evaluation rollout")
     parser.add_argument("--report-only", action="store_true", help="only write the table and plot of what is done")
-    parser.add_argument("--docs", help="write the table and plot here (default: --out)")
+    parser.add_argument("--docs", help="write the plot here (default: --out); the table goes to --out")
     args = parser.parse_args()
     settings = Settings(Path(args.out).resolve(), args.target, args.eval_prompts, args.eval_tokens)
     lines = LINES
