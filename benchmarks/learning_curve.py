@@ -122,7 +122,7 @@ class Settings:
     target: str = "smollm2-135m-instruct"
     eval_prompts: int = 80
     eval_tokens: int = 96
-    batch_size: int = 8  # the quickstart's data.batch_size (epochs in the table)
+    batch_size: int = 8  # data.batch_size of every fit (the quickstart's), recorded with each point
     extra: list[str] = field(default_factory=list)  # appended to every fit and store command
 
     @property
@@ -161,21 +161,20 @@ def evaluation_rollouts(settings: Settings) -> Path:
 
 
 def feature_store(knobs: Knobs, settings: Settings) -> dict:
-    """The store of ``knobs`` written (or finished) once, and what writing it cost (kept beside it: a rerun that
-    finds it complete adds nothing)."""
+    """The store of ``knobs``, written once, and what writing it cost, recorded beside it when it is done. A store a
+    killed run left half-written is finished by the next (``lightning-spec features`` resumes), and only that run's
+    cost and tokens are recorded."""
     folder, record = settings.out / "stores" / knobs.store, settings.out / "stores" / f"{knobs.store}.json"
-    cost = json.loads(record.read_text()) if record.exists() else {"wall_s": 0.0, "cpu_s": 0.0}
-    if not cost.get("complete"):
-        text, wall, cpu = run(f"store-{knobs.store}", [*LS, "features", *knobs.overrides(), *settings.extra,
-                                                       "--model.feature_cache=disk", f"--model.feature_store={folder}",
-                                                       "--progress=false"], settings.logs)
-        found = re.search(r"features: (\d+) of (\d+) examples.*?([\d,]+) tokens", text)
-        cost = {"wall_s": cost["wall_s"] + wall, "cpu_s": cost["cpu_s"] + cpu, "complete": True,
-                "examples": int(found.group(2)) if found else None,
-                "tokens": int(found.group(3).replace(",", "")) if found and found.group(1) == found.group(2) else
-                cost.get("tokens")}
-        record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(cost, indent=2))
+    if record.exists():
+        return json.loads(record.read_text())
+    text, wall, cpu = run(f"store-{knobs.store}", [*LS, "features", *knobs.overrides(), *settings.extra,
+                                                   "--model.feature_cache=disk", f"--model.feature_store={folder}",
+                                                   "--progress=false"], settings.logs)
+    found = re.search(r"features: \d+ of (\d+) examples.*?([\d,]+) tokens", text)
+    cost = {"wall_s": wall, "cpu_s": cpu, "examples": int(found.group(1)) if found else None,
+            "tokens": int(found.group(2).replace(",", "")) if found else None}
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(cost, indent=2))
     return cost
 
 
@@ -197,7 +196,8 @@ def fit(knobs: Knobs, steps: int, settings: Settings) -> dict:
     uri = f"sqlite:///{settings.out / 'mlflow.db'}"
     name = knobs.name(steps)
     text, wall, cpu = run(f"fit-{name}", [
-        *LS, "fit", *knobs.overrides(), *settings.extra, f"--trainer.max_steps={steps}", "--trainer.max_time=null",
+        *LS, "fit", *knobs.overrides(), *settings.extra, f"--data.batch_size={settings.batch_size}",
+        f"--trainer.max_steps={steps}", "--trainer.max_time=null",
         "--trainer.callbacks=[]", "--trainer.check_val_every_n_epoch=null", f"--trainer.val_check_interval={steps}",
         "--trainer.limit_val_batches=16", "--model.feature_cache=disk",
         f"--model.feature_store={settings.out / 'stores' / knobs.store}",
@@ -208,8 +208,8 @@ def fit(knobs: Knobs, steps: int, settings: Settings) -> dict:
     run_id = re.findall(r"^MLflow run: (\w+)", text, flags=re.M)
     if not checkpoint or not run_id:
         raise SystemExit(f"[curve] fit-{name} printed no checkpoint or MLflow run; see {settings.logs}")
-    return {"checkpoint": checkpoint[-1], "mlflow_run": run_id[-1], "train_wall_s": wall, "train_cpu_s": cpu,
-            **losses(uri, run_id[-1])}
+    return {"checkpoint": checkpoint[-1], "mlflow_run": run_id[-1], "batch_size": settings.batch_size,
+            "train_wall_s": wall, "train_cpu_s": cpu, **losses(uri, run_id[-1])}
 
 
 def offline_mal(checkpoint: str, rollouts: Path, settings: Settings, name: str) -> dict:
@@ -284,7 +284,7 @@ def table(points: list[dict], settings: Settings) -> str:
     for p in sorted(points, key=lambda p: (order(p["line"]), p["steps"])):
         e = p["eval"]
         examples = p["store"].get("examples")
-        epochs = f"{p['steps'] * settings.batch_size / examples:.1f}" if examples else "?"
+        epochs = f"{p['steps'] * p['batch_size'] / examples:.1f}" if examples else "?"
         cells = [p["line"], str(p["steps"]), epochs, f"{e['mal']:.3f} [{e['mal_ci'][0]:.3f}, {e['mal_ci'][1]:.3f}]",
                  paired_delta(p, points, settings),
                  *(f"{e['by_domain'][d]['mal']:.3f} [{e['by_domain'][d]['mal_ci'][0]:.2f}, "
@@ -356,7 +356,7 @@ def main() -> None:
     lines = LINES
     if args.target == "tiny-random":
         settings.batch_size, lines = 4, TINY_LINES
-        settings.extra = ["--model.target=tiny-random", "--data.batch_size=4", "--trainer.log_every_n_steps=1"]
+        settings.extra = ["--model.target=tiny-random", "--trainer.log_every_n_steps=1"]
     unknown = set(args.lines or []) - {line.id for line in lines}
     if unknown:
         raise SystemExit(f"--lines: no line {sorted(unknown)}; the lines are {[line.id for line in lines]}.")
