@@ -85,7 +85,12 @@ def draft(drafter: Any, state: Any, anchor: Tensor, context: list[int], sampling
     if tree is None:
         return drafter.propose(state, anchor, sampling, generator)
     proposal = drafter.propose_tree(state, anchor, sampling, tree, generator)
-    return merge_into(proposal, context, tree) if tree.ngram else proposal
+    if not tree.ngram:
+        return proposal
+    merged = merge_into(proposal, context, tree)
+    if merged is not proposal:  # nodes dropped and renumbered: the drafter reads the verified tree's tokens
+        drafter.adopt(state, anchor, merged)
+    return merged
 
 
 @torch.no_grad()

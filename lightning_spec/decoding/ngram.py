@@ -212,6 +212,10 @@ class NgramDrafter:
         return TreeProposal(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
                             parents=torch.tensor(parents, dtype=torch.long, device=device))
 
+    def adopt(self, state: NgramState, anchor: Tensor, proposal: TreeProposal) -> None:
+        """The verified tree, when n-gram candidates were merged into this trie: ``extend`` reads its tokens."""
+        state.drafted = proposal.tokens.tolist()
+
     def extend(self, state: NgramState, features: Tensor | None, path: list[int]) -> None:
         state.history.append(state.anchor)
         state.history.extend(state.drafted[i - 1] for i in path[1:])

@@ -494,6 +494,11 @@ class Drafter(nn.Module):
                 "decode it as a chain (tree=None)."
             )
 
+    def adopt(self, state: Any, anchor: Tensor, proposal: Any) -> None:
+        """The round verifies ``proposal`` instead of the tree this drafter proposed (n-gram nodes merged in,
+        ``decoding.ngram.merge_into``: nodes dropped and renumbered). A drafter whose ``extend`` reads its own
+        proposal's tokens by node index re-reads them from ``proposal`` here; the default reads none."""
+
     def extend(self, state: Any, features: Tensor, path: list[int]) -> None:
         """Commit a verified round: ``features`` (1, T, F) of the T verified nodes (the anchor first), ``path``
         the indices of the committed ones (the anchor and the accepted drafts, in order)."""

@@ -334,8 +334,11 @@ class Eagle3Drafter(Drafter):
     def propose_tree(self, state: Eagle3State, anchor: Tensor, sampling: SamplingConfig, tree: Any,
                      generator=None) -> TreeProposal:
         proposal = super().propose_tree(state, anchor, sampling, tree, generator)
-        state.nodes = [anchor.reshape(1), *proposal.tokens.reshape(-1, 1)]  # extend reads the committed ones
+        self.adopt(state, anchor, proposal)
         return proposal
+
+    def adopt(self, state: Eagle3State, anchor: Tensor, proposal: TreeProposal) -> None:
+        state.nodes = [anchor.reshape(1), *proposal.tokens.reshape(-1, 1)]  # extend reads the committed ones
 
     @torch.no_grad()
     def extend(self, state: Eagle3State, features: Tensor, path: list[int]) -> None:

@@ -455,13 +455,12 @@ class SpecBlockDrafter(Drafter):
                 tokens.append(self.vocab.to_target(sampling.sample(q, generator)))
                 probs.append(self.vocab.scatter(q))
         proposal = ChainProposal(tokens=torch.cat(tokens), probs=torch.cat(probs) if probs else None)
-        self._remember(state, anchor, proposal.tokens)
+        self.adopt(state, anchor, proposal)
         return proposal
 
-    @staticmethod
-    def _remember(state: SpecBlockState, anchor: Tensor, tokens: Tensor) -> None:
+    def adopt(self, state: SpecBlockState, anchor: Tensor, proposal: ChainProposal | TreeProposal) -> None:
         """The round's node tokens (the anchor, then the drafts): ``extend`` embeds the committed ones."""
-        state.nodes = [anchor.reshape(1), *tokens.reshape(-1, 1)]
+        state.nodes = [anchor.reshape(1), *proposal.tokens.reshape(-1, 1)]
 
     @torch.no_grad()
     def propose_tree(
@@ -485,7 +484,7 @@ class SpecBlockDrafter(Drafter):
                                     tree.nodes, tree.top_k)
         device = anchor.device
         proposal = TreeProposal(tokens=self.vocab.to_target(index.to(device)), parents=parents.to(device))
-        self._remember(state, anchor, proposal.tokens)
+        self.adopt(state, anchor, proposal)
         return proposal
 
     def check_tree(self) -> None:

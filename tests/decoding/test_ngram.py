@@ -185,3 +185,38 @@ def test_a_merged_dynamic_tree_is_refused_offline_under_sampling(diverse_target,
     drafter, tree = drafter_for("eagle3 + ngram", diverse_target, prompts)
     with pytest.raises(ValueError, match="greedy decoding only"):
         offline_rounds(diverse_target, drafter, [([1, 2], [3, 4])], T1, tree=tree)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "mtp", "specblock"])
+def test_a_merged_tree_commits_the_verified_tokens_into_the_drafters_own_state(family, diverse_target, prompts):
+    """Drafters that keep their own entries of the committed tokens (EAGLE-3, MTP, SpecBlock) re-commit the accepted
+    path's tokens after each round. With n-gram nodes merged in, the verified tree is not the one the drafter grew
+    (``merge`` drops and renumbers nodes): the drafter must commit the verified tree's tokens, so its entries are the
+    committed text, token for token (before, it read its own tree's numbering: wrong tokens, or an IndexError)."""
+    drafter = trained(family, diverse_target, prompts, k=3, steps=1)  # its tree differs from the n-grams'
+    tree = TreeConfig(nodes=8, top_k=2, ngram=6)
+    committed: list[int] = []
+    commit = drafter._commit
+
+    def spy(state, ids, features):
+        committed.extend(ids[0].tolist())
+        return commit(state, ids, features)
+
+    drafter._commit = spy
+    for prompt in prompts:
+        committed.clear()
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+        text = prompt + out.tokens
+        assert len(committed) > len(prompt) and committed == text[: len(committed)], (family, prompt)
+
+
+def test_a_merged_ngram_trie_commits_the_verified_tokens(diverse_target, prompts):
+    """The same for n-gram lookup grown as a trie with n-gram candidates merged in: its history is the text."""
+    drafter, tree = NgramDrafter(block_size=4), TreeConfig(nodes=8, top_k=3, ngram=4)
+    states = []
+    begin = drafter.begin
+    drafter.begin = lambda *a: states.append(begin(*a)) or states[-1]
+    for prompt in prompts:
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+        history = states[-1].history
+        assert len(history) > len(prompt) and history == (prompt + out.tokens)[: len(history)], prompt
