@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps $(ASSETS)
 	touch $(STAMP)
 
+# QUICKSTART_ARGS adds overlays or flags, e.g. QUICKSTART_ARGS="-c experiments/drafters/eagle3.yaml": EAGLE-3, which
+# the learning curve found +0.089 MAL ahead at equal cost (docs/quickstart.md, "What the learning curve says").
+QUICKSTART_ARGS ?=
+
 quickstart: setup
-	$(VENV)/bin/lightning-spec fit -c experiments/quickstart.yaml
+	$(VENV)/bin/lightning-spec fit -c experiments/quickstart.yaml $(QUICKSTART_ARGS)
 
 # The suite on every core (pytest-xdist; each worker computes on one torch thread, tests/conftest.py), its 25
 # slowest tests printed on every run (tests/README.md says what each costs and why). `make test` runs everything;
@@ -85,12 +89,14 @@ regenerate: setup serve-setup
 		$(VENV)/bin/lightning-spec rollouts --backend server --server_url http://127.0.0.1:$(SERVE_PORT) \
 		--out $(REGEN_OUT) $(REGEN_ARGS)
 
-# The testbed drafter (docs/reproductions.md, "The testbed drafter"): regenerates ShareGPT answers through vLLM,
-# writes the feature store, trains the quickstart's drafter on them with experiments/testbed.yaml, and prints exact
-# offline MAL on the 80 MT-Bench greedy rollouts and real decoding speed against plain decoding. Resumable: rerun
-# after a kill.
+# The testbed drafter (docs/reproductions.md, "The testbed drafter"): the recipe the learning curve says buys the most
+# MAL per CPU-hour (EAGLE-3 on ~5.6k ShareGPT conversations, 4000 steps; experiments/testbed.yaml), its feature store
+# in the cache folder, then exact offline MAL on the 80 MT-Bench greedy rollouts and real decoding speed against plain
+# decoding and n-gram lookup, set against issue 33's goals. Resumable: rerun after a kill. With
+# TESTBED_ARGS="--regenerate 400" it trains on SmolLM2's answers drawn by vLLM instead (the serving venv is built).
 TESTBED_OUT ?= testbed
 TESTBED_ARGS ?=
 
-testbed: setup serve-setup
+testbed: setup
+	$(if $(findstring --regenerate,$(TESTBED_ARGS)),$(MAKE) serve-setup)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/testbed.py --out $(TESTBED_OUT) --python $(SERVE_VENV)/bin/python $(TESTBED_ARGS)

@@ -39,6 +39,7 @@ is ~1, so it measures the machinery, not a speedup. On a machine shared with ano
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -323,6 +324,7 @@ def main() -> None:
                         help="also decode with the setting decoding auto picks (choose_decoding), calibrated on "
                              "--calibration other prompts of --source")
     parser.add_argument("--calibration", type=int, default=4, help="calibration prompts for --auto")
+    parser.add_argument("--json", help="also write the table of every mode to this JSON file (benchmarks/testbed.py)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -467,8 +469,11 @@ def main() -> None:
         rows.append((f"tree ({tree.nodes} nodes, top {tree.top_k})", tree_tokens, tree_rounds, tree_s, tree_same,
                      base_ideal["tree"]))
     rows += [(name, *sums[:4], sums[4]) for name, sums in mode_sums.items()]
+    table = []
     for name, tokens, n_rounds, seconds, equal, ideal in rows:
         tps = tokens / max(seconds, 1e-9)
+        table.append({"mode": name, "tokens": tokens, "rounds": n_rounds, "mal": tokens / max(n_rounds, 1),
+                      "tokens_per_s": tps, "vs_plain": tps / plain_tps, "same": equal, "prompts": len(prompts)})
         eff = f"{(ideal + prefill_s) / seconds:>12.0%}"
         print(f"  {name:<44}{tokens:>8}{n_rounds:>8}{tokens / max(n_rounds, 1):>7.2f}{tps:>10.2f}"
               f"{tps / plain_tps:>8.2f}x{f'{equal}/{len(prompts)}':>13}{eff}")
@@ -477,6 +482,10 @@ def main() -> None:
     if choice is not None:
         sums = mode_sums[f"auto: {choice.setting.label}"]
         print("  " + choice.describe((sums[0] / sums[2]) / plain_tps, sums[0] / sums[2]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dtype": args.dtype, "drafter": label, "prompts": len(prompts),
+                       "max_new_tokens": args.max_new_tokens, "modes": table}, f, indent=2)
     print(f"\n  forward times, warm cache of {ctx.shape[1]} tokens, median of {repeats} (ms)")
     print(f"  {'target, 1 query token':<38}{t['target_1']:>8.1f}")
     print(

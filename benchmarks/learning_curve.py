@@ -107,6 +107,7 @@ LINES = [
     Line("layers2", "depth", Knobs(layers=2), (500, 1000, 2000)),
     Line("k16", "depth", Knobs(block=16), (500, 1000)),
     Line("eagle3", "family", Knobs(family="eagle3"), (500, 1000, 2000)),
+    Line("eagle3-rows8000", "family and data", Knobs(family="eagle3", rows=8000), (2000, 4000)),
 ]
 # The same grid on the packaged tiny random target, for the benchmark's test: seconds, not hours.
 TINY = Knobs(rows=24, max_length=64, vocab=64, block=4)

@@ -111,3 +111,39 @@ def test_learning_curve_trains_each_knob_from_one_store_resumes_and_reports(tmp_
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = run_benchmark("learning_curve.py", *args)  # every point is on disk: nothing is trained again
     assert "[curve] fit-" not in again and "[curve] store-" not in again and "| vocabfull | 2 |" in again
+
+
+def test_testbed_recipe_trains_scores_times_and_resumes(tmp_path):
+    """benchmarks/testbed.py on the tiny target: the evaluation rollouts, the store in the cache folder (by its key),
+    the fit, exact offline MAL as a chain and as trees, the speed table with the goals' ratios; a rerun trains
+    nothing and reads the store it left."""
+    out, cache = tmp_path / "testbed", tmp_path / "cache"
+    args = ("--target", "tiny-random", "--out", str(out), "--rows", "24", "--max-length", "64", "--steps", "2",
+            "--eval-prompts", "2", "--eval-tokens", "8", "--speed-prompts", "1", "--speed-tokens", "8",
+            "--speed-tree", "4,2", "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    env = {"LIGHTNING_SPEC_CACHE": str(cache)}
+    text = run_benchmark("testbed.py", *args, env=env)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["recipe"] == {"family": "eagle3", "rows": 24, "max_length": 64, "steps": 2, "regenerate": 0}
+    record = torch.load(out / "drafter.ckpt", map_location="cpu", weights_only=False)["lightning_spec"]
+    assert record["drafter_class"].endswith("Eagle3Drafter") and record["drafter_config"]["block_size"] == 4
+    stores = [d for d in (cache / "features").iterdir() if d.is_dir()]
+    assert len(stores) == 1  # the store went to the cache folder, named by its key
+    assert set(summary["offline"]) == {"chain", "tree8", "tree16", "tree32"}
+    for arm in summary["offline"].values():
+        assert arm["mal_ci"][0] <= arm["mal"] <= arm["mal_ci"][1] and arm["mal"] >= 1.0
+    assert summary["train_cpu_hours"] > 0 and summary["cpu_seconds"]["features-drafter"] > 0
+    assert math.isfinite(summary["fit"]["train_loss"]) and math.isfinite(summary["fit"]["val_loss"])
+    speed = summary["speed_float32"]
+    assert speed["plain_tokens_per_s"] > 0 and speed["best_tree"]["mode"].startswith("tree")
+    assert speed["tree_with_ngram_vs_ngram"] > 0
+    modes = json.loads((out / "speed-float32.json").read_text())["modes"]
+    assert all(m["same"] == m["prompts"] for m in modes)  # greedy: every mode decodes plain decoding's tokens
+    for goal in ("exact chain MAL, MT-Bench", "CPU-hours, store", "tree with n-gram nodes / n-grams alone"):
+        assert goal in text  # the figures set against issue 33's goals
+    again = run_benchmark("testbed.py", *args, "--no-speed", env=env)
+    assert "[testbed] fit-drafter" not in again
+    assert "features: 0 of" in (out / "logs" / "features-drafter.log").read_text()  # the store was complete
+    rerun = json.loads((out / "summary.json").read_text())
+    assert rerun["cpu_seconds"]["features-drafter"] == summary["cpu_seconds"]["features-drafter"]  # what it cost
+    assert rerun["offline"] == summary["offline"]  # the evaluation was not redone for the same checkpoint
