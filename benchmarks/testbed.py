@@ -3,7 +3,7 @@ here, trained once, scored exactly and timed against plain decoding and n-gram l
 
     .venv/bin/python benchmarks/testbed.py                              # the curve's recipe, into ./testbed
     .venv/bin/python benchmarks/testbed.py --steps 8000                 # longer
-    .venv/bin/python benchmarks/testbed.py --regenerate 400 --family dflash --rows 0 --steps 600   # the old recipe
+    .venv/bin/python benchmarks/testbed.py --regenerate 400 --family dflash --steps 600 --max-length 512  # the old one
     .venv/bin/python benchmarks/testbed.py --regenerate 400 --compare-sharegpt   # does regeneration help?
 
 The recipe (defaults): EAGLE-3 (``experiments/drafters/eagle3.yaml`` over the quickstart: 1 layer, K = 8, the
