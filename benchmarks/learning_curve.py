@@ -132,21 +132,24 @@ class Settings:
 
 
 # ------------------------------------------------------------------------------------------------ processes
-def run(name: str, cmd: list[str], logs: Path) -> tuple[str, float, float]:
-    """Run one command, its output in ``logs/<name>.log``; (stdout, wall seconds, CPU seconds of its processes).
-    A failure stops the benchmark with the log's path."""
+def run(name: str, cmd: list[str], logs: Path, tag: str = "curve") -> tuple[str, float, float]:
+    """Run one command from the repository root, its output written as it comes to ``logs/<name>.log`` (``tail -f``
+    follows a long fit); (its output, wall seconds, CPU seconds of its processes from the children's rusage). A
+    failure stops the benchmark with the log's path. ``tag`` prefixes what it prints (benchmarks/testbed.py uses it
+    too)."""
     logs.mkdir(parents=True, exist_ok=True)
-    print(f"[curve] {name}", flush=True)
+    log = logs / f"{name}.log"
+    print(f"[{tag}] {name} (log: {log})", flush=True)
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    with open(log, "w") as f:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}).returncode
     wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
-    (logs / f"{name}.log").write_text(proc.stdout)
-    if proc.returncode != 0:
-        raise SystemExit(f"[curve] {name} failed ({proc.returncode}); see {logs / f'{name}.log'}")
+    if code != 0:
+        raise SystemExit(f"[{tag}] {name} failed ({code}); see {log}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    print(f"[curve] {name}: {wall:.0f} s wall, {cpu:.0f} CPU-s", flush=True)
-    return proc.stdout, wall, cpu
+    print(f"[{tag}] {name}: {wall:.0f} s wall, {cpu:.0f} CPU-s", flush=True)
+    return log.read_text(), wall, cpu
 
 
 def evaluation_rollouts(settings: Settings) -> Path:

@@ -41,43 +41,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from learning_curve import losses  # this folder is on sys.path when the script runs
+from learning_curve import FAMILY_CONFIGS, losses, run  # this folder is on sys.path when the script runs
 from objective_memory import cpu_name
 from serve_target import ROOT, start, stop
 
 LS = [sys.executable, "-m", "lightning_spec"]
-FAMILIES = {"eagle3": ["-c", "experiments/drafters/eagle3.yaml"], "dflash": []}  # over experiments/quickstart.yaml
 # --target tiny-random: the packaged tiny random target at toy sizes, for the recipe's test (seconds, not hours)
 TINY = ["--model.target=tiny-random", "--model.drafter.init_args.draft_vocab_size=64",
         "--model.drafter.init_args.block_size=4", "--data.batch_size=4", "--trainer.log_every_n_steps=1"]
 
 
 def step(name: str, cmd: list[str], logs: Path, cpu: dict[str, float] | None = None) -> str:
-    """Run one step, its output written as it comes to ``logs/<name>.log`` (``tail -f`` it to follow a long fit), its
-    CPU-seconds (the children's rusage) into ``cpu``; its output, or the recipe stops when it fails."""
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{name}.log"
-    print(f"[testbed] {name} (log: {log}): {' '.join(cmd)}", flush=True)
-    before, start_time = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    with open(log, "w") as f:
-        code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}).returncode
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if code != 0:
-        raise SystemExit(f"[testbed] {name} failed ({code}); see {log}")
-    seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    """``learning_curve.run`` (its log written as it comes, to ``logs/<name>.log``), its CPU-seconds into ``cpu``;
+    its output, or the recipe stops when it fails."""
+    text, _, seconds = run(name, cmd, logs, tag="testbed")
     if cpu is not None:
         cpu[name] = seconds
-    print(f"[testbed] {name}: done in {time.perf_counter() - start_time:.0f} s ({seconds:.0f} CPU-s)", flush=True)
-    return log.read_text()
+    return text
 
 
 def sharegpt_answers(regen: Path, path: Path) -> int:
@@ -108,7 +93,7 @@ def recipe(args: argparse.Namespace, sources: Path | str, store: str | None) -> 
     """The fit's configuration: the quickstart, the family's overlay, ``experiments/testbed.yaml``, and the data, steps
     and store of this run. Without ``--regenerate`` the rows are ShareGPT's first ``--rows``; regenerated answers are
     read whole."""
-    out = ["-c", "experiments/quickstart.yaml", *FAMILIES[args.family], "-c", "experiments/testbed.yaml",
+    out = ["-c", "experiments/quickstart.yaml", *FAMILY_CONFIGS[args.family], "-c", "experiments/testbed.yaml",
            f"--data.train_sources=[{sources}]", f"--data.max_length={args.max_length}",
            f"--data.train_limit={'null' if args.regenerate or not args.rows else args.rows}",
            f"--trainer.max_steps={args.steps}", "--trainer.check_val_every_n_epoch=null",
@@ -222,7 +207,7 @@ def main() -> None:
     parser.add_argument("--out", default="testbed")
     parser.add_argument("--target", default="smollm2-135m-instruct",
                         help="tiny-random: the packaged tiny target at toy sizes (the recipe's test)")
-    parser.add_argument("--family", choices=sorted(FAMILIES), default="eagle3")
+    parser.add_argument("--family", choices=sorted(FAMILY_CONFIGS), default="eagle3")
     parser.add_argument("--rows", type=int, default=8000, help="ShareGPT rows read (data.train_limit; 0: all)")
     parser.add_argument("--max-length", type=int, default=160, help="tokens kept per conversation")
     parser.add_argument("--steps", type=int, default=4000, help="training steps (batch 8)")
