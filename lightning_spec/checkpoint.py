@@ -25,6 +25,7 @@ import torch
 from lightning_spec.assets import resolve_target_folder
 from lightning_spec.drafters import class_path_now
 from lightning_spec.drafters.base import Drafter, drafter_record, init_arguments
+from lightning_spec.errors import UserError
 from lightning_spec.export import codec_for, export_drafter, is_serving_folder, read_serving_folder
 from lightning_spec.target import TargetOptions, live_target, load_target
 
@@ -36,7 +37,7 @@ PACKAGE = "lightning_spec"
 def _own_class(class_path: Any, what: str) -> type:
     """The lightning_spec class named by ``class_path``; anything else is refused (a file must not pick code)."""
     if not isinstance(class_path, str) or not class_path.startswith(f"{PACKAGE}."):
-        raise ValueError(
+        raise UserError(
             f"{what} names {class_path!r}, which is not a lightning_spec class; only lightning_spec classes are "
             "built from a saved file (a checkpoint cannot choose code to run)."
         )
@@ -44,9 +45,9 @@ def _own_class(class_path: Any, what: str) -> type:
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
-        raise ValueError(f"{what} names {class_path!r}, which this lightning_spec version does not have.") from None
+        raise UserError(f"{what} names {class_path!r}, which this lightning_spec version does not have.") from None
     if not inspect.isclass(cls):
-        raise ValueError(f"{what} names {class_path!r}, which is not a class.")
+        raise UserError(f"{what} names {class_path!r}, which is not a class.")
     return cls
 
 
@@ -80,20 +81,20 @@ def read_checkpoint(path: str | Path, what: str = "checkpoint") -> dict[str, Any
     ``what`` names the option the path came from (``--ckpt``, ``drafters``) in the one-sentence errors."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{what} '{path}' does not exist; pass the path of a .ckpt written by `lightning-spec fit`.")
+        raise UserError(f"{what} '{path}' does not exist; pass the path of a .ckpt written by `lightning-spec fit`.")
     if path.stat().st_size == 0:
-        raise ValueError(f"{what} '{path}' is an empty file (an interrupted copy?); pass a complete .ckpt.")
+        raise UserError(f"{what} '{path}' is an empty file (an interrupted copy?); pass a complete .ckpt.")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise ValueError(
+        raise UserError(
             f"{what} '{path}' cannot be read safely: it is not a torch file of tensors and plain values (it is "
             "corrupt, or holds pickled Python objects, which are never loaded because that could run code)."
         ) from None
     except (RuntimeError, EOFError, OSError) as err:
-        raise ValueError(f"{what} '{path}' is not a readable torch checkpoint ({str(err).splitlines()[0]}).") from None
+        raise UserError(f"{what} '{path}' is not a readable torch checkpoint ({str(err).splitlines()[0]}).") from None
     if not isinstance(ckpt, dict) or CKPT_KEY not in ckpt:
-        raise ValueError(
+        raise UserError(
             f"{what} '{path}' is not a lightning_spec checkpoint (no '{CKPT_KEY}' entry); pass a fit checkpoint."
         )
     return ckpt
@@ -114,17 +115,17 @@ def recorded_target(path: str | Path, what: str = "checkpoint") -> tuple[str, Ta
 def _read_folder_meta(folder: Path, what: str) -> dict[str, Any]:
     meta_file = folder / "drafter.json"
     if not meta_file.is_file():
-        raise ValueError(
+        raise UserError(
             f"{what} '{folder}' is a folder without drafter.json or a serving config.json; pass a .ckpt, a "
             "save_drafter folder or an exported one."
         )
     try:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{what} '{meta_file}' is not valid JSON ({err.msg} at line {err.lineno}).") from None
+        raise UserError(f"{what} '{meta_file}' is not valid JSON ({err.msg} at line {err.lineno}).") from None
     missing = {"drafter_class", "drafter_config", "target", "target_vocab_size"} - set(meta)
     if missing:
-        raise ValueError(f"{what} '{meta_file}' lacks {sorted(missing)}; it was not written by save_drafter.")
+        raise UserError(f"{what} '{meta_file}' lacks {sorted(missing)}; it was not written by save_drafter.")
     return meta
 
 
@@ -144,17 +145,17 @@ def drafter_classes() -> dict[str, type[Drafter]]:
 def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, what: str) -> Drafter:
     cls = drafter_classes().get(meta["drafter_class"]) if isinstance(meta["drafter_class"], str) else None
     if cls is None:  # looked up, never imported: a file cannot pick code to run
-        raise ValueError(
+        raise UserError(
             f"{what} drafter_class {meta['drafter_class']!r} is not a lightning_spec drafter class; only those are "
             "built from a saved file (a checkpoint cannot choose code to run)."
         )
     config = meta["drafter_config"]
     if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
-        raise ValueError(f"{what} drafter_config must be a mapping of init arguments, got {type(config).__name__}.")
+        raise UserError(f"{what} drafter_config must be a mapping of init arguments, got {type(config).__name__}.")
     try:
         drafter: Drafter = cls(**config)
     except TypeError as err:
-        raise ValueError(f"{what} drafter_config does not fit {cls.__name__} ({err}).") from None
+        raise UserError(f"{what} drafter_config does not fit {cls.__name__} ({err}).") from None
     options = meta.get("target_options")  # revision, trust_remote_code, ... of the recorded target (older: none)
     if target is None:  # an equal target the user already loaded (same weights fingerprint), else the recorded one,
         # its embedding, final norm and LM head only: the drafter then decodes with any target of the same weights
@@ -162,7 +163,7 @@ def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, wha
                                                                             layers=False)
     target = load_target(target, options=options) if isinstance(target, str) else load_target(target)
     if target.vocab_size != meta["target_vocab_size"]:
-        raise ValueError(
+        raise UserError(
             f"The drafter was trained for a target with a {meta['target_vocab_size']}-token vocabulary, but this "
             f"target has {target.vocab_size}; load it with the target it was trained for ({meta['target']!r})."
         )
@@ -171,7 +172,7 @@ def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, wha
         drafter.load_state_dict(with_target_weights(meta, state, drafter))
     except RuntimeError as err:
         first = next((ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()), str(err))
-        raise ValueError(
+        raise UserError(
             f"{what}: the weights do not fit a {cls.__name__} of {config} on this target ({first}); load it with the "
             f"target it was trained for ({meta['target']!r})."
         ) from None
@@ -202,7 +203,7 @@ def _read_drafter_state(path: Path, what: str) -> tuple[dict[str, Any], dict[str
         try:
             state = torch.load(path / "drafter.pt", map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
-            raise ValueError(f"{what} '{path / 'drafter.pt'}' is not a readable weights file ({err}).") from None
+            raise UserError(f"{what} '{path / 'drafter.pt'}' is not a readable weights file ({err}).") from None
         return meta, state
     ckpt = read_checkpoint(path, what)
     state = {k[len("drafter.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
@@ -230,12 +231,12 @@ def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) ->
     meta, state = read_drafter_state(path, what)
     ours = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
     if meta["drafter_class"] != ours:
-        raise ValueError(
+        raise UserError(
             f"{what} '{path}' holds a {meta['drafter_class']} but model.drafter is a {ours}; set model.drafter to the "
             "class (and sizes) the file was trained with."
         )
     if meta.get("target_fingerprint") not in (None, target_fingerprint):
-        raise ValueError(
+        raise UserError(
             f"{what} '{path}' was trained for target '{meta.get('target')}' (weights fingerprint "
             f"{meta.get('target_fingerprint')}), not for model.target (fingerprint {target_fingerprint}); start from "
             "a drafter of this target."
@@ -248,7 +249,7 @@ def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) ->
             raise RuntimeError(f"Error(s) in loading state_dict:\n\tMissing or unexpected key(s): {stray}.")
     except RuntimeError as err:
         first = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
-        raise ValueError(
+        raise UserError(
             f"{what} '{path}' does not fit model.drafter ({first}); give model.drafter the init_args it was trained "
             f"with: {meta['drafter_config']}."
         ) from None

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgre
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_spec.datamodule import SpecDataModule
+from lightning_spec.errors import UserError
 from lightning_spec.module import DraftModule
 from lightning_spec.tracking import (
     DEFAULT_LOGGER,
@@ -56,7 +57,7 @@ class SpecCLI(LightningCLI):
             return
         max_length = self.datamodule.max_length
         if block + 2 > max_length:
-            raise ValueError(
+            raise UserError(
                 f"model.drafter.block_size={block} needs data.max_length >= block_size + 2 (got {max_length}); "
                 "raise data.max_length or lower model.drafter.block_size."
             )
@@ -72,8 +73,8 @@ class SpecCLI(LightningCLI):
         if path is None or _lightning_shortcut(str(path)):
             return
         if not os.path.isfile(path):
-            raise ValueError(f"--ckpt_path '{path}' does not exist; pass the path of a .ckpt written by "
-                             "`lightning-spec fit` (e.g. runs/<experiment id>/<run id>/checkpoints/last.ckpt).")
+            raise UserError(f"--ckpt_path '{path}' does not exist; pass the path of a .ckpt written by "
+                            "`lightning-spec fit` (e.g. runs/<experiment id>/<run id>/checkpoints/last.ckpt).")
         run = checkpoint_run_id(path)
         self._resume_run = run if subcommand == "fit" else None
 
@@ -202,11 +203,11 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"lightning-spec: error: {parser_error_sentence(str(err), command)}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (ValueError, FloatingPointError) as err:
-        # Errors a user can cause are ValueErrors raised by our own code with one sentence naming the field (and
-        # the module's FloatingPointError for a diverged loss): print that sentence, not a stack trace. Anything
-        # raised deeper (torch, transformers) keeps its trace.
-        if not _raised_here(err) or os.environ.get("LIGHTNING_SPEC_TRACEBACK"):
+    except UserError as err:
+        # Errors by kind (errors.py): what a user can cause is a UserError whose message is one sentence naming the
+        # option, field, file or data to change; print that, not a stack trace. Anything else, a plain ValueError
+        # of our own included, is a bug and propagates with its traceback.
+        if os.environ.get("LIGHTNING_SPEC_TRACEBACK"):
             raise
         print(f"lightning-spec: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -233,15 +234,8 @@ def parser_error_sentence(message: str, command: str = "fit") -> str:
     return f"{key + ': ' if key else ''}{cause.rstrip('.')}{value}; see `lightning-spec {command} --help`."
 
 
-def _raised_here(err: BaseException) -> bool:
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and f"{os.sep}lightning_spec{os.sep}" in tb.tb_frame.f_code.co_filename
-
-
 def run_cli(args: list[str] | None = None, callbacks: list[Any] | None = None, exit_on_error: bool = True) -> None:
-    """Run the CLI; user errors propagate as ValueError (``main`` turns them into one printed sentence).
+    """Run the CLI; user errors propagate as ``UserError`` (``main`` turns them into one printed sentence).
 
     ``callbacks``: instances added to the trainer after the YAML's (the sweep's trial reporter); the run is
     otherwise exactly ``fit``. ``exit_on_error=False`` raises a bad option as ``jsonargparse.ArgumentError``

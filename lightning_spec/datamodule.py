@@ -31,6 +31,7 @@ from lightning_spec.data.prompts import domain_prompts, first_user, opening
 from lightning_spec.data.rollouts import is_rollouts_folder, load_rollouts, sft_examples
 from lightning_spec.data.sources import Source, as_source, held_out_keys, load_source
 from lightning_spec.data.tokenized import Examples, cache_key, source_identity, tokenized_set, tokenizer_identity
+from lightning_spec.errors import UserError
 from lightning_spec.loaders import DomainSampler, TrainLoader, check_val_check_interval, collate, example_weights
 from lightning_spec.target import TargetOptions, load_tokenizer
 
@@ -114,19 +115,19 @@ class SpecDataModule(L.LightningDataModule):
 
     def _check_args(self) -> None:
         if self.max_length < 2:
-            raise ValueError(f"data.max_length={self.max_length} must be at least 2 tokens; raise it (e.g. 512).")
+            raise UserError(f"data.max_length={self.max_length} must be at least 2 tokens; raise it (e.g. 512).")
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction={self.val_fraction} must be in [0, 1); use e.g. 0.02.")
+            raise UserError(f"data.val_fraction={self.val_fraction} must be in [0, 1); use e.g. 0.02.")
         if self.batch_size < 1:
-            raise ValueError(f"data.batch_size={self.batch_size} must be at least 1.")
+            raise UserError(f"data.batch_size={self.batch_size} must be at least 1.")
         if self.train_limit is not None and self.train_limit < 1:
-            raise ValueError(f"data.train_limit={self.train_limit} must be at least 1, or null for all rows.")
+            raise UserError(f"data.train_limit={self.train_limit} must be at least 1, or null for all rows.")
         if self.eval_prompts_per_domain < 0:
-            raise ValueError(f"data.eval_prompts_per_domain={self.eval_prompts_per_domain} must be >= 0.")
+            raise UserError(f"data.eval_prompts_per_domain={self.eval_prompts_per_domain} must be >= 0.")
         if self.num_proc is not None and self.num_proc < 1:
-            raise ValueError(f"data.num_proc={self.num_proc} must be at least 1, or null to choose.")
+            raise UserError(f"data.num_proc={self.num_proc} must be at least 1, or null to choose.")
         if not self.train_sources:
-            raise ValueError("data.train_sources is empty; name at least one source, e.g. ['sharegpt'].")
+            raise UserError("data.train_sources is empty; name at least one source, e.g. ['sharegpt'].")
 
     # ------------------------------------------------------------------------------------------ tokenizer
 
@@ -154,7 +155,7 @@ class SpecDataModule(L.LightningDataModule):
             for i, source in enumerate(self.eval_sources):
                 dataset = load_source(source)
                 if len(dataset) == 0:
-                    raise ValueError(
+                    raise UserError(
                         f"data.eval_sources[{i}] ('{source.name}') gave no usable prompts; check the path/filters "
                         "or remove it."
                     )
@@ -176,7 +177,7 @@ class SpecDataModule(L.LightningDataModule):
                     continue
                 _, meta = load_rollouts(source.name)
                 if meta.get("target") != self.target:
-                    raise ValueError(
+                    raise UserError(
                         f"data.train_sources[{i}] ('{source.name}') holds rollouts drawn from target "
                         f"'{meta.get('target')}', but data.target (model.target) is '{self.target}'; regenerate them "
                         f"with `lightning-spec rollouts --target {self.target} ...` or train against "
@@ -184,7 +185,7 @@ class SpecDataModule(L.LightningDataModule):
                     )
                 size = meta.get("tokenizer_size")
                 if size is not None and size != len(self.tokenizer):
-                    raise ValueError(
+                    raise UserError(
                         f"data.train_sources[{i}] ('{source.name}') was tokenized with a {size}-token vocabulary but "
                         f"this run's tokenizer has {len(self.tokenizer)}; regenerate the rollouts with this target."
                     )
@@ -200,7 +201,7 @@ class SpecDataModule(L.LightningDataModule):
         examples = sft_examples(dataset, self.max_length, held_out_prompts, limit, self.tokenizer,
                                 meta.get("chat_template_kwargs"))
         if not examples:
-            raise ValueError(
+            raise UserError(
                 f"data.train_sources[{i}] ('{source.name}') gave no usable rollouts; it is empty, or its prompts "
                 "are all data.eval_sources prompts (which never train): roll out other prompts."
             )
@@ -230,7 +231,7 @@ class SpecDataModule(L.LightningDataModule):
             kept = dataset.filter(lambda r: not (held_out_keys(r["messages"]) & held_out),
                                   new_fingerprint=f"held-out-{i}")
             if len(kept) == 0:
-                raise ValueError(
+                raise UserError(
                     f"data.train_sources[{i}] ('{source.name}') gave no usable conversations; check the "
                     "path/filters (conversations need a user turn, and eval prompts are removed from training)."
                 )
@@ -258,13 +259,13 @@ class SpecDataModule(L.LightningDataModule):
             return
         table, meta = tokenized_set(self._cache_key(), self._read_train, self.num_proc)
         if len(table) == 0:
-            raise ValueError(
+            raise UserError(
                 f"no training conversation has an assistant token within data.max_length={self.max_length} "
                 f"tokens ({meta['conversations']} conversations read from data.train_sources); raise data.max_length "
                 "or use sources with assistant replies."
             )
         if len(table) < 2:
-            raise ValueError(
+            raise UserError(
                 "data.train_sources gave a single usable conversation, which cannot be split into train and "
                 "validation; add data (raise data.train_limit or add sources)."
             )
@@ -289,7 +290,7 @@ class SpecDataModule(L.LightningDataModule):
             groups.setdefault(key, []).append(i)
         order = list(groups)
         if len(order) < 2:
-            raise ValueError(
+            raise UserError(
                 "data.train_sources has a single distinct conversation opening, which cannot be split into train "
                 "and validation; add more conversations (raise data.train_limit or add sources)."
             )
@@ -353,7 +354,7 @@ class SpecDataModule(L.LightningDataModule):
         for e in self._examples:
             ids = e["input_ids"][e["loss_mask"]]
             if ids.numel() and int(ids.max()) >= vocab_size:
-                raise ValueError(
+                raise UserError(
                     f"the tokenizer produced token id {int(ids.max())} but vocab_size={vocab_size}; the target's "
                     "vocabulary must cover its tokenizer (check model.target and data.target)."
                 )
@@ -389,14 +390,14 @@ class SpecDataModule(L.LightningDataModule):
         weights = {str(d): float(w) for d, w in weights.items()}
         bad = {d: w for d, w in weights.items() if not math.isfinite(w) or w < 0}
         if bad:
-            raise ValueError(f"domain weights must be finite and >= 0, got {bad}.")
+            raise UserError(f"domain weights must be finite and >= 0, got {bad}.")
         if self.train_dataset is not None:
             unknown = sorted(set(weights) - set(self._domains))
             if unknown:
-                raise ValueError(f"domain weights name unknown domains {unknown}; the domains are {self._domains}.")
+                raise UserError(f"domain weights name unknown domains {unknown}; the domains are {self._domains}.")
             train_domains = set(self.train_domains())
             if not any(weights.get(d, 0.0) > 0 for d in train_domains):
-                raise ValueError(
+                raise UserError(
                     f"domain weights {weights} give every training example weight 0; give a positive weight to "
                     f"one of the training domains {sorted(train_domains)}."
                 )

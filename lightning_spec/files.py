@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_spec.errors import UserError
+
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
     """Call ``write(tmp)`` to fill a temporary file next to ``path``, then rename it onto ``path``.
@@ -41,7 +43,7 @@ def atomic_write_json(path: str | os.PathLike, payload: Any) -> Path:
 def writable_dir(path: str | os.PathLike, field: str) -> Path:
     """Create ``path`` (a folder) if needed and check that files can be written in it, before any long work.
 
-    Raises ``ValueError`` naming ``field`` (the option the user set) when it cannot be written."""
+    Raises ``UserError`` naming ``field`` (the option the user set) when it cannot be written."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -49,7 +51,7 @@ def writable_dir(path: str | os.PathLike, field: str) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise ValueError(
+        raise UserError(
             f"{field} '{path}' cannot be written ({err.strerror or err}); pick a folder you can write to."
         ) from None
     return path

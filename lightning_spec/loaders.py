@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_spec.errors import UserError
+
 
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a list of examples to the batch's longest sequence."""
@@ -170,7 +172,7 @@ def check_val_check_interval(trainer: Any, loader: DataLoader) -> None:
     limit = trainer.limit_train_batches  # as Lightning applies it: an int caps, a float scales
     batches = min(len(loader), limit) if isinstance(limit, int) else int(len(loader) * limit)
     if interval > batches:
-        raise ValueError(
+        raise UserError(
             f"trainer.val_check_interval={interval} is more than the {batches} training batches of an epoch "
             f"({len(loader.sampler)} training examples per process, data.batch_size={loader.batch_size}); lower it "
             f"to at most {batches}, or set trainer.check_val_every_n_epoch: null to count batches across epochs."

@@ -38,6 +38,7 @@ from lightning_spec.assets import cache_dir
 from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record, init_weights
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters.base import Drafter, DraftOutput
+from lightning_spec.errors import DivergedLoss, UserError
 from lightning_spec.features.store import FeatureStore, StoreSpec, check_holds, dtype_name, human
 from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.objective import Objective, TargetInfo
@@ -65,7 +66,7 @@ def check_optimizer_settings(lr: float, weight_decay: float, betas, warmup_ratio
     ]
     for ok, field, value, wanted in checks:
         if not ok:
-            raise ValueError(f"{field} is {value}; it must be {wanted}.")
+            raise UserError(f"{field} is {value}; it must be {wanted}.")
 
 
 def slot_hits(draft: DraftOutput, chunk: int | None) -> Tensor:
@@ -145,16 +146,16 @@ class DraftModule(L.LightningModule):
         options = TargetOptions.of(target_options)
         self.hparams["target_options"] = options.to_dict()  # plain values: checkpoints are read weights_only
         if feature_cache not in ("memory", "disk", "off"):
-            raise ValueError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
+            raise UserError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
         check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio)
         if shard_target and (feature_cache != "off" or feature_dtype not in ("target", target_dtype)):
-            raise ValueError(
+            raise UserError(
                 "model.shard_target runs the target's forward on every rank in step, so each rank must compute the "
                 "features of every batch: set model.feature_cache: off and model.feature_dtype: target (or write the "
                 "features ahead with `lightning-spec features` and train without shard_target)."
             )
         if loss_chunk is not None and loss_chunk < 1:
-            raise ValueError(f"model.loss_chunk is {loss_chunk}; it must be >= 1 anchors, or null for no chunks.")
+            raise UserError(f"model.loss_chunk is {loss_chunk}; it must be >= 1 anchors, or null for no chunks.")
         self.target = load_target(target, dtype=target_dtype, options=options) if isinstance(target, str) else \
             load_target(target, options=options)
         self.target_spec = target if isinstance(target, str) else self.target.name
@@ -196,14 +197,14 @@ class DraftModule(L.LightningModule):
             return
         for meta in dm.rollout_meta:  # target-regenerated SFT: the same weights only
             if meta.get("target_fingerprint") != self.target.fingerprint:
-                raise ValueError(
+                raise UserError(
                     f"data.train_sources '{meta['folder']}' holds rollouts of target '{meta.get('target')}' with "
                     f"weight fingerprint {meta.get('target_fingerprint')}, but model.target has fingerprint "
                     f"{self.target.fingerprint}; regenerate them with `lightning-spec rollouts --target "
                     f"{self.target_spec} ...`."
                 )
         if self.drafter.block_size + 2 > dm.max_length:
-            raise ValueError(
+            raise UserError(
                 f"model.drafter.block_size={self.drafter.block_size} needs data.max_length >= block_size + 2 "
                 f"(got {dm.max_length}); raise data.max_length or lower model.drafter.block_size."
             )
@@ -211,7 +212,7 @@ class DraftModule(L.LightningModule):
             self.drafter.vocab.set_from_counts(dm.token_counts(self.target.vocab_size))
             self.drafter.on_vocab_chosen()
         if stage == "fit" and self.objective.needs_rollouts and not dm.on_policy:  # not a replay buffer
-            raise ValueError(
+            raise UserError(
                 f"model.objective {type(self.objective).__name__} trains on the rounds of on-policy rollouts; add "
                 "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."
             )
@@ -271,8 +272,8 @@ class DraftModule(L.LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         if self.hparams.shard_target and strategy is not None and self._trainer.world_size > 1:
             if isinstance(strategy, FSDPStrategy):
-                raise ValueError("model.shard_target shards the target under trainer.strategy: ddp (the drafter is "
-                                 "replicated); under fsdp the target stays whole. Use ddp, or shard_target: false.")
+                raise UserError("model.shard_target shards the target under trainer.strategy: ddp (the drafter is "
+                                "replicated); under fsdp the target stays whole. Use ddp, or shard_target: false.")
             if not self.target.sharded:
                 self.target.to(strategy.root_device).shard_layers()
                 world, layers = self._trainer.world_size, sum(p.numel() for p in self.target.base.layers.parameters())
@@ -409,7 +410,7 @@ class DraftModule(L.LightningModule):
         num, den, acc = sums[0], sums[1], sums[2 : 2 + k] / sums[2 + k :].clamp_min(1)  # acc (K,)
         if not torch.isfinite(num):  # the global value: every rank raises together
             lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer.optimizers else self.hparams.lr
-            raise FloatingPointError(
+            raise DivergedLoss(
                 f"train/loss is not finite ({float(num)}) at step {self.global_step}: training diverged; lower "
                 f"model.lr (the learning rate is {lr:g}) or check the data for broken examples."
             )

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from lightning_spec.decoding.trees import TreeConfig, best_first_tree, tree_probs
 from lightning_spec.drafters.base import Anchors, DraftOutput, DraftVocab
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 _NONEOS_EPS = 1e-6  # floor of 1 - p(EOS): c ≤ 1 always (its numerator is at most the non-EOS mass)
@@ -413,7 +414,7 @@ def every_anchor(
         anchors = Anchors(torch.where(keep, positions, torch.zeros_like(positions)), keep)
         out = draft_fn(anchors)
         if tuple(out.labels.shape[1:]) != (positions.shape[1], k):
-            raise ValueError(
+            raise UserError(
                 f"the drafter's forward gave slots of shape {tuple(out.labels.shape[1:])} for {positions.shape[1]} "
                 f"anchors, not one chain of block_size={k} per anchor, which EDR and the offline evaluator read (a "
                 "SpecBlockDrafter with blocks > 1 trains one row per block); train it with an objective without EDR."

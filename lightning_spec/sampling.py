@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_spec.errors import UserError
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -36,11 +38,11 @@ class SamplingConfig:
         # NaN fails every comparison, so each check is written to be False for it
         t = self.temperature
         if not (isinstance(t, numbers.Real) and math.isfinite(t) and t >= 0):
-            raise ValueError(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}.")
+            raise UserError(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}.")
         if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}.")
+            raise UserError(f"sampling.top_p must be in (0, 1], got {self.top_p}.")
         if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0):
-            raise ValueError(f"sampling.top_k must be an int >= 0 (0 = off), got {self.top_k!r}.")
+            raise UserError(f"sampling.top_k must be an int >= 0 (0 = off), got {self.top_k!r}.")
 
     # ------------------------------------------------------------------------------------------ conversion
     def to_dict(self) -> dict[str, Any]:
@@ -53,7 +55,7 @@ class SamplingConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"sampling has unknown keys {unknown}; use {sorted(known)}.")
+            raise UserError(f"sampling has unknown keys {unknown}; use {sorted(known)}.")
         return cls(**{k: (int(v) if k == "top_k" else float(v)) for k, v in values.items()})
 
     @classmethod

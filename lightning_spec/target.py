@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from lightning_spec.assets import PACKAGED_TARGETS, resolve_target_folder
 from lightning_spec.cpu_kernels import SHARED_KV_SDPA, PrepackedLinear, register_shared_kv_sdpa
+from lightning_spec.errors import UserError
 
 _LIVE: weakref.WeakSet[Target] = weakref.WeakSet()  # every Target of this process, for ``live_target``
 
@@ -62,8 +63,8 @@ class TargetOptions:
             raise TypeError(f"model.target_options must be a mapping, got {type(options).__name__}.")
         unknown = sorted(set(options) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"model.target_options has unknown keys {unknown}; the keys are "
-                             f"{sorted(cls.__dataclass_fields__)}.")
+            raise UserError(f"model.target_options has unknown keys {unknown}; the keys are "
+                            f"{sorted(cls.__dataclass_fields__)}.")
         return cls(**options)
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,7 +175,7 @@ class Target(nn.Module):
         """A frozen copy of this target with its weights in ``dtype`` (its own weights: this one is unchanged), e.g.
         bf16 training features beside an fp32 target that decodes exactly."""
         if any(isinstance(m, PrepackedLinear) for m in self.base.modules()):
-            raise ValueError("a prepacked target cannot be converted to another dtype; load it without prepack=True.")
+            raise UserError("a prepacked target cannot be converted to another dtype; load it without prepack=True.")
         model = copy.deepcopy(self.model).to(dtype)
         return Target(model, tokenizer=self.tokenizer, name=self.name, options=self.options)
 
@@ -205,7 +206,7 @@ class Target(nn.Module):
     def check_layers(self, layers: list[int]) -> None:
         bad = [layer for layer in layers if not 0 <= layer < self.num_layers]
         if bad:
-            raise ValueError(
+            raise UserError(
                 f"drafter.target_layers {bad} are outside the target's layers 0..{self.num_layers - 1}; "
                 "pick 0-indexed decoder layers of this target."
             )
@@ -228,8 +229,8 @@ class Target(nn.Module):
         tree_mask[i, j] (its ancestors and itself), so each root-to-leaf path computes what it would as a chain."""
         kwargs: dict[str, Any] = {"input_ids": input_ids, "output_hidden_states": bool(layers)}
         if not self._layers_loaded:
-            raise ValueError(f"target '{self.name}' was loaded without its layer weights (load_target(..., "
-                             "layers=False), for export); load it with load_target(spec) to run it.")
+            raise UserError(f"target '{self.name}' was loaded without its layer weights (load_target(..., "
+                            "layers=False), for export); load it with load_target(spec) to run it.")
         if tree_mask is not None:
             if cache is None or attention_mask is not None or input_ids.shape[0] != 1:
                 raise ValueError("Target.forward runs a tree_mask for one sequence over a KV cache (cache=...), "
@@ -272,8 +273,8 @@ class Target(nn.Module):
         different kernel); the LM head and embeddings stay as they are (drafters read their weights). In place;
         returns the target. CPU only."""
         if self.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-            raise ValueError("target prepack needs a CPU target and a torch build with oneDNN (mkldnn); load the "
-                             "target without prepack=True.")
+            raise UserError("target prepack needs a CPU target and a torch build with oneDNN (mkldnn); load the "
+                            "target without prepack=True.")
         _ = self.fingerprint  # of the original weights, before they leave the module's parameters
         for module in list(self.base.modules()):
             for name, child in list(module.named_children()):
@@ -294,7 +295,7 @@ class Target(nn.Module):
         from torch.distributed.fsdp import fully_shard
 
         if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("shard_target needs the ranks' process group (trainer.strategy: ddp, several devices).")
+            raise UserError("shard_target needs the ranks' process group (trainer.strategy: ddp, several devices).")
         _ = self.fingerprint  # of the whole weights, before each rank holds a shard
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         for layer in self.base.layers:
@@ -363,13 +364,13 @@ def live_target(fingerprint: str | None) -> Target | None:
     return next((t for t in list(_LIVE) if t.fingerprint == fingerprint), None)
 
 
-def _unknown_target(spec: str, err: BaseException) -> ValueError:
+def _unknown_target(spec: str, err: BaseException) -> UserError:
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if "trust_remote_code" in str(err):  # transformers' own refusal of a hub model's code
-        return ValueError(f"model.target {spec!r} needs the Python code of its repository; set "
-                          "model.target_options.trust_remote_code: true if you trust that code.")
+        return UserError(f"model.target {spec!r} needs the Python code of its repository; set "
+                         "model.target_options.trust_remote_code: true if you trust that code.")
     offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
-    return ValueError(
+    return UserError(
         f"model.target {spec!r} is not a packaged name ({', '.join(PACKAGED_TARGETS)}), a local model folder, or a "
         f"Hugging Face hub id that can be loaded here{offline} ({reason.rstrip('.')})."
     )
@@ -407,7 +408,7 @@ def refuse_remote_code(spec: str, folder: str, options: TargetOptions) -> None:
     if config.get("model_type") in CONFIG_MAPPING:  # transformers has the class: no code from the folder runs
         return
     code = config["auto_map"].get("AutoModelForCausalLM") or next(iter(config["auto_map"].values()), "?")
-    raise ValueError(
+    raise UserError(
         f"model.target {spec!r} needs the Python code in its folder ({code}, model type "
         f"{config.get('model_type')!r}); set model.target_options.trust_remote_code: true if you trust that code."
     )
@@ -436,7 +437,7 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") 
     if dtype == "auto":
         return torch.bfloat16 if native_bf16(device) else torch.float32
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"target_dtype must be float32, bfloat16, float16 or auto, got {dtype!r}.")
+        raise UserError(f"target_dtype must be float32, bfloat16, float16 or auto, got {dtype!r}.")
     return getattr(torch, dtype)
 
 

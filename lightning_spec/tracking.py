@@ -37,6 +37,8 @@ from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import Logger, MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_spec.errors import UserError
+
 MLFLOW_RUN_KEY = "mlflow_run_id"  # checkpoint key: the MLflow run that wrote it (continued by `fit --ckpt_path`)
 DEFAULT_LOGGER = {  # trainer.logger of every fit unless the YAML says otherwise
     "class_path": "lightning.pytorch.loggers.MLFlowLogger",
@@ -204,7 +206,7 @@ def checkpoint_record(loggers: Iterable[Logger]) -> dict[str, str]:
 def error_text(err: BaseException) -> str:
     """The ``error`` tag of a failed run: a user error's one sentence, else ``Type: message``; one line."""
     text = " ".join(str(err).split())
-    if not isinstance(err, (ValueError, FloatingPointError)):
+    if not isinstance(err, UserError):  # a bug: its type says which
         text = f"{type(err).__name__}: {text}".strip()
     return mask_uri(text)[:5000]  # MLflow's limit on a tag value
 
@@ -298,7 +300,7 @@ def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Any, target_spec: 
             use = (f"`load_drafter(folder)`, or serve it: `vllm.LLM(model=<target>, speculative_config={{'method': "
                    f"'{codec.vllm}', 'model': <this folder>, 'num_speculative_tokens': {k}}})`" if codec.vllm else
                    "`load_drafter(folder)`; no serving engine runs this family from the format yet")
-        except ValueError as err:  # the format cannot express this drafter: its own layout, and why
+        except UserError as err:  # the format cannot express this drafter: its own layout, and why
             save_drafter(drafter, folder, target_spec)
             layout = "lightning_spec (drafter.json + drafter.pt)"
             use = f"`load_drafter(folder)`; not exported for serving: {err}"

@@ -15,8 +15,10 @@ from helpers.data import chats, write_jsonl
 from helpers.overlays import config_files, meant_config, printed_config, printed_of, restated
 
 from lightning_spec import load_drafter
+from lightning_spec.cli import main
 from lightning_spec.cli import run_cli as cli_raising
 from lightning_spec.datamodule import SpecDataModule
+from lightning_spec.errors import DivergedLoss, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))
@@ -353,3 +355,45 @@ def test_val_check_interval_beyond_the_epoch_in_the_console_is_one_line(in_tmp, 
     last = err.strip().splitlines()[-1]
     assert code == 2 and "Traceback" not in err, err[-2000:]
     assert last.startswith("lightning-spec: error: trainer.val_check_interval=40 is more than the 2 training"), last
+
+
+# ------------------------------------------------------------------------------------------ errors by kind
+def test_a_user_error_in_the_console_is_one_sentence_and_status_2(in_tmp, capsys, monkeypatch):
+    """A ``UserError`` the package raises (``evaluate``'s own check of ``--drafters``) is its one sentence."""
+    monkeypatch.delenv("LIGHTNING_SPEC_TRACEBACK", raising=False)
+    code, err = run_main(["evaluate", "--drafters", "[]"], capsys)
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert last_error_line(err) == ("lightning-spec: error: --drafters is empty; pass one or more checkpoints, e.g. "
+                                    "--drafters '[runs/a/last.ckpt]'.")
+    monkeypatch.setenv("LIGHTNING_SPEC_TRACEBACK", "1")  # the traceback on request
+    with pytest.raises(UserError, match="--drafters is empty"):
+        main(["evaluate", "--drafters", "[]"])
+
+
+def boom(*args, **kwargs):
+    raise ValueError("boom")
+
+
+def internal_invariant(*args, **kwargs):
+    """A plain ValueError raised inside the package (its last frame in lightning_spec/): still a bug."""
+    from lightning_spec.evaluation.paired import _clusters
+
+    _clusters(["p", "p"], ["chat", "code"])
+
+
+@pytest.mark.parametrize("raiser, says", [(boom, "boom"), (internal_invariant, "appears in two domains")])
+def test_a_plain_value_error_is_a_bug_and_keeps_its_traceback(in_tmp, monkeypatch, raiser, says):
+    import lightning_spec.evaluation.cli as evaluation_cli
+
+    monkeypatch.delenv("LIGHTNING_SPEC_TRACEBACK", raising=False)
+    monkeypatch.setattr(evaluation_cli, "arm_names", raiser)  # reached after evaluate's own checks pass
+    with pytest.raises(ValueError, match=says) as caught:  # not SystemExit: main lets it through
+        main(["evaluate", "--drafters", "[runs/a/last.ckpt]"])
+    assert not isinstance(caught.value, UserError)
+
+
+def test_a_diverged_loss_is_a_user_error_and_a_floating_point_error():
+    err = DivergedLoss("train/loss is not finite (nan) at step 1")
+    assert isinstance(err, UserError) and isinstance(err, FloatingPointError) and isinstance(err, ValueError)
+    with pytest.raises(FloatingPointError):  # what caught the module's FloatingPointError still does
+        raise err

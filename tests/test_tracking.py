@@ -118,6 +118,15 @@ def test_a_config_error_after_the_run_started_is_its_error_tag(in_tmp, capsys):
     assert "lightning-spec: error: " + run.data.tags["error"] == line
 
 
+def test_the_error_tag_is_a_user_errors_sentence_and_a_bugs_type():
+    from lightning_spec.errors import DivergedLoss, UserError
+    from lightning_spec.tracking import error_text
+
+    assert error_text(UserError("data.max_length=8 is short;\n  raise it.")) == "data.max_length=8 is short; raise it."
+    assert error_text(DivergedLoss("train/loss is not finite (nan)")) == "train/loss is not finite (nan)"
+    assert error_text(ValueError("boom")) == "ValueError: boom"  # a plain ValueError is a bug: its type is kept
+
+
 def test_a_diverging_fit_is_a_failed_run_tagged_with_the_sentence(in_tmp, capsys):
     assert exit_code(["fit", "-c", str(TINY), "--model.lr=1e30", "--model.warmup_ratio=0", tracked_here(in_tmp)]) == 2
     line = last_error_line(capsys.readouterr().err)

@@ -27,6 +27,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 
+from lightning_spec.errors import UserError
+
 
 class MetricsCallback(Callback):
     """A callback that logs values it measured itself: their history, their publishing and its state."""
@@ -118,9 +120,9 @@ def refuse_sharded_target(module: L.LightningModule, callback: str) -> None:
     """A sharded target runs a forward only when every rank runs it (``Target.shard_layers``); a callback that
     decodes each rank's own prompts would wait forever on the others, so it stops here in one sentence."""
     if module.target.sharded:
-        raise ValueError(f"{callback} decodes on each rank's own prompts, which a sharded target cannot (every rank "
-                         "must run each forward together); drop it from trainer.callbacks with model.shard_target, "
-                         "and evaluate the checkpoint with `lightning-spec evaluate`.")
+        raise UserError(f"{callback} decodes on each rank's own prompts, which a sharded target cannot (every rank "
+                        "must run each forward together); drop it from trainer.callbacks with model.shard_target, "
+                        "and evaluate the checkpoint with `lightning-spec evaluate`.")
 
 
 def full_parameters(trainer: L.Trainer) -> contextlib.AbstractContextManager:

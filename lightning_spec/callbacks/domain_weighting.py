@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_spec.callbacks.base import MetricsCallback
 from lightning_spec.datamodule import SpecDataModule
+from lightning_spec.errors import UserError
 
 LOG_PREFIX = "train/domain_weight"
 
@@ -64,18 +65,18 @@ class DomainReweighting(MetricsCallback):
 
     def __init__(self, metric: str = "val/mal", beta: float = 1.0, floor: float = 0.05, smoothing: float = 0.5) -> None:
         if not isinstance(metric, str) or not metric.strip("/") or metric != metric.strip("/"):
-            raise ValueError(
+            raise UserError(
                 f"DomainReweighting.metric={metric!r} must be a metric prefix without a trailing slash, such as "
                 "'val/mal' or 'val/offline_mal'."
             )
         if not (math.isfinite(beta) and beta >= 0):
-            raise ValueError(f"DomainReweighting.beta={beta} must be >= 0 (0 = uniform, 1 = ∝ 1/MAL); use e.g. 1.0.")
+            raise UserError(f"DomainReweighting.beta={beta} must be >= 0 (0 = uniform, 1 = ∝ 1/MAL); use e.g. 1.0.")
         if not 0.0 <= floor < 1.0:
-            raise ValueError(
+            raise UserError(
                 f"DomainReweighting.floor={floor} must be in [0, 1) (the minimum share of a domain); use e.g. 0.05."
             )
         if not 0.0 <= smoothing < 1.0:
-            raise ValueError(
+            raise UserError(
                 f"DomainReweighting.smoothing={smoothing} must be in [0, 1) (0 = no memory); use e.g. 0.5."
             )
         super().__init__()  # self.history: (step, weights) of every update
@@ -136,7 +137,7 @@ class DomainReweighting(MetricsCallback):
 
     def _check_floor(self, n: int) -> None:
         if self.floor * n > 1.0 + 1e-9:
-            raise ValueError(
+            raise UserError(
                 f"DomainReweighting.floor={self.floor} times {n} training domains exceeds 1; lower floor to at most "
                 f"{1.0 / n:.4g}."
             )
@@ -147,7 +148,7 @@ class DomainReweighting(MetricsCallback):
             return
         dm = trainer.datamodule
         if not isinstance(dm, SpecDataModule):  # plain dataloaders or another data module: no domains to weight
-            raise ValueError(
+            raise UserError(
                 "DomainReweighting needs a SpecDataModule (it sets its domain weights); fit with data: / datamodule=."
             )
         self._sizes = dict(Counter(dm.train_domains()))
@@ -157,7 +158,7 @@ class DomainReweighting(MetricsCallback):
         # the producers declare what they log: any MetricsCallback, ours or a user's, may feed the weights
         produced = {p for cb in trainer.callbacks if isinstance(cb, MetricsCallback) for p in cb.mal_prefixes()}
         if self.metric not in produced:
-            raise ValueError(
+            raise UserError(
                 f"DomainReweighting.metric='{self.metric}' is not logged by any callback of this run (they log "
                 f"{sorted(produced) or 'nothing per domain'}); add SpecDecodeValidation (val/mal) or "
                 "OfflineEvaluation (val/offline_mal) to trainer.callbacks, or set metric to one they log."

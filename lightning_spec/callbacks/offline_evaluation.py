@@ -14,6 +14,7 @@ import torch
 
 from lightning_spec.callbacks.base import EvaluationCallback, full_parameters
 from lightning_spec.data.rollouts import RolloutSet
+from lightning_spec.errors import UserError
 from lightning_spec.evaluation.inputs import open_rollouts
 from lightning_spec.evaluation.offline import offline_report
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums
@@ -45,7 +46,7 @@ class OfflineEvaluation(EvaluationCallback):
         before_training: bool = False,
     ) -> None:
         if max_rollouts is not None and max_rollouts < 1:
-            raise ValueError(f"OfflineEvaluation.max_rollouts must be >= 1 or null, got {max_rollouts}.")
+            raise UserError(f"OfflineEvaluation.max_rollouts must be >= 1 or null, got {max_rollouts}.")
         super().__init__(before_training)
         self.rollouts = rollouts
         self.max_rollouts = max_rollouts

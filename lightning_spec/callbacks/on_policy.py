@@ -38,6 +38,7 @@ from lightning_spec.callbacks.base import MetricsCallback, full_parameters, refu
 from lightning_spec.data.replay import prompt_of, replay_example
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.engine import generate
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -71,9 +72,9 @@ class OnPolicyRollouts(MetricsCallback):
         for name, value in (("buffer_size", buffer_size), ("refresh_every", refresh_every),
                             ("max_new_tokens", max_new_tokens)):
             if value < 1:
-                raise ValueError(f"OnPolicyRollouts.{name} is {value}; it must be >= 1.")
+                raise UserError(f"OnPolicyRollouts.{name} is {value}; it must be >= 1.")
         if rollouts_per_refresh is not None and not 1 <= rollouts_per_refresh <= buffer_size:
-            raise ValueError(
+            raise UserError(
                 f"OnPolicyRollouts.rollouts_per_refresh is {rollouts_per_refresh}; it must be in 1..buffer_size "
                 f"({buffer_size}), or null to renew the whole buffer."
             )
@@ -97,7 +98,7 @@ class OnPolicyRollouts(MetricsCallback):
             return
         dm = trainer.datamodule
         if not isinstance(dm, SpecDataModule):  # plain dataloaders or another data module: no prompts to decode
-            raise ValueError("OnPolicyRollouts needs a data module (data: SpecDataModule) whose prompts it decodes.")
+            raise UserError("OnPolicyRollouts needs a data module (data: SpecDataModule) whose prompts it decodes.")
         budget = dm.max_length - self.max_new_tokens
         seen, prompts = set(), []
         for e in dm.train_dataset:
@@ -106,7 +107,7 @@ class OnPolicyRollouts(MetricsCallback):
                 seen.add(tuple(prompt))
                 prompts.append({"prompt": prompt, "domain": e["domain"], "domain_id": e["domain_id"], "id": e["id"]})
         if not prompts:
-            raise ValueError(
+            raise UserError(
                 f"no training prompt fits data.max_length={dm.max_length} with OnPolicyRollouts.max_new_tokens="
                 f"{self.max_new_tokens}; raise data.max_length or lower max_new_tokens."
             )

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning_spec.callbacks.base import EvaluationCallback, full_parameters
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.errors import UserError
 from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums
 from lightning_spec.sampling import SamplingConfig
@@ -74,12 +75,12 @@ class SpecDecodeValidation(EvaluationCallback):
         calibration_prompts_per_domain: int = 2,
     ) -> None:
         if prompts_per_domain < 1 or max_new_tokens < 1:
-            raise ValueError("SpecDecodeValidation.prompts_per_domain and max_new_tokens must be >= 1.")
+            raise UserError("SpecDecodeValidation.prompts_per_domain and max_new_tokens must be >= 1.")
         if decoding not in ("fixed", "auto"):
-            raise ValueError(f"SpecDecodeValidation.decoding must be fixed or auto (got {decoding!r}).")
+            raise UserError(f"SpecDecodeValidation.decoding must be fixed or auto (got {decoding!r}).")
         if calibration_prompts_per_domain < 1:
-            raise ValueError(f"SpecDecodeValidation.calibration_prompts_per_domain={calibration_prompts_per_domain} "
-                             "must be >= 1; decoding auto needs 2 per domain or more for a lower bound worth having.")
+            raise UserError(f"SpecDecodeValidation.calibration_prompts_per_domain={calibration_prompts_per_domain} "
+                            "must be >= 1; decoding auto needs 2 per domain or more for a lower bound worth having.")
         super().__init__(before_training)
         self.prompts_per_domain = prompts_per_domain
         self.max_new_tokens = max_new_tokens
@@ -107,7 +108,7 @@ class SpecDecodeValidation(EvaluationCallback):
     def _datamodule(self, trainer: L.Trainer) -> SpecDataModule:
         dm = trainer.datamodule
         if not isinstance(dm, SpecDataModule):  # plain dataloaders or another data module: no held-out prompts
-            raise ValueError("SpecDecodeValidation needs a datamodule with eval_prompts() (SpecDataModule).")
+            raise UserError("SpecDecodeValidation needs a datamodule with eval_prompts() (SpecDataModule).")
         return dm
 
     def _prompts(self, trainer: L.Trainer, calibration: bool = False) -> list[dict[str, Any]]:
@@ -122,10 +123,10 @@ class SpecDecodeValidation(EvaluationCallback):
         first, last = self.prompts_per_domain, self.prompts_per_domain + self.calibration_prompts_per_domain
         short = sorted(d for d, ps in per_domain.items() if len(ps) < last)
         if short:
-            raise ValueError(f"SpecDecodeValidation decoding: auto calibrates on calibration_prompts_per_domain="
-                             f"{self.calibration_prompts_per_domain} held-out prompts per domain after the "
-                             f"prompts_per_domain={first} decoded ones, and {', '.join(short)} has fewer; raise "
-                             f"data.eval_prompts_per_domain to {last} or lower those two.")
+            raise UserError(f"SpecDecodeValidation decoding: auto calibrates on calibration_prompts_per_domain="
+                            f"{self.calibration_prompts_per_domain} held-out prompts per domain after the "
+                            f"prompts_per_domain={first} decoded ones, and {', '.join(short)} has fewer; raise "
+                            f"data.eval_prompts_per_domain to {last} or lower those two.")
         return [p for domain in sorted(per_domain) for p in per_domain[domain][first:last]]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -133,10 +134,10 @@ class SpecDecodeValidation(EvaluationCallback):
         if self.decoding == "auto":
             need = self.prompts_per_domain + self.calibration_prompts_per_domain
             if self._datamodule(trainer).eval_prompts_per_domain < need:
-                raise ValueError(f"SpecDecodeValidation decoding: auto decodes prompts_per_domain="
-                                 f"{self.prompts_per_domain} prompts per domain and calibrates on "
-                                 f"calibration_prompts_per_domain={self.calibration_prompts_per_domain} others; raise "
-                                 f"data.eval_prompts_per_domain to {need} or lower those two.")
+                raise UserError(f"SpecDecodeValidation decoding: auto decodes prompts_per_domain="
+                                f"{self.prompts_per_domain} prompts per domain and calibrates on "
+                                f"calibration_prompts_per_domain={self.calibration_prompts_per_domain} others; raise "
+                                f"data.eval_prompts_per_domain to {need} or lower those two.")
         super().on_fit_start(trainer, pl_module)
 
     def evaluate(
@@ -175,8 +176,8 @@ class SpecDecodeValidation(EvaluationCallback):
         if not self.offline_before:
             return super().measure_before_training(trainer, module)
         if isinstance(trainer.strategy, FSDPStrategy):
-            raise ValueError("SpecDecodeValidation.offline_before keeps the untrained drafter's weights, which FSDP "
-                             "shards; set offline_before: false under the fsdp strategy.")
+            raise UserError("SpecDecodeValidation.offline_before keeps the untrained drafter's weights, which FSDP "
+                            "shards; set offline_before: false under the fsdp strategy.")
         self._initial = {k: v.detach().clone() for k, v in module.drafter.state_dict().items()}
 
     def _score_initial(self, trainer: L.Trainer, module: L.LightningModule, reports: list[DecodeReport],

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_spec.errors import UserError
+
 # End-of-turn markers of common templates, for the fallback search when prefix rendering is not stable.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
@@ -24,7 +26,7 @@ def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = F
     """The chat-templated text of ``messages``; ``template_kwargs`` reach the template (Qwen3's ``enable_thinking``)."""
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "the tokenizer")
-        raise ValueError(
+        raise UserError(
             f"{name} has no chat template; use an instruct/chat target (model.target) or set "
             "tokenizer.chat_template before building the data."
         )

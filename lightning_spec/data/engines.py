@@ -32,6 +32,7 @@ from typing import Any
 
 from lightning_spec.data.chat import prompt_ids
 from lightning_spec.decoding.batched import sample_batch
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -143,7 +144,7 @@ class LocalEngine(Engine):
 
     def __init__(self, target: Any, batch_size: int = 8) -> None:
         if batch_size < 1:
-            raise ValueError(f"--batch_size={batch_size} must be at least 1.")
+            raise UserError(f"--batch_size={batch_size} must be at least 1.")
         self.target, self.batch_size = target, batch_size
 
     def run(self, conversations, sampling, max_new_tokens, turns, eos_ids):
@@ -176,7 +177,7 @@ class LocalEngine(Engine):
         return prefill / max(sum(map(len, batch)), 1), per_step / len(batch)
 
 
-class ServerError(ValueError):
+class ServerError(UserError):
     """A server that cannot be reached or refuses a request: one sentence naming ``--server_url``."""
 
 
@@ -196,7 +197,7 @@ class ServerEngine(Engine):
     def __init__(self, url: str, model: str | None = None, concurrency: int = 64, timeout: float = 600.0,
                  retries: int = 3) -> None:
         if concurrency < 1:
-            raise ValueError(f"--concurrency={concurrency} must be at least 1.")
+            raise UserError(f"--concurrency={concurrency} must be at least 1.")
         base = url.rstrip("/")
         self.base = base if base.endswith("/v1") else f"{base}/v1"
         self.url, self.concurrency, self.timeout, self.retries = url, concurrency, timeout, retries

@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_spec.data.chat import prompt_ids
 from lightning_spec.data.sources import as_source, load_source, normalize_text
+from lightning_spec.errors import UserError
 
 
 def opening(row: dict) -> list[dict]:
@@ -123,11 +124,11 @@ def select_prompts(
         if prompts_per_source is not None:
             rows = blockwise_shuffle(rows, seed)  # before the length filter: the blocks are the source's rows
         if not rows:
-            raise ValueError(f"--sources[{k}] ('{source.name}') gave no usable prompts; check the name or path.")
+            raise UserError(f"--sources[{k}] ('{source.name}') gave no usable prompts; check the name or path.")
         if max_prompt_tokens is not None:
             rows = [row for row in rows if len(tokens(k, row)) <= max_prompt_tokens]
             if not rows:
-                raise ValueError(
+                raise UserError(
                     f"--sources[{k}] ('{source.name}') has no prompt of at most --max_prompt_tokens="
                     f"{max_prompt_tokens} tokens; raise it."
                 )

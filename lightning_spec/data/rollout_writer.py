@@ -38,6 +38,7 @@ from lightning_spec.data.rollouts import (
     same_sampling,
 )
 from lightning_spec.data.sources import Source, as_source
+from lightning_spec.errors import UserError
 from lightning_spec.files import atomic_write, atomic_write_json, writable_dir
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
@@ -90,7 +91,7 @@ def _check_resume(out: Path, found: dict[str, Any], wanted: dict[str, Any]) -> N
             f"{meta.get('max_turns')}, chat_template_kwargs {meta.get('chat_template_kwargs') or {}}"
         )
 
-    raise ValueError(
+    raise UserError(
         f"--out {out} holds rollouts drawn with {show(found)}; this run asks for {show(wanted)} ({', '.join(differ)} "
         "differ) — choose another --out folder, or delete that one to start over."
     )
@@ -101,9 +102,9 @@ def _check_out(out_dir: str | os.PathLike) -> Path:
     target is loaded or anything is decoded."""
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; name a folder for the rollouts.")
+        raise UserError(f"--out {out} is a file; name a folder for the rollouts.")
     if out.is_dir() and any(out.iterdir()) and not is_rollouts_folder(out):
-        raise ValueError(
+        raise UserError(
             f"--out {out} exists and is not a rollouts folder (no {META_FILE} or {SHARD_DIR}/{RUN_FILE}); choose "
             "an empty or new folder."
         )
@@ -162,12 +163,12 @@ def _as_prompts(prompts: Sequence[Any]) -> list[dict]:
             ids, row = p, {"id": str(i), "domain": "chat", "subdomain": "", "messages": []}
         ids = [int(t) for t in (ids.tolist() if isinstance(ids, Tensor) else ids or [])]
         if not ids:
-            raise ValueError(f"prompt {i} ({row['id']}) has no prompt_ids; every prompt needs at least one token.")
+            raise UserError(f"prompt {i} ({row['id']}) has no prompt_ids; every prompt needs at least one token.")
         out.append({**row, "prompt_ids": ids})
     seen: set[str] = set()
     for row in out:
         if row["id"] in seen:
-            raise ValueError(
+            raise UserError(
                 f"prompt id '{row['id']}' occurs twice; rollouts are keyed by (prompt_id, sample), give every "
                 "prompt a distinct id."
             )
@@ -229,15 +230,15 @@ def generate_rollouts(
     Returns the dataset (rows in prompt order, then sample), also saved in ``out_dir``.
     """
     if n_per_prompt < 1:
-        raise ValueError(f"n_per_prompt={n_per_prompt} must be at least 1.")
+        raise UserError(f"n_per_prompt={n_per_prompt} must be at least 1.")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1.")
+        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1.")
     if max_turns is not None and max_turns < 1:
-        raise ValueError(f"max_turns={max_turns} must be at least 1, or null for every turn.")
+        raise UserError(f"max_turns={max_turns} must be at least 1, or null for every turn.")
     engine = engine if engine is not None else LocalEngine(target, batch_size)
     prompts = _as_prompts(prompts)
     if not prompts:
-        raise ValueError("no prompts to roll out; check the sources (and prompts_per_source).")
+        raise UserError("no prompts to roll out; check the sources (and prompts_per_source).")
     wanted = _run_meta(target, sampling, seed, max_new_tokens, engine, max_turns, chat_template_kwargs)
 
     # ---- resume or start: the folder must be empty, or hold rollouts drawn under the same settings
@@ -436,16 +437,16 @@ def rollouts(
     """
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
     if prompts_per_source is not None and prompts_per_source < 1:
-        raise ValueError(f"--prompts_per_source={prompts_per_source} must be at least 1, or null for all.")
+        raise UserError(f"--prompts_per_source={prompts_per_source} must be at least 1, or null for all.")
     if not sources:
-        raise ValueError("--sources is empty; name at least one, e.g. '[mt-bench, humaneval, mmath]'.")
+        raise UserError("--sources is empty; name at least one, e.g. '[mt-bench, humaneval, mmath]'.")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
-        raise ValueError(f"--max_prompt_tokens={max_prompt_tokens} must be at least 1, or null for no limit.")
+        raise UserError(f"--max_prompt_tokens={max_prompt_tokens} must be at least 1, or null for no limit.")
     _check_out(out)  # before the target is loaded and hours of decoding start
     engine = ServerEngine(server_url, server_model, concurrency) if backend == "server" else None
     model = load_target(target, dtype=target_dtype, device=device, options=target_options)
     if model.tokenizer is None:
-        raise ValueError(f"--target {target} has no tokenizer; rollouts need one to build chat prompts.")
+        raise UserError(f"--target {target} has no tokenizer; rollouts need one to build chat prompts.")
     chat_template_kwargs = model.chat_template_kwargs
     source_list = [as_source(s) for s in sources]
     prompts = select_prompts(model.tokenizer, source_list, prompts_per_source, seed, max_prompt_tokens,

@@ -35,6 +35,7 @@ from typing import Any
 import datasets
 import torch
 
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 FORMAT = 2
@@ -84,17 +85,17 @@ def load_rollouts(folder: str | os.PathLike) -> tuple[datasets.Dataset, dict[str
     path = Path(folder).expanduser()
     if not (path / META_FILE).is_file():
         if (path / SHARD_DIR / RUN_FILE).is_file():
-            raise ValueError(
+            raise UserError(
                 f"{folder} holds an unfinished rollouts run (shards, no {META_FILE}); rerun the same "
                 "`lightning-spec rollouts` command to finish it."
             )
-        raise ValueError(
+        raise UserError(
             f"{folder} is not a rollouts folder (no {META_FILE}); make one with `lightning-spec rollouts --out "
             f"{folder} ...`."
         )
     meta = json.loads((path / META_FILE).read_text())
     if meta.get("format") not in READS:
-        raise ValueError(
+        raise UserError(
             f"{folder} has rollouts format {meta.get('format')!r}, this version reads formats {READS}; regenerate "
             "them with `lightning-spec rollouts`."
         )
@@ -109,7 +110,7 @@ def check_compatible(meta: dict[str, Any], target: Any, sampling: SamplingConfig
     """
     where = folder or meta.get("folder") or "this rollouts set"
     if meta.get("target_fingerprint") != target.fingerprint:
-        raise ValueError(
+        raise UserError(
             f"rollouts in {where} were drawn from target '{meta.get('target')}' (fingerprint "
             f"{meta.get('target_fingerprint')}); this run uses '{target.name}' (fingerprint {target.fingerprint}) — "
             f"regenerate them with `lightning-spec rollouts --target {target.name} ...` or use the target they "
@@ -118,7 +119,7 @@ def check_compatible(meta: dict[str, Any], target: Any, sampling: SamplingConfig
     ours = sampling.to_dict()
     if not same_sampling(meta["sampling"], ours):
         theirs = meta["sampling"]
-        raise ValueError(
+        raise UserError(
             f"rollouts in {where} were drawn under sampling {describe_sampling(theirs)}; this run uses "
             f"{describe_sampling(ours)} — regenerate them with `lightning-spec rollouts --temperature "
             f"{ours['temperature']} --top_p {ours['top_p']} --top_k {ours['top_k']} ...` or pass the matching "
@@ -189,7 +190,7 @@ def _token_ids(value: Any, where: str) -> list[int]:
         return []
     if ids is None or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         shown = f"{type(value).__name__} {value!r}"[:80]
-        raise ValueError(
+        raise UserError(
             f"rollouts: {where} is a {shown}, not one sequence of token ids; pass a list of ints, a 1-D tensor or "
             "a tokenizer's output (tokenizer(text)), one sequence per rollout."
         )
@@ -200,7 +201,7 @@ def _check_vocab(ids: list[int], where: str, vocab_size: int | None) -> None:
     bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
     if bad is not None:
         span = f"0..{vocab_size - 1}" if vocab_size is not None else "(ids are >= 0)"
-        raise ValueError(
+        raise UserError(
             f"rollouts: {where} holds token id {bad}, outside the target's vocabulary {span}; rollouts must be "
             "token ids of this target's tokenizer (draw them with `lightning-spec rollouts --target ...`)."
         )
@@ -210,11 +211,11 @@ def _as_row(i: int, item: Any) -> Mapping[str, Any]:
     if isinstance(item, Mapping):
         missing = [k for k in ("prompt_ids", "response_ids") if k not in item]
         if missing:
-            raise ValueError(f"rollouts: rollout {i} is a mapping without {' and '.join(missing)}; {_PAIRS}.")
+            raise UserError(f"rollouts: rollout {i} is a mapping without {' and '.join(missing)}; {_PAIRS}.")
         return item
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         shown = f"{type(item).__name__}" + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
-        raise ValueError(f"rollouts: rollout {i} is a {shown}; {_PAIRS}.")
+        raise UserError(f"rollouts: rollout {i} is a {shown}; {_PAIRS}.")
     return {"prompt_ids": item[0], "response_ids": item[1]}
 
 
@@ -239,13 +240,13 @@ def load_rollout_set(rollouts: Any, vocab_size: int | None = None) -> RolloutSet
     if isinstance(rollouts, datasets.Dataset):
         cols = set(rollouts.column_names)
         if not {"prompt_ids", "response_ids"} <= cols:
-            raise ValueError(
+            raise UserError(
                 f"rollouts: a rollouts dataset needs the columns prompt_ids and response_ids; it has {sorted(cols)}."
             )
         keep = [c for c in ("prompt_ids", "response_ids", "domain", "prompt_id", "finished") if c in cols]
         rows = rollouts.select_columns(keep).to_list()
     elif isinstance(rollouts, (Mapping, bytes)) or not hasattr(rollouts, "__iter__"):
-        raise ValueError(
+        raise UserError(
             f"rollouts is a {type(rollouts).__name__}; pass a rollouts folder, a datasets.Dataset or a list in "
             f"which {_PAIRS}."
         )
@@ -257,7 +258,7 @@ def load_rollout_set(rollouts: Any, vocab_size: int | None = None) -> RolloutSet
         prompt = _token_ids(row["prompt_ids"], f"rollout {i}'s prompt")
         response = _token_ids(row["response_ids"], f"rollout {i}'s response")
         if not prompt:
-            raise ValueError(f"rollouts: rollout {i} has an empty prompt; every rollout needs a prompt token.")
+            raise UserError(f"rollouts: rollout {i} has an empty prompt; every rollout needs a prompt token.")
         _check_vocab(prompt, f"rollout {i}'s prompt", checked_vocab)
         _check_vocab(response, f"rollout {i}'s response", checked_vocab)
         prompts.append(prompt)
@@ -266,7 +267,7 @@ def load_rollout_set(rollouts: Any, vocab_size: int | None = None) -> RolloutSet
         keys.append(str(row["prompt_id"]) if row.get("prompt_id") is not None else _prompt_key(prompt))
         finished.append(bool(row.get("finished", True)))
     if not prompts:
-        raise ValueError(f"rollouts: no rollouts in {source or 'the given rollouts'}; nothing to evaluate.")
+        raise UserError(f"rollouts: no rollouts in {source or 'the given rollouts'}; nothing to evaluate.")
     return RolloutSet(prompts, responses, domains, keys, finished, meta, source)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import datasets
 
 from lightning_spec import assets
+from lightning_spec.errors import UserError
 
 COLUMNS = ("id", "messages", "domain", "subdomain")
 DEFAULT_DOMAIN = "chat"
@@ -153,7 +154,7 @@ def iter_json_list(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[Any
         buffer = f.read(chunk_chars)
         pos = buffer.find("[")
         if pos < 0:
-            raise ValueError(f"{path} is not a JSON list (no opening '[').")
+            raise UserError(f"{path} is not a JSON list (no opening '[').")
         pos += 1
         eof = False
         while True:
@@ -265,7 +266,7 @@ def _load_ordinary(source: Source) -> datasets.Dataset | datasets.IterableDatase
     if path.is_file():
         builder = builders.get(path.suffix.lower())
         if builder is None:
-            raise ValueError(
+            raise UserError(
                 f"data source '{source.name}' is a {path.suffix or 'suffix-less'} file; use a .jsonl, .json or "
                 ".parquet file (or a folder of them)."
             )
@@ -277,7 +278,7 @@ def _load_ordinary(source: Source) -> datasets.Dataset | datasets.IterableDatase
                                                                          streaming=source.streaming))
     if path.is_dir():
         if (path / "rollouts.json").is_file() or (path / "shards" / "run.json").is_file():
-            raise ValueError(
+            raise UserError(
                 f"data source '{source.name}' is a rollouts folder, which holds token ids, not conversations; use it "
                 "as a data.train_sources entry or as the rollouts of offline evaluation."
             )
@@ -286,14 +287,14 @@ def _load_ordinary(source: Source) -> datasets.Dataset | datasets.IterableDatase
                                                                         streaming=source.streaming))
     looks_like_path = source.name.startswith((".", "/", "~")) or path.suffix.lower() in builders
     if looks_like_path or source.name.count("/") > 1 or not source.name.strip():
-        raise ValueError(
+        raise UserError(
             f"data source '{source.name}' is neither a packaged name ({', '.join(PACKAGED)}) nor an existing "
             "file or folder; fix the name or the path."
         )
     try:
         return datasets.load_dataset(source.name, split=source.split, streaming=source.streaming)
     except Exception as err:  # offline, unknown id, no such split: one sentence, with the cause attached
-        raise ValueError(
+        raise UserError(
             f"data source '{source.name}' is not a packaged name ({', '.join(PACKAGED)}), not an existing file or "
             f"folder, and could not be loaded from the hub ({type(err).__name__}: {err}); fix the name or the path."
         ) from err
@@ -308,11 +309,11 @@ def _read_local(source: Source, files: list[Path], read: Callable[[], datasets.D
         for path in files:
             where = _bad_json_line(path)
             if where is not None:
-                raise ValueError(
+                raise UserError(
                     f"data source '{source.name}': {path} line {where[0]} is not valid JSON ({where[1]}); fix or "
                     "remove that line (JSON Lines: one JSON object per line)."
                 ) from None
-        raise ValueError(
+        raise UserError(
             f"data source '{source.name}' could not be read by datasets ({type(err).__name__}: "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else 'no message'}); check the file's format."
         ) from err
@@ -349,7 +350,7 @@ def _ordinary_rows(source: Source, dataset: datasets.Dataset | datasets.Iterable
     elif "conversations" in columns:
         key, role_key, content_key = "conversations", "from", "value"
     else:
-        raise ValueError(
+        raise UserError(
             f"data source '{source.name}' has neither a 'messages' column (list of {{role, content}}) nor a "
             f"'conversations' column (list of {{from, value}}); its columns are {sorted(columns)}. Rename the "
             "conversation column to 'messages'."
@@ -385,7 +386,7 @@ def load_source(source: Source | str, *, limit: int | None = None) -> datasets.D
     source = as_source(source)
     limit = source.limit if source.limit is not None else limit
     if limit is not None and limit < 0:
-        raise ValueError(f"data source '{source.name}': limit={limit} must be >= 0 (or null for all rows).")
+        raise UserError(f"data source '{source.name}': limit={limit} must be >= 0 (or null for all rows).")
     if source.name in PACKAGED:
         make_rows, _ = PACKAGED[source.name]
         rows_iter: Iterator[dict] = make_rows()

@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_spec.decoding.ngram import NgramDrafter, merge_into
 from lightning_spec.decoding.proposals import ChainProposal, Proposal
 from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -60,17 +61,17 @@ def _as_ids(input_ids: Any, vocab_size: int, device: torch.device) -> Tensor:
     except (TypeError, ValueError, RuntimeError):
         ids = None
     if ids is None or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ValueError("input_ids must be token ids: a non-empty list of ints, a 1-D tensor, or a (1, S) tensor.")
+        raise UserError("input_ids must be token ids: a non-empty list of ints, a 1-D tensor, or a (1, S) tensor.")
     ids = ids.long()
     if ids.dim() == 2:
         if ids.shape[0] != 1:
-            raise ValueError(f"generate takes one prompt; input_ids has batch size {ids.shape[0]}.")
+            raise UserError(f"generate takes one prompt; input_ids has batch size {ids.shape[0]}.")
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError("input_ids must be a non-empty list of ints, a 1-D tensor, or a (1, S) tensor.")
+        raise UserError("input_ids must be a non-empty list of ints, a 1-D tensor, or a (1, S) tensor.")
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.numel():
-        raise ValueError(
+        raise UserError(
             f"input_ids holds token id {int(bad[0])}, outside the target's vocabulary 0..{vocab_size - 1}; "
             "tokenize the prompt with the target's own tokenizer (target.tokenizer)."
         )
@@ -116,11 +117,11 @@ def generate(
     tree = TreeConfig.coerce(tree)
     drafter = NgramDrafter.coerce(drafter)
     if tree is not None and drafter is None:
-        raise ValueError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
+        raise UserError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
     if tree is not None and trace:
-        raise ValueError("generate(trace=True) records chains; decode with tree=None to trace the drafts.")
+        raise UserError("generate(trace=True) records chains; decode with tree=None to trace the drafts.")
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
+        raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
     device = target.device
     ids = _as_ids(input_ids, target.vocab_size, device)
     generator = None

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -113,8 +114,8 @@ def merge_into(proposal: TreeProposal, context: list[int], tree: Any) -> TreePro
     merged in, within ``tree.nodes`` (``merge``). The family's nodes must have been chosen (``probs`` None): a
     drawn tree is verified against the distribution it was drawn from, which n-gram nodes do not have."""
     if proposal.probs is not None:
-        raise ValueError("tree.ngram merges n-gram candidates into chosen trees only; this drafter draws its tree's "
-                         "children, so decode it with tree.ngram = 0.")
+        raise UserError("tree.ngram merges n-gram candidates into chosen trees only; this drafter draws its tree's "
+                        "children, so decode it with tree.ngram = 0.")
     paths = lookup(context, tree.ngram, count=tree.top_k)
     if not paths:
         return proposal
@@ -151,9 +152,9 @@ class NgramDrafter:
     def __init__(self, block_size: int = 10, max_ngram: int = 3, min_ngram: int = 1) -> None:
         for name, value in (("block_size", block_size), ("max_ngram", max_ngram), ("min_ngram", min_ngram)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"NgramDrafter {name} must be an int >= 1, got {value!r}.")
+                raise UserError(f"NgramDrafter {name} must be an int >= 1, got {value!r}.")
         if min_ngram > max_ngram:
-            raise ValueError(f"NgramDrafter min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram}).")
+            raise UserError(f"NgramDrafter min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram}).")
         self.block_size, self.max_ngram, self.min_ngram = block_size, max_ngram, min_ngram
         self.vocab_size = 0
         self.training = False
@@ -166,7 +167,7 @@ class NgramDrafter:
         """``"ngram"`` -> ``NgramDrafter()``; anything else is returned as it is."""
         if isinstance(value, str):
             if value != "ngram":
-                raise ValueError(f"drafter must be a drafter, 'ngram' (prompt lookup) or None, got {value!r}.")
+                raise UserError(f"drafter must be a drafter, 'ngram' (prompt lookup) or None, got {value!r}.")
             return cls()
         return value
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -56,12 +57,12 @@ class TreeConfig:
         for name in ("nodes", "top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"tree.{name} must be an int >= 1, got {value!r}.")
+                raise UserError(f"tree.{name} must be an int >= 1, got {value!r}.")
         if self.depth is not None and (isinstance(self.depth, bool) or not isinstance(self.depth, int)
                                        or self.depth < 1):
-            raise ValueError(f"tree.depth must be an int >= 1 or None (the drafter's block_size), got {self.depth!r}.")
+            raise UserError(f"tree.depth must be an int >= 1 or None (the drafter's block_size), got {self.depth!r}.")
         if isinstance(self.ngram, bool) or not isinstance(self.ngram, int) or not 0 <= self.ngram <= self.nodes:
-            raise ValueError(f"tree.ngram must be an int in 0..tree.nodes ({self.nodes}), got {self.ngram!r}.")
+            raise UserError(f"tree.ngram must be an int in 0..tree.nodes ({self.nodes}), got {self.ngram!r}.")
 
     @classmethod
     def coerce(cls, value: TreeConfig | dict | None) -> TreeConfig | None:
@@ -71,10 +72,10 @@ class TreeConfig:
         if isinstance(value, dict):
             unknown = set(value) - {"nodes", "top_k", "depth", "ngram"}
             if unknown:
-                raise ValueError(f"tree has no field {sorted(unknown)[0]!r}; its fields are nodes, top_k, depth and "
-                                 "ngram.")
+                raise UserError(f"tree has no field {sorted(unknown)[0]!r}; its fields are nodes, top_k, depth and "
+                                "ngram.")
             return cls(**value)
-        raise ValueError(f"tree must be a TreeConfig, a dict of its fields or None, got {type(value).__name__}.")
+        raise UserError(f"tree must be a TreeConfig, a dict of its fields or None, got {type(value).__name__}.")
 
 
 def tree_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import TreeProposal
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree, tree_probs
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -47,7 +48,7 @@ class DraftVocab(nn.Module):
     def build(self, vocab_size: int) -> None:
         """Size the buffers for a target of ``vocab_size`` tokens (the ids of a reduced vocabulary come later)."""
         if self.size_wanted is not None and not 0 < self.size_wanted <= vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"drafter.draft_vocab_size={self.size_wanted} must be in 1..{vocab_size} (the target vocabulary)."
             )
         self.ids = torch.arange(self.size_wanted or vocab_size, device=self.ids.device)
@@ -286,7 +287,7 @@ class Drafter(nn.Module):
         super().__init__()
         for name, value in (("block_size", block_size), ("num_anchors", num_anchors)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"drafter.{name} must be an int >= 1, got {value!r}.")
+                raise UserError(f"drafter.{name} must be an int >= 1, got {value!r}.")
         self.block_size = block_size
         self.target_layers = list(target_layers) if target_layers is not None else []
         self.num_anchors = num_anchors
@@ -336,7 +337,7 @@ class Drafter(nn.Module):
         if bound is target or bound.model is target.model:
             return
         if bound.fingerprint != target.fingerprint:
-            raise ValueError(
+            raise UserError(
                 f"The drafter is bound to a different target ({bound.name!r}, weights fingerprint {bound.fingerprint})"
                 f" than the one it is used with ({target.name!r}, {target.fingerprint}); load it with "
                 "load_drafter(path, target=target) for the target it was trained for."
@@ -489,7 +490,7 @@ class Drafter(nn.Module):
     def check_tree(self) -> None:
         """Refuse, in one sentence, a tree this family cannot grow."""
         if not self.parallel_slots and not self.dynamic_trees:
-            raise ValueError(
+            raise UserError(
                 f"{type(self).__name__} drafts each slot from the tokens drafted before it and has no tree builder; "
                 "decode it as a chain (tree=None)."
             )

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput
 from lightning_spec.drafters.layers import DraftLayer, RMSNorm, TargetShape, init_weights, spread_layers
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -112,11 +113,11 @@ class ParallelBlockDrafter(Drafter):
     ) -> None:
         super().__init__(block_size, target_layers, num_anchors, draft_vocab_size)
         if num_layers < 1:
-            raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}.")
+            raise UserError(f"drafter.num_layers must be >= 1, got {num_layers}.")
         if not length_rate > 0:
-            raise ValueError(f"drafter.length_rate must be > 0 (the cut's scale, AdaFlash: 1.3), got {length_rate}.")
+            raise UserError(f"drafter.length_rate must be > 0 (the cut's scale, AdaFlash: 1.3), got {length_rate}.")
         if not 0 <= length_min <= block_size:
-            raise ValueError(f"drafter.length_min must be in 0..block_size={block_size}, got {length_min}.")
+            raise UserError(f"drafter.length_min must be in 0..block_size={block_size}, got {length_min}.")
         self.num_layers = num_layers
         self.intermediate_size = intermediate_size
         self.context_shortcut = context_shortcut
@@ -151,7 +152,7 @@ class ParallelBlockDrafter(Drafter):
         # one learned mask vector per slot (DFlash shares one mask token; identical at init, so this starts
         # as DFlash and lets the residual stream know which offset it predicts), or DFlash's one shared vector
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"drafter.mask_token_id={self.mask_token_id} is not a token of the target "
                 f"(0..{target.vocab_size - 1}); "
                 "pick a token the data rarely uses, or null for one learned mask vector per slot."
@@ -189,7 +190,7 @@ class ParallelBlockDrafter(Drafter):
                 module, _, leaf = name.partition(".")
                 key = f"{hf_name[module]}.{leaf}"
                 if key not in src_params or src_params[key].shape != p.shape:
-                    raise ValueError(
+                    raise UserError(
                         f"drafter.init_from_target: target parameter {key} is missing or shaped differently from the "
                         f"draft layer's {name} {tuple(p.shape)}; leave drafter.intermediate_size unset or turn it off."
                     )

@@ -61,6 +61,7 @@ from lightning_spec.decoding.proposals import TreeProposal
 from lightning_spec.decoding.trees import tree_probs
 from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
 from lightning_spec.drafters.block import BlockDraftState, ParallelBlockDrafter
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 # Prefix lengths draw from their own stream, seeded from the example's anchor seed plus this salt (a large odd
@@ -142,9 +143,9 @@ class D2SDDrafter(ParallelBlockDrafter):
             init_from_target=init_from_target,
         )
         if isinstance(prefix_beta, bool) or not 0 < prefix_beta <= 1:
-            raise ValueError(f"drafter.prefix_beta must be in (0, 1] (Pr(l = j) ∝ prefix_beta^j), got {prefix_beta!r}.")
+            raise UserError(f"drafter.prefix_beta must be in (0, 1] (Pr(l = j) ∝ prefix_beta^j), got {prefix_beta!r}.")
         if isinstance(branches, bool) or not isinstance(branches, int) or branches < 0:
-            raise ValueError(f"drafter.branches must be an int >= 0 (re-drafted branches per tree), got {branches!r}.")
+            raise UserError(f"drafter.branches must be an int >= 0 (re-drafted branches per tree), got {branches!r}.")
         self.prefix_beta = prefix_beta
         self.branches = branches
         self.distinct_branches = bool(distinct_branches)

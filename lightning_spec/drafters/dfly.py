@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.block import ChainedBlockDrafter, previous_tokens
 from lightning_spec.drafters.layers import RMSNorm, TargetShape
+from lightning_spec.errors import UserError
 
 
 class HiddenCorrection(nn.Module):
@@ -78,7 +79,7 @@ class DFlyDrafter(ChainedBlockDrafter):
         super().__init__(block_size, num_layers, target_layers, num_anchors, draft_vocab_size, intermediate_size,
                          context_shortcut, init_from_target)
         if correction_size is not None and correction_size < 1:
-            raise ValueError(f"drafter.correction_size must be >= 1 (or null: the hidden size), got {correction_size}.")
+            raise UserError(f"drafter.correction_size must be >= 1 (or null: the hidden size), got {correction_size}.")
         self.hidden_correction = hidden_correction
         self.correction_size = correction_size
         self.left_to_right = hidden_correction

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.block import ChainedBlockDrafter, previous_tokens
+from lightning_spec.errors import UserError
 
 
 class DominoDrafter(ChainedBlockDrafter):
@@ -60,11 +61,11 @@ class DominoDrafter(ChainedBlockDrafter):
         super().__init__(block_size, num_layers, target_layers, num_anchors, draft_vocab_size, intermediate_size,
                          context_shortcut, init_from_target)
         if gru_size is not None and gru_size < 1:
-            raise ValueError(f"drafter.gru_size must be >= 1 (or null: a quarter of the hidden size), got {gru_size}.")
+            raise UserError(f"drafter.gru_size must be >= 1 (or null: a quarter of the hidden size), got {gru_size}.")
         if correction_rank < 1:
-            raise ValueError(f"drafter.correction_rank must be >= 1, got {correction_rank}.")
+            raise UserError(f"drafter.correction_rank must be >= 1, got {correction_rank}.")
         if not 0 <= pure_draft_prefix_len < block_size:
-            raise ValueError(
+            raise UserError(
                 f"drafter.pure_draft_prefix_len must be in 0..block_size - 1 = {block_size - 1} (slots that keep the "
                 f"base logits; at least one slot gets the correction), got {pure_draft_prefix_len}."
             )

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.block import BlockDraftState, ParallelBlockDrafter
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 MARKOV_KINDS = ("vanilla", "rnn")
@@ -179,11 +180,11 @@ class DSparkDrafter(ParallelBlockDrafter):
             init_from_target=init_from_target, qk_norm=qk_norm, mask_token_id=mask_token_id,
         )
         if markov not in MARKOV_KINDS:
-            raise ValueError(f"drafter.markov must be one of {MARKOV_KINDS}, got {markov!r}.")
+            raise UserError(f"drafter.markov must be one of {MARKOV_KINDS}, got {markov!r}.")
         if markov_rank < 1:
-            raise ValueError(f"drafter.markov_rank must be >= 1, got {markov_rank}.")
+            raise UserError(f"drafter.markov_rank must be >= 1, got {markov_rank}.")
         if verify_cost is not None and (len(verify_cost) < block_size + 1 or min(verify_cost) <= 0):
-            raise ValueError(
+            raise UserError(
                 f"drafter.verify_cost must hold cost(T) > 0 for T = 1..block_size + 1 ({block_size + 1} values), got "
                 f"{list(verify_cost)}; measure your target's verify forward or leave it unset."
             )
@@ -321,7 +322,7 @@ class DSparkDrafter(ParallelBlockDrafter):
         sampling = SamplingConfig.coerce(sampling if sampling is not None else {"temperature": 1.0})
         grid_t = torch.tensor(list(grid) if grid is not None else torch.logspace(-1, 1, 81).tolist())
         if grid_t.numel() == 0 or bool((grid_t <= 0).any()):
-            raise ValueError(f"calibrate(grid=...) must list temperatures > 0, got {grid_t.tolist()}.")
+            raise UserError(f"calibrate(grid=...) must list temperatures > 0, got {grid_t.tolist()}.")
         was_training = self.training
         self.eval()
         try:
@@ -329,8 +330,8 @@ class DSparkDrafter(ParallelBlockDrafter):
         finally:
             self.train(was_training)
         if not bool(ok[:, 0].any()):
-            raise ValueError("calibrate found no supervised block in the held-out batches; pass batches with "
-                             "input_ids and a loss_mask that marks the responses.")
+            raise UserError("calibrate found no supervised block in the held-out batches; pass batches with "
+                            "input_ids and a loss_mask that marks the responses.")
         result = sequential_temperature_scaling(z, acc, ok, grid_t, bins)
         self.confidence_temperature.copy_(result.temperature.to(self.confidence_temperature))
         return result

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.layers import LastHiddenDrafter
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -82,7 +83,7 @@ class MedusaDrafter(LastHiddenDrafter):
     ) -> None:
         super().__init__(block_size, num_anchors, draft_vocab_size)
         if num_layers < 1:
-            raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}.")
+            raise UserError(f"drafter.num_layers must be >= 1, got {num_layers}.")
         self.num_layers = num_layers
 
     def build(self, target: Any) -> None:

@@ -63,6 +63,7 @@ from lightning_spec.drafters.layers import (
     chain_attention,
     init_weights,
 )
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -149,7 +150,7 @@ class MTPDrafter(LastHiddenDrafter):
     ) -> None:
         super().__init__(block_size, num_anchors, draft_vocab_size)
         if not 1 <= num_modules <= block_size:
-            raise ValueError(
+            raise UserError(
                 f"drafter.num_modules={num_modules} must be in 1..block_size ({block_size}); later slots reuse the "
                 "last module, so more modules than slots would never run."
             )

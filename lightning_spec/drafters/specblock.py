@@ -91,6 +91,7 @@ from lightning_spec.decoding.trees import tree_probs
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, seeded_rand
 from lightning_spec.drafters.layers import DraftLayer, RMSNorm, TargetShape, init_weights, low_mid_high_layers
 from lightning_spec.drafters.specblock_rank import RankHead, block_tree
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 TTT_SALT = 0x2545F4914F6CDD1D  # anchor_seed ^ TTT_SALT seeds an example's block starts, apart from its anchors
@@ -157,9 +158,9 @@ class SpecBlockDrafter(Drafter):
         super().__init__(block_size, target_layers, num_anchors, draft_vocab_size)
         for name, value in (("num_layers", num_layers), ("rank_width", rank_width), ("blocks", blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"drafter.{name} must be an int >= 1, got {value!r}.")
+                raise UserError(f"drafter.{name} must be an int >= 1, got {value!r}.")
         if block_size % blocks:
-            raise ValueError(
+            raise UserError(
                 f"drafter.block_size={block_size} must be a multiple of drafter.blocks={blocks} (a round drafts "
                 f"blocks x K slots); set block_size to blocks x K, e.g. {blocks * max(1, block_size // blocks)}."
             )

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from lightning_spec.decoding.engine import Generation, generate
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.drafters import Drafter
+from lightning_spec.errors import UserError
 from lightning_spec.evaluation.benchmark import DecodeReport
 from lightning_spec.evaluation.offline import replay_tree_rounds
 from lightning_spec.objectives import CE, Objective
@@ -68,7 +69,7 @@ def scope_parameters(drafter: Drafter, scope: str) -> list[str]:
       it, so only ``all`` applies).
     """
     if scope not in SCOPES:
-        raise ValueError(f"adaptation scope {scope!r} is unknown; choose among {', '.join(SCOPES)}.")
+        raise UserError(f"adaptation scope {scope!r} is unknown; choose among {', '.join(SCOPES)}.")
     names = [name for name, _ in drafter.named_parameters()]
     if scope == "all":
         return names
@@ -239,11 +240,11 @@ class CostAwareAdapter:
         ]
         for ok, name, value, wanted in checks:
             if not ok:
-                raise ValueError(f"adapter {name} is {value!r}; it must be {wanted}.")
+                raise UserError(f"adapter {name} is {value!r}; it must be {wanted}.")
         unknown = [s for s in scopes if s not in SCOPES]
         if unknown or not scopes:
-            raise ValueError(f"adapt scopes (--adapt_scopes) {list(scopes)!r} must be a non-empty list from "
-                             f"{', '.join(SCOPES)}.")
+            raise UserError(f"adapt scopes (--adapt_scopes) {list(scopes)!r} must be a non-empty list from "
+                            f"{', '.join(SCOPES)}.")
         self.drafter, self.target = drafter, target
         self.lr, self.steps, self.optimizer, self.weight_decay = lr, steps, optimizer, weight_decay
         self.max_grad_norm, self.horizon_tokens = max_grad_norm, horizon_tokens
@@ -263,9 +264,9 @@ class CostAwareAdapter:
                 self.skipped.append(scope)
         self._params = {s: [params[n] for n in names] for s, names in self.scopes.items()}
         if force is not None and force != "none" and force not in self.scopes:
-            raise ValueError(f"adapt force={force!r} (--adapt_force) is not an available scope of "
-                             f"{type(drafter).__name__} ({', '.join(self.scopes) or 'none'}); force one of them or "
-                             "'none'.")
+            raise UserError(f"adapt force={force!r} (--adapt_force) is not an available scope of "
+                            f"{type(drafter).__name__} ({', '.join(self.scopes) or 'none'}); force one of them or "
+                            "'none'.")
         self.force = force
         self.objective = Objective(CE())
         self.arms = {s: ArmStats() for s in self.scopes}
@@ -291,9 +292,9 @@ class CostAwareAdapter:
         last update, decide and maybe apply one on this window. ``seconds`` includes the adapter's time."""
         sampling = SamplingConfig.coerce(sampling)
         if self.tree is not None and not self.drafter.best_first_trees and not sampling.greedy:
-            raise ValueError(f"{type(self.drafter).__name__} grows its tree from its own drafts, whose rounds the "
-                             "adapter can score exactly under greedy decoding only; adapt with temperature 0 or "
-                             "decode chains (tree=None).")
+            raise UserError(f"{type(self.drafter).__name__} grows its tree from its own drafts, whose rounds the "
+                            "adapter can score exactly under greedy decoding only; adapt with temperature 0 or "
+                            "decode chains (tree=None).")
         gen = generate(self.target, input_ids, max_new_tokens, sampling, drafter=self.drafter, seed=seed,
                        tree=self.tree)
         start = time.perf_counter()

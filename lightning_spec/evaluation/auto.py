@@ -42,6 +42,7 @@ from torch import Tensor
 from lightning_spec.decoding.engine import Generation, _as_ids, draft, generate
 from lightning_spec.decoding.ngram import NgramDrafter
 from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.errors import UserError
 from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
@@ -500,10 +501,10 @@ def choose_decoding(
     """
     sampling = SamplingConfig.coerce(sampling)
     if not prompts:
-        raise ValueError("choose_decoding needs calibration prompts: a few prompts like those it will decode.")
+        raise UserError("choose_decoding needs calibration prompts: a few prompts like those it will decode.")
     if margin < 0:
-        raise ValueError(f"choose_decoding margin={margin} must be >= 0: it is how far a setting's lower bound must "
-                         "beat plain decoding (0.05: by 5%).")
+        raise UserError(f"choose_decoding margin={margin} must be >= 0: it is how far a setting's lower bound must "
+                        "beat plain decoding (0.05: by 5%).")
     prompts = [_as_ids(p, target.vocab_size, target.device)[0].tolist() for p in prompts]  # what generate takes
     settings = list(settings or candidates(drafter))
     if PLAIN not in settings:

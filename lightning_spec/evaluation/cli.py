@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.errors import UserError
 from lightning_spec.evaluation.inputs import (
     TargetLoad,
     calibration_prompts,
@@ -50,7 +51,7 @@ def arm_names(drafters: list[str], names: list[str] | None) -> list[str]:
     where two checkpoints share it (``last.ckpt`` of two runs)."""
     if names is not None:
         if len(names) != len(drafters):
-            raise ValueError(f"--names has {len(names)} entries for {len(drafters)} --drafters; give one per drafter.")
+            raise UserError(f"--names has {len(names)} entries for {len(drafters)} --drafters; give one per drafter.")
         return list(names)
     stems = [Path(d).stem if Path(d).suffix == ".ckpt" else Path(d).name for d in drafters]
     return [s if stems.count(s) == 1 else str(d) for s, d in zip(stems, drafters)]
@@ -109,7 +110,7 @@ def run_offline(rollouts: str, entries: list[Entry], target: str | None, how: Ta
     data = load_rollout_set(rollouts)
     spec = target or (data.meta or {}).get("target")
     if spec is None:
-        raise ValueError("--target is needed: the rollouts record none.")
+        raise UserError("--target is needed: the rollouts record none.")
     _, model = open_target(spec, entries[0].checkpoint, how)
     data, sampling = open_rollouts(data, model, options.sampling, options.max_rollouts,
                                    sampling_name="--temperature (--top_p, --top_k)")
@@ -274,44 +275,44 @@ def evaluate(
     """
     tree = tree if tree == "auto" else TreeConfig.coerce(tree)
     if not drafters:
-        raise ValueError("--drafters is empty; pass one or more checkpoints, e.g. --drafters '[runs/a/last.ckpt]'.")
+        raise UserError("--drafters is empty; pass one or more checkpoints, e.g. --drafters '[runs/a/last.ckpt]'.")
     if n_resamples < 1 or not 0 < confidence < 1:
-        raise ValueError(f"--n_resamples ({n_resamples}) must be >= 1 and --confidence ({confidence}) in (0, 1).")
+        raise UserError(f"--n_resamples ({n_resamples}) must be >= 1 and --confidence ({confidence}) in (0, 1).")
     labels = arm_names(drafters, names)
     if trees is not None and tree is not None:
-        raise ValueError("pass --tree (one setting for every drafter) or --trees (one per drafter), not both.")
+        raise UserError("pass --tree (one setting for every drafter) or --trees (one per drafter), not both.")
     if trees is not None and len(trees) != len(drafters):
-        raise ValueError(f"--trees has {len(trees)} settings for {len(drafters)} drafters; give one per drafter "
-                         "(null for a chain).")
+        raise UserError(f"--trees has {len(trees)} settings for {len(drafters)} drafters; give one per drafter "
+                        "(null for a chain).")
     per_drafter = [t if t == "auto" else TreeConfig.coerce(t) for t in trees] if trees is not None else [tree] * len(
         drafters)
     if "auto" in per_drafter and (mode != "online" or adapt):
-        raise ValueError("--tree auto picks a decoding by its measured speed: use it with --mode online and without "
-                         "--adapt.")
+        raise UserError("--tree auto picks a decoding by its measured speed: use it with --mode online and without "
+                        "--adapt.")
     sampling = sampling_config(temperature, top_p, top_k)
     if adapt and mode != "online":
-        raise ValueError("--adapt true adapts drafters while they decode; use it with --mode online.")
+        raise UserError("--adapt true adapts drafters while they decode; use it with --mode online.")
     taken = [n for n in labels if adapt and n.endswith("+adapt") and n[: -len("+adapt")] in labels]
     if taken:
-        raise ValueError(f"--names {taken[0]!r} is also the name of an adapting arm (--adapt true); rename it.")
+        raise UserError(f"--names {taken[0]!r} is also the name of an adapting arm (--adapt true); rename it.")
     entries = [Entry(n, d, t) for n, d, t in zip(labels, drafters, per_drafter)]
     how = TargetLoad(dtype=target_dtype, device=device, options=target_options)
     bootstrap = Bootstrap(baseline, n_resamples, confidence, seed)
     if mode == "offline":
         if rollouts is None:
-            raise ValueError("--mode offline needs --rollouts: a folder made by `lightning-spec rollouts`.")
+            raise UserError("--mode offline needs --rollouts: a folder made by `lightning-spec rollouts`.")
         options = OfflineOptions(sampling, max_rollouts, batch_size, progress)
         result, comparison = run_offline(rollouts, entries, target, how, options, bootstrap)
     elif mode == "online":
         if prompts_per_source < 1 or max_new_tokens < 1:
-            raise ValueError("--prompts_per_source and --max_new_tokens must be >= 1.")
+            raise UserError("--prompts_per_source and --max_new_tokens must be >= 1.")
         online = OnlineOptions(sampling or SamplingConfig(), sources, prompts_per_source, max_new_tokens, seed,
                                progress)
         adaptation = Adaptation(adapt_scopes, adapt_lr, adapt_steps, adapt_horizon, adapt_exploration,
                                 adapt_force) if adapt else None
         result, comparison = run_online(entries, target, how, online, bootstrap, adaptation)
     else:
-        raise ValueError(f"--mode must be offline or online, got {mode!r}.")
+        raise UserError(f"--mode must be offline or online, got {mode!r}.")
     print_results(result, comparison)
     if mlflow:
         result["mlflow_run_ids"] = log_mlflow(result, comparison, tracking_uri, experiment_name)

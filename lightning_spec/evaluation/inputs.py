@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 
 from lightning_spec.data.rollouts import RolloutSet, check_rollouts, load_rollout_set, rollout_sampling, spread
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.target import TargetOptions
 
@@ -40,8 +41,8 @@ def refuse_paths(caller: str, **inputs: Any) -> None:
     for name, value in inputs.items():
         if isinstance(value, (str, os.PathLike)):
             what, loader = _LOADED.get(name, (f"a loaded {name}", "the loaded object"))
-            raise ValueError(f"{caller} takes {what}, not the path {str(value)!r}; pass "
-                             f"{loader.format(path=str(value))} instead.")
+            raise UserError(f"{caller} takes {what}, not the path {str(value)!r}; pass "
+                            f"{loader.format(path=str(value))} instead.")
 
 
 def open_rollouts(
@@ -61,8 +62,8 @@ def open_rollouts(
     sampling = sampling or rollout_sampling(data.meta)
     if sampling is None:
         where = f"the rollouts in {data.source}" if data.source else "the rollouts"
-        raise ValueError(f"offline evaluation needs sampling: {where} record no sampling config; pass "
-                         f"{sampling_name}, the config they were drawn under.")
+        raise UserError(f"offline evaluation needs sampling: {where} record no sampling config; pass "
+                        f"{sampling_name}, the config they were drawn under.")
     check_rollouts(data.meta, target, sampling, data.source)
     return spread(data, max_rollouts), sampling
 
@@ -105,7 +106,7 @@ def open_prompts(target: Target, spec: str, sources: list[str], per_source: int,
     from lightning_spec.data.sources import as_source
 
     if target.tokenizer is None:
-        raise ValueError(f"--target {spec} has no tokenizer; online evaluation builds chat prompts with it.")
+        raise UserError(f"--target {spec} has no tokenizer; online evaluation builds chat prompts with it.")
     return select_prompts(target.tokenizer, [as_source(s) for s in sources], per_source, seed,
                           chat_template_kwargs=target.chat_template_kwargs)
 
@@ -127,6 +128,6 @@ def calibration_prompts(target: Target, sources: list[str], per_source: int, see
             held_out.setdefault(p["domain"], []).append(p["prompt_ids"])
     empty = sorted({p["domain"] for p in more} - set(held_out))
     if empty:
-        raise ValueError(f"--tree auto calibrates on prompts beyond --prompts_per_source and the {', '.join(empty)} "
-                         "prompts have none left; lower --prompts_per_source.")
+        raise UserError(f"--tree auto calibrates on prompts beyond --prompts_per_source and the {', '.join(empty)} "
+                        "prompts have none left; lower --prompts_per_source.")
     return [ids for domain in sorted(held_out) for ids in held_out[domain][:per_domain]]

@@ -45,6 +45,7 @@ from lightning_spec.data.rollouts import load_rollout_set
 from lightning_spec.decoding.engine import draft
 from lightning_spec.decoding.ngram import NgramDrafter
 from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.errors import UserError
 from lightning_spec.evaluation.inputs import Rollouts, open_rollouts, refuse_paths
 from lightning_spec.progress import advancer, progress_bar
 from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
@@ -282,13 +283,13 @@ def offline_report(
         drafter.check_tree()
     data, sampling = open_rollouts(rollouts, target, sampling, max_rollouts)
     if replayed(drafter, tree) and not (drafter.chosen_drafts or drafter.best_first_trees) and not sampling.greedy:
-        raise ValueError(
+        raise UserError(
             f"{type(drafter).__name__} grows its tree from its own drafts, which offline evaluation replays exactly "
             "under greedy decoding only; score it on greedy rollouts (--temperature 0) or with real decoding "
             "(evaluate --mode online)."
         )
     if batch_size < 1 or anchors_per_forward < 1:
-        raise ValueError(f"batch_size ({batch_size}) and anchors_per_forward ({anchors_per_forward}) must be >= 1.")
+        raise UserError(f"batch_size ({batch_size}) and anchors_per_forward ({anchors_per_forward}) must be >= 1.")
 
     r, k = len(data), drafter.block_size
     rounds = torch.zeros(r, dtype=torch.float64)

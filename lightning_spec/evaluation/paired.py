@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_spec.errors import UserError
+
 
 def _clusters(keys: Sequence[str], strata: Sequence[str] | None) -> tuple[np.ndarray, list[np.ndarray]]:
     """Cluster index per row (R,), and per stratum the cluster indices it holds."""
@@ -203,10 +205,10 @@ def compare(
     """
     names = list(rounds)
     if not names:
-        raise ValueError("compare needs at least one arm.")
+        raise UserError("compare needs at least one arm.")
     base = names.index(baseline) if isinstance(baseline, str) and baseline in names else baseline
     if isinstance(base, str) or not 0 <= base < len(names):
-        raise ValueError(f"baseline {baseline!r} is not one of the arms {names}.")
+        raise UserError(f"baseline {baseline!r} is not one of the arms {names}.")
     r = len(keys)
     per_arm, ckpt_mal = [], []
     if isinstance(tokens, dict):
@@ -217,7 +219,7 @@ def compare(
         runs = rounds[name]
         runs = [np.asarray(x, dtype=np.float64) for x in (runs if isinstance(runs, (list, tuple)) else [runs])]
         if any(x.shape != (r,) for x in runs):
-            raise ValueError(
+            raise UserError(
                 f"arm {name!r} was scored on {[len(x) for x in runs]} rows, not the {r} rows of the comparison; "
                 "score every drafter on the same rollouts."
             )
@@ -261,7 +263,7 @@ def compare_reports(
     for name, runs in flat.items():
         for rep in runs:
             if rep.prompt_keys != first.prompt_keys or not bool((rep.tokens == first.tokens).all()):
-                raise ValueError(
+                raise UserError(
                     f"arm {name!r} was scored on other rollouts than the first arm; score every drafter on the same "
                     "rollouts (same folder, same max_rollouts)."
                 )

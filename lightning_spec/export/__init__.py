@@ -27,6 +27,7 @@ import torch
 from lightning_spec.assets import resolve_target_folder
 from lightning_spec.drafters import FAMILIES, family_class
 from lightning_spec.drafters.base import Drafter, drafter_record
+from lightning_spec.errors import UserError
 from lightning_spec.export import sglang, speculators
 from lightning_spec.export.common import SIDECAR, Codec, read_json
 
@@ -37,14 +38,14 @@ def codec_for(drafter: Drafter, fmt: str) -> Codec:
     """The codec writing ``drafter``'s family (``drafters.FAMILIES``) in ``fmt``; a family the format cannot
     express, or a class that is not exactly a registered family, is refused."""
     if fmt not in FORMATS:
-        raise ValueError(f"export --format '{fmt}' is not one of {sorted(FORMATS)}.")
+        raise UserError(f"export --format '{fmt}' is not one of {sorted(FORMATS)}.")
     family = drafter.family if family_class(drafter) is not None else None
     codec = FORMATS[fmt].CODECS.get(family)
     if codec is None:
         able = sorted(f for f, m in FORMATS.items() if family in m.CODECS)
         where = f"formats that can: {', '.join(able)}" if able else "this package has no codec for it in any format yet"
         known = sorted({FAMILIES[name].__name__ for m in FORMATS.values() for name in m.CODECS})
-        raise ValueError(
+        raise UserError(
             f"A {type(drafter).__name__} cannot be written in the {fmt} format ({where}; the exportable families are "
             f"{', '.join(known)})."
         )
@@ -63,7 +64,7 @@ def export_drafter(
     codec = codec_for(drafter, fmt)
     codec.check(drafter)
     if not bool(drafter.vocab.ready):
-        raise ValueError(
+        raise UserError(
             "The drafter's reduced draft vocabulary was never chosen (vocab.ready is False): export a drafter "
             "after `fit` has set it from the data."
         )
@@ -103,7 +104,7 @@ def read_serving_folder(folder: str | Path, what: str = "path") -> tuple[dict[st
         if codec is not None:
             break
     if codec is None:
-        raise ValueError(
+        raise UserError(
             f"{what} '{folder}' holds a config.json of no layout this package reads (speculators EAGLE-3 / DFlash / "
             "DSpark / MTP, SGLang EAGLE-3 / DFlash); pass a .ckpt, a save_drafter folder or an exported one."
         )
@@ -118,13 +119,13 @@ def _read_safetensors(folder: Path, what: str) -> dict[str, torch.Tensor]:
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{what} '{folder}' has a config.json but no .safetensors weights.")
+        raise UserError(f"{what} '{folder}' has a config.json but no .safetensors weights.")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             tensors.update(load_file(str(f)))
         except (SafetensorError, OSError) as err:
-            raise ValueError(f"{what} '{f}' is not a readable safetensors file ({err}).") from None
+            raise UserError(f"{what} '{f}' is not a readable safetensors file ({err}).") from None
     return tensors
 
 

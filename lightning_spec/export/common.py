@@ -10,6 +10,7 @@ import torch
 
 from lightning_spec.drafters import class_path_now
 from lightning_spec.drafters.base import Drafter
+from lightning_spec.errors import UserError
 
 SIDECAR = "lightning_spec.json"  # our exact record next to a serving layout (class, init arguments, target)
 
@@ -32,9 +33,9 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{what} '{path}' is not valid JSON ({err.msg} at line {err.lineno}).") from None
+        raise UserError(f"{what} '{path}' is not valid JSON ({err.msg} at line {err.lineno}).") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{what} '{path}' does not hold a JSON object.")
+        raise UserError(f"{what} '{path}' does not hold a JSON object.")
     return data
 
 
@@ -85,9 +86,9 @@ def vocab_ids(tensors: dict[str, torch.Tensor], vocab_size: int, draft_size: int
     else:
         ids = torch.arange(draft_size)
     if ids.numel() != draft_size or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all())):
-        raise ValueError(f"{what}: the draft vocabulary map (d2t) is not {draft_size} increasing target ids.")
+        raise UserError(f"{what}: the draft vocabulary map (d2t) is not {draft_size} increasing target ids.")
     if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
-        raise ValueError(f"{what}: the draft vocabulary map (d2t) names ids outside the target's 0..{vocab_size - 1}.")
+        raise UserError(f"{what}: the draft vocabulary map (d2t) names ids outside the target's 0..{vocab_size - 1}.")
     return ids
 
 
@@ -95,7 +96,7 @@ def take(tensors: dict[str, torch.Tensor], names: dict[str, str], what: str) -> 
     """Our state-dict entries from a file's tensors: ``names`` maps our key -> the file's key."""
     missing = sorted(theirs for theirs in names.values() if theirs not in tensors)
     if missing:
-        raise ValueError(f"{what}: the weights lack {missing[:4]}{' ...' if len(missing) > 4 else ''}.")
+        raise UserError(f"{what}: the weights lack {missing[:4]}{' ...' if len(missing) > 4 else ''}.")
     return {ours: tensors[theirs].float() for ours, theirs in names.items()}
 
 

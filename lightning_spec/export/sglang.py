@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lightning_spec.drafters import DFlashDrafter, Eagle3Drafter
+from lightning_spec.errors import UserError
 from lightning_spec.export.common import layer_config
 from lightning_spec.export.speculators import DFlashCodec, Eagle3Codec
 
@@ -83,7 +84,7 @@ class SGLangDFlashCodec(DFlashCodec):
             "speculators_config": {"verifier": {"name_or_path": config.get("verifier", "")}},
         }
         if as_speculators["block_size"] is None:
-            raise ValueError(f"{what} '{folder}' is a DFlash config without block_size.")
+            raise UserError(f"{what} '{folder}' is a DFlash config without block_size.")
         return super().read(as_speculators, tensors, folder, sidecar, what)
 
 

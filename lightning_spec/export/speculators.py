@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from lightning_spec.drafters import DFlashDrafter, Drafter, DSparkDrafter, Eagle3Drafter, MTPDrafter
+from lightning_spec.errors import UserError
 from lightning_spec.export.common import layer_config, read_json, record, take, vocab_ids, vocab_tensors
 
 VERSION = "0.9.0"  # the speculators release whose format this writes
@@ -118,14 +119,14 @@ class Eagle3Codec:
         layer = config.get("transformer_layer_config") or {}
         for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
             if config.get(flag):
-                raise ValueError(f"{what} is an EAGLE-3 drafter with {flag}: true, which Eagle3Drafter does not have.")
+                raise UserError(f"{what} is an EAGLE-3 drafter with {flag}: true, which Eagle3Drafter does not have.")
         if int(layer.get("num_hidden_layers", 1)) != 1:
-            raise ValueError(
+            raise UserError(
                 f"{what} is an EAGLE-3 drafter with {layer['num_hidden_layers']} layers; Eagle3Drafter has one."
             )
         aux = config.get("eagle_aux_hidden_state_layer_ids")
         if not aux:
-            raise ValueError(f"{what} lacks eagle_aux_hidden_state_layer_ids; the feature layers must be named.")
+            raise UserError(f"{what} lacks eagle_aux_hidden_state_layer_ids; the feature layers must be named.")
         vocab_size = int(layer.get("vocab_size") or tensors["t2d"].numel())
         draft_size = int(config.get("draft_vocab_size") or vocab_size)
         ids = vocab_ids(tensors, vocab_size, draft_size, what)
@@ -200,7 +201,7 @@ class DFlashCodec:
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         what = f"{what} '{folder}'"
         if config.get("sample_from_anchor"):
-            raise ValueError(f"{what} is a DFlash drafter that samples from the anchor; DFlashDrafter drafts after it.")
+            raise UserError(f"{what} is a DFlash drafter that samples from the anchor; DFlashDrafter drafts after it.")
         ours, state, vocab_size = self.backbone(config, tensors, folder, what)
         ours["block_size"] = int(config["block_size"]) - 1
         rec = record(DFlashDrafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
@@ -212,7 +213,7 @@ class DFlashCodec:
         layer = config.get("transformer_layer_config") or {}
         aux, mask_id = config.get("aux_hidden_state_layer_ids"), config.get("mask_token_id")
         if not aux or mask_id is None:
-            raise ValueError(f"{what} lacks aux_hidden_state_layer_ids or mask_token_id, which DFlash needs.")
+            raise UserError(f"{what} lacks aux_hidden_state_layer_ids or mask_token_id, which DFlash needs.")
         num_layers = int(layer.get("num_hidden_layers", 1))
         vocab_size = int(layer.get("vocab_size") or tensors["t2d"].numel())
         draft_size = int(config.get("draft_vocab_size") or vocab_size)
@@ -287,12 +288,12 @@ class DSparkCodec(DFlashCodec):
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         what = f"{what} '{folder}'"
         if config.get("sample_from_anchor") is False:
-            raise ValueError(f"{what} is a DSpark drafter whose anchor does not predict (sample_from_anchor: false); "
-                             "DSparkDrafter's anchor slot is its first prediction.")
+            raise UserError(f"{what} is a DSpark drafter whose anchor does not predict (sample_from_anchor: false); "
+                            "DSparkDrafter's anchor slot is its first prediction.")
         kind, rank = config.get("markov_head_type", "vanilla"), int(config.get("markov_rank", 256))
         if kind not in ("vanilla", "rnn") or rank < 1:
-            raise ValueError(f"{what} has markov_head_type {kind!r} with markov_rank {rank}; DSparkDrafter has the "
-                             "vanilla and rnn heads with rank >= 1.")
+            raise UserError(f"{what} has markov_head_type {kind!r} with markov_rank {rank}; DSparkDrafter has the "
+                            "vanilla and rnn heads with rank >= 1.")
         ours, state, vocab_size = self.backbone(config, tensors, folder, what)
         k = int(config["block_size"])
         ours.update(block_size=k, markov=kind, markov_rank=rank)
@@ -302,8 +303,8 @@ class DSparkCodec(DFlashCodec):
         outside[ids] = False
         shared = w1[outside]
         if shared.shape[0] and not bool((shared == shared[:1]).all()):
-            raise ValueError(f"{what} has its own markov_w1 row for tokens outside its {ids.numel()}-token draft "
-                             "vocabulary; DSparkDrafter shares one row among them, so it cannot hold this drafter.")
+            raise UserError(f"{what} has its own markov_w1 row for tokens outside its {ids.numel()}-token draft "
+                            "vocabulary; DSparkDrafter shares one row among them, so it cannot hold this drafter.")
         rest = shared[:1] if shared.shape[0] else w1.new_zeros(1, rank)  # unused with the full vocabulary
         state["sequential.embed.weight"] = torch.cat([w1[ids], rest])  # (Vd + 1, r)
         names = {"sequential.out.weight": "markov_head.markov_w2.weight"}
@@ -333,7 +334,7 @@ class DSparkCodec(DFlashCodec):
         temps = read_json(path, what).get("confidence_temperature")
         if not isinstance(temps, list) or len(temps) != k or not all(
                 isinstance(t, (int, float)) and t > 0 for t in temps):
-            raise ValueError(f"{what}: {self.calibration} must hold confidence_temperature, {k} numbers > 0.")
+            raise UserError(f"{what}: {self.calibration} must hold confidence_temperature, {k} numbers > 0.")
         return torch.tensor(temps, dtype=torch.float32)
 
 
@@ -388,8 +389,8 @@ class MTPCodec:
         what = f"{what} '{folder}'"
         layer = config.get("transformer_layer_config") or {}
         if int(config.get("num_nextn_predict_layers", 1)) != 1:
-            raise ValueError(f"{what} has {config['num_nextn_predict_layers']} MTP layers; the format (and this "
-                             "reader) holds one.")
+            raise UserError(f"{what} has {config['num_nextn_predict_layers']} MTP layers; the format (and this "
+                            "reader) holds one.")
         vocab_size = int(layer.get("vocab_size") or 0)
         state = take(tensors, self.layer_names(), what)
         proj = take(tensors, {"p": f"{self.prefix}input_proj.weight"}, what)["p"]  # (H, 2H) over [embedding; state]
@@ -411,7 +412,7 @@ def require_options(d: Drafter, wanted: dict[str, tuple[bool, str]], family: str
     argument to (whether the drafter has what the layout needs, the value it needs and why)."""
     bad = [f"drafter.{name}: {why}" for name, (ok, why) in wanted.items() if not ok]
     if bad:
-        raise ValueError(
+        raise UserError(
             f"This {type(d).__name__} cannot be written as {family}: train it with {'; '.join(bad)} ({recipe} sets "
             "them)."
         )
@@ -442,13 +443,13 @@ def mask_vector(folder: Path, mask_id: int, tensors: dict[str, torch.Tensor], wh
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 (any unreadable file gets the same sentence)
-            raise ValueError(f"{what}: mask_embedding.pt is not a readable tensor file ({err}).") from None
+            raise UserError(f"{what}: mask_embedding.pt is not a readable tensor file ({err}).") from None
         if isinstance(obj, dict):
             if obj.get("mask_token_id", mask_id) != mask_id:
-                raise ValueError(f"{what}: mask_embedding.pt is for token {obj.get('mask_token_id')}, not {mask_id}.")
+                raise UserError(f"{what}: mask_embedding.pt is for token {obj.get('mask_token_id')}, not {mask_id}.")
             obj = obj.get("embedding")
         if not isinstance(obj, torch.Tensor):
-            raise ValueError(f"{what}: mask_embedding.pt holds no tensor.")
+            raise UserError(f"{what}: mask_embedding.pt holds no tensor.")
         return obj.reshape(-1).float()
     if "embed_tokens.weight" in tensors:
         return tensors["embed_tokens.weight"][mask_id].float()

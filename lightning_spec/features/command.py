@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lightning_spec.errors import UserError
 from lightning_spec.features.store import FeatureStore, human
 from lightning_spec.progress import progress_bar
 
@@ -27,7 +28,7 @@ def write_store(module: Any, dm: Any, out: str | None = None, batch_size: int = 
     """Run ``module``'s feature target over every training example of ``dm`` (set up) not yet stored, and write
     them to the store of ``module.store_spec`` in ``out`` (default: the folder a fit would use)."""
     if batch_size < 1:
-        raise ValueError(f"--batch_size={batch_size} must be at least 1.")
+        raise UserError(f"--batch_size={batch_size} must be at least 1.")
     examples = dm.train_dataset
     spec = module.store_spec(dm.fingerprint, len(examples))
     directory = Path(out).expanduser() if out else module.store_directory(spec)
@@ -42,8 +43,8 @@ def write_store(module: Any, dm: Any, out: str | None = None, batch_size: int = 
          f"{tokens:,} tokens; target '{spec.target}' in {spec.dtype}, layers {spec.layers}; {human(need)} to write "
          f"to {directory} ({human(free)} free)")
     if need > free:
-        raise ValueError(f"the feature store needs {human(need)} but {directory} has {human(free)} free; free space "
-                         "or point --out (model.feature_store) at a larger disk.")
+        raise UserError(f"the feature store needs {human(need)} but {directory} has {human(free)} free; free space "
+                        "or point --out (model.feature_store) at a larger disk.")
     target, layers, pad = module.feature_target, spec.layers, dm.pad_id
     start, done_tokens = time.perf_counter(), 0
     columns = {"rate": "- tokens/s"}

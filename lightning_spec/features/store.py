@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from lightning_spec.errors import UserError
 from lightning_spec.files import atomic_write, atomic_write_json
 
 FORMAT = 1
@@ -137,8 +138,8 @@ class FeatureStore:
             # folder-write probe) is not "other files"; the spec both write is the same
             ours = (SHARD_DIR, SPEC_FILE, f"{SPEC_FILE}.tmp", ".write-test-")
             if directory.is_dir() and any(not p.name.startswith(ours) for p in directory.iterdir()):
-                raise ValueError(f"{field_name} '{directory}' is a folder that holds other files, not a feature "
-                                 "store; name a new or empty folder.")
+                raise UserError(f"{field_name} '{directory}' is a folder that holds other files, not a feature "
+                                "store; name a new or empty folder.")
             atomic_write_json(directory / SPEC_FILE, asdict(spec))
         else:
             check_spec(found, spec, directory, field_name)
@@ -186,9 +187,9 @@ class FeatureStore:
         last_hidden = last_hidden.detach().to("cpu", dtype) if "last_hidden" in self.spec.holds else None
         if dtype == torch.float16 and not (bool(features.isfinite().all()) and
                                            (last_hidden is None or bool(last_hidden.isfinite().all()))):
-            raise ValueError(f"the target's features of training example {index} exceed float16's range, which the "
-                             f"feature store uses for a {self.spec.dtype} target; set model.feature_dtype: bfloat16 "
-                             "(stored in bf16) or model.feature_cache: off.")
+            raise UserError(f"the target's features of training example {index} exceed float16's range, which the "
+                            f"feature store uses for a {self.spec.dtype} target; set model.feature_dtype: bfloat16 "
+                            "(stored in bf16) or model.feature_cache: off.")
         self._pending[index] = (features, last_hidden)
         self._pending_bytes += features.nbytes + (0 if last_hidden is None else last_hidden.nbytes)
         if self.directory is not None and self._pending_bytes >= self.shard_bytes:
@@ -262,8 +263,8 @@ def read_spec(directory: str | os.PathLike) -> StoreSpec | None:
         return None
     raw = json.loads(path.read_text())
     if raw.get("format") != FORMAT:
-        raise ValueError(f"the feature store '{directory}' has format {raw.get('format')}, this version reads "
-                         f"format {FORMAT}; delete it (it is rewritten on the next run).")
+        raise UserError(f"the feature store '{directory}' has format {raw.get('format')}, this version reads "
+                        f"format {FORMAT}; delete it (it is rewritten on the next run).")
     return StoreSpec(**{k: v for k, v in raw.items() if k in StoreSpec.__dataclass_fields__})
 
 
@@ -274,7 +275,7 @@ def check_spec(found: StoreSpec, wanted: StoreSpec, directory: Path, field_name:
         return
     names = {"target_fingerprint": "target weights", "layers": "layers", "data_fingerprint": "data (tokenisation)",
              "dtype": "dtype"}
-    raise ValueError(
+    raise UserError(
         f"{field_name} '{directory}' holds features of {found.describe()}, but this run needs {wanted.describe()} "
         f"({', '.join(names[d] for d in differ)} differ); point {field_name} at another folder or delete that one."
     )
@@ -283,7 +284,7 @@ def check_spec(found: StoreSpec, wanted: StoreSpec, directory: Path, field_name:
 def check_holds(spec: StoreSpec, needs_distribution: bool, objective: str, directory: Any) -> None:
     """An objective that reads the target's distribution needs the final hidden state in the store."""
     if needs_distribution and "last_hidden" not in spec.holds:
-        raise ValueError(
+        raise UserError(
             f"the feature store '{directory}' holds the target's layer features only (written by {spec.producer}), "
             f"but model.objective {objective} needs the target's distribution (its final hidden state); write the "
             "store with `lightning-spec features` or set model.feature_cache: off."

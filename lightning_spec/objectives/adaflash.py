@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.losses import Loss, _gold_or_argmax, _target_and_draft, _upcast
 from lightning_spec.sampling import SamplingConfig
 
@@ -41,11 +42,11 @@ class AdaFlashLoss(Loss):
 
     def __init__(self, alpha: float = 0.8, temperature: float = 1.0, rkl_clip: float | None = None) -> None:
         if not 0 <= alpha <= 1:
-            raise ValueError(f"loss.alpha must be in [0, 1] (the CE term's weight, AdaFlash: 0.8), got {alpha}.")
+            raise UserError(f"loss.alpha must be in [0, 1] (the CE term's weight, AdaFlash: 0.8), got {alpha}.")
         if not temperature > 0:
-            raise ValueError(f"loss.temperature must be > 0 (AdaFlash: 1.0), got {temperature}.")
+            raise UserError(f"loss.temperature must be > 0 (AdaFlash: 1.0), got {temperature}.")
         if rkl_clip is not None and not rkl_clip > 0:
-            raise ValueError(f"loss.rkl_clip must be > 0 or null (no clip), got {rkl_clip}.")
+            raise UserError(f"loss.rkl_clip must be > 0 or null (no clip), got {rkl_clip}.")
         self.alpha = alpha
         self.temperature = temperature
         self.rkl_clip = rkl_clip
@@ -92,7 +93,7 @@ class LengthMSE(Loss):
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         if self.key not in draft.aux:
-            raise ValueError(
+            raise UserError(
                 f"loss LengthMSE reads draft.aux[{self.key!r}], which this drafter does not give; use it with "
                 "lightning_spec.drafters.DFlashDrafter(length_head=true) or drop it."
             )

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.losses import Loss, _target_and_draft, acceptance
 from lightning_spec.sampling import SamplingConfig
 
@@ -34,7 +35,7 @@ class ConfidenceBCE(Loss):
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         if self.key not in draft.aux:
-            raise ValueError(
+            raise UserError(
                 f"loss ConfidenceBCE reads draft.aux[{self.key!r}], which this drafter does not give; use it with a "
                 "drafter that has a confidence head (lightning_spec.drafters.DSparkDrafter) or drop it."
             )

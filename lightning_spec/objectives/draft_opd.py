@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import Anchors, DraftOutput, PerAnchor
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.losses import BernoulliKL, _draft_logprobs, _target_logprobs
 from lightning_spec.objectives.objective import DraftFn, Objective, TargetInfo
 from lightning_spec.sampling import SamplingConfig
@@ -113,11 +114,11 @@ class DraftOPD(Objective):
         clip: float = 10.0,
     ) -> None:
         if response_loss not in ("bernoulli_kl", "k3"):
-            raise ValueError(f"objective.response_loss must be 'bernoulli_kl' or 'k3', got {response_loss!r}.")
+            raise UserError(f"objective.response_loss must be 'bernoulli_kl' or 'k3', got {response_loss!r}.")
         if anchors not in ("replay", "random"):
-            raise ValueError(f"objective.anchors must be 'replay' or 'random', got {anchors!r}.")
+            raise UserError(f"objective.anchors must be 'replay' or 'random', got {anchors!r}.")
         if rejected_weight < 0 or not 0 < rejected_decay <= 1:
-            raise ValueError("objective.rejected_weight must be >= 0 and objective.rejected_decay in (0, 1].")
+            raise UserError("objective.rejected_weight must be >= 0 and objective.rejected_decay in (0, 1].")
         super().__init__(BernoulliKL(sampling, log_floor, clip), normalize="slots")
         self.response_loss = response_loss
         self.rejected_weight = rejected_weight

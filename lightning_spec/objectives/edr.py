@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import Anchors, DraftOutput, PerAnchor, seeded_rand
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.losses import Loss
 from lightning_spec.objectives.objective import DraftFn, Objective, TargetInfo
 from lightning_spec.objectives.weights import AnchorWeight, PositionWeight
@@ -110,7 +111,7 @@ class EDRBatch(PerAnchor):
 def _edr_batch(draft: DraftOutput) -> EDRBatch:
     batch = (draft.extra or {}).get("edr")
     if batch is None:
-        raise ValueError(
+        raise UserError(
             "This EDR part needs EDROccupancy to choose the anchors: put EDROccupancy as the objective's "
             "anchor_weight (or use lightning_spec.objectives.EDR)."
         )
@@ -157,7 +158,7 @@ class EDROccupancy(AnchorWeight):
         chunk_size: int = 64,
     ) -> None:
         if max_anchors < 1 or chunk_size < 1:
-            raise ValueError(f"max_anchors ({max_anchors}) and chunk_size ({chunk_size}) must be >= 1.")
+            raise UserError(f"max_anchors ({max_anchors}) and chunk_size ({chunk_size}) must be >= 1.")
         self.sampling = sampling
         self.draft_sampling = draft_sampling if draft_sampling is not None else sampling
         self.max_anchors = max_anchors
@@ -254,7 +255,7 @@ class EDR(Objective):
     ) -> None:
         occupancy = EDROccupancy(sampling, draft_sampling, max_anchors, chunk_size)
         if occupancy.draft_sampling.greedy:
-            raise ValueError(
+            raise UserError(
                 "EDR's surrogate has no gradient under greedy drafting (draft_sampling.temperature = 0); use "
                 "Objective(loss=CE, position_weight=EDRReach, anchor_weight=EDROccupancy) to weight CE by the "
                 "greedy occupancies instead."

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from lightning_spec.decoding.verify import acceptance_probability
 from lightning_spec.drafters.base import DraftOutput, seeded_rand
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.objective import Objective
 from lightning_spec.sampling import SamplingConfig
 
@@ -165,16 +166,16 @@ class GRPO(Objective):
     ) -> None:
         super().__init__(normalize="slots")
         if not (isinstance(group_size, int) and group_size >= 2):
-            raise ValueError(f"objective.group_size is {group_size}; GRPO compares drafts of an anchor, set it >= 2.")
+            raise UserError(f"objective.group_size is {group_size}; GRPO compares drafts of an anchor, set it >= 2.")
         if not (math.isfinite(draft_temperature) and draft_temperature > 0):
-            raise ValueError(
+            raise UserError(
                 f"objective.draft_temperature is {draft_temperature}; set a temperature > 0 (e.g. 1.0), or the "
                 "drafts of an anchor are all the argmax."
             )
         if not 0 <= clip < 1:
-            raise ValueError(f"objective.clip is {clip}; set ε in [0, 1), e.g. 0.2.")
+            raise UserError(f"objective.clip is {clip}; set ε in [0, 1), e.g. 0.2.")
         if not (math.isfinite(kl_weight) and kl_weight >= 0):
-            raise ValueError(f"objective.kl_weight is {kl_weight}; set β >= 0, e.g. 0.05.")
+            raise UserError(f"objective.kl_weight is {kl_weight}; set β >= 0, e.g. 0.05.")
         self.sampling = SamplingConfig.coerce(sampling)
         self.group_size = group_size
         self.draft_temperature = draft_temperature
@@ -248,7 +249,7 @@ class GRPO(Objective):
     def reference_kl(self, draft: DraftOutput, logits: Tensor) -> Tensor:
         """KL(q_θ ‖ q_ref) per slot (N, A, K), both softmax(z / T) at the drafts' temperature, over Vd."""
         if draft.reference_logits is None:
-            raise ValueError(
+            raise UserError(
                 "GRPO's objective.kl_weight > 0 needs the starting drafter's logits (draft.reference_logits); train "
                 "it through DraftModule with model.init_from set, or set objective.kl_weight: 0."
             )

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.part import Part
 from lightning_spec.sampling import SamplingConfig
 
@@ -145,7 +146,7 @@ class JSD(Loss):
 
     def __init__(self, sampling: SamplingConfig = SamplingConfig(temperature=1.0), beta: float = 0.5) -> None:
         if not 0 < beta < 1:
-            raise ValueError(f"loss.beta must be in (0, 1), got {beta}.")
+            raise UserError(f"loss.beta must be in (0, 1), got {beta}.")
         self.sampling = sampling
         self.beta = beta
 
@@ -281,7 +282,7 @@ class NegProb(Loss):
 
     def __init__(self, token: Literal["target_argmax", "gold"] = "target_argmax") -> None:
         if token not in _TOKENS:
-            raise ValueError(f"loss.token must be one of {_TOKENS}, got {token!r}.")
+            raise UserError(f"loss.token must be one of {_TOKENS}, got {token!r}.")
         self.token = token
 
     @property

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_spec.drafters.base import Anchors, DraftOutput
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.losses import CE, Loss, NegProb, TVMinusOne
 from lightning_spec.objectives.part import DraftFn, TargetInfo
 from lightning_spec.objectives.weights import (
@@ -80,7 +81,7 @@ class Objective:
         self.anchor_weight = anchor_weight if anchor_weight is not None else AnchorUniform()
         if normalize not in NORMALIZE:
             choices = ", ".join(map(repr, NORMALIZE))
-            raise ValueError(f"objective.normalize must be one of {choices}, got {normalize!r}.")
+            raise UserError(f"objective.normalize must be one of {choices}, got {normalize!r}.")
         self.normalize = normalize
 
     #: trains on the rounds of on-policy rollouts (``DraftOPD``): the module refuses a fit without ``OnPolicyRollouts``
@@ -104,7 +105,7 @@ class Objective:
         parts = (self.anchor_weight, self.position_weight, self.loss)
         chosen = [c for c in (p.select_anchors(batch, draft_fn, target) for p in parts) if c is not None]
         if len(chosen) > 1:
-            raise ValueError("At most one part of an objective may choose the anchors (select_anchors).")
+            raise UserError("At most one part of an objective may choose the anchors (select_anchors).")
         return chosen[0] if chosen else None
 
     def slot_mask(self, draft: DraftOutput) -> Tensor:
@@ -252,7 +253,7 @@ class Mixture(Objective):
 
     def __init__(self, objectives: list[Objective], weights: list[float]) -> None:
         if len(objectives) != len(weights) or not objectives:
-            raise ValueError(
+            raise UserError(
                 f"objective.objectives ({len(objectives)}) and objective.weights ({len(weights)}) must be "
                 "non-empty lists of the same length."
             )
@@ -274,7 +275,7 @@ class Mixture(Objective):
     def select_anchors(self, batch, draft_fn, target):
         chosen = [c for c in (o.select_anchors(batch, draft_fn, target) for o in self.objectives) if c is not None]
         if len(chosen) > 1:
-            raise ValueError("At most one component of a Mixture may choose the anchors (select_anchors).")
+            raise UserError("At most one component of a Mixture may choose the anchors (select_anchors).")
         return chosen[0] if chosen else None
 
     def slot_mask(self, draft: DraftOutput) -> Tensor:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.drafters.specblock_rank import rank_labels  # the drafter owns the bucket boundaries
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.losses import Loss
 from lightning_spec.objectives.weights import _prefix_support
 
@@ -55,13 +56,13 @@ class RankOrdinal(Loss):
 
     def __init__(self, cap: float = 10.0, key: str = "rank") -> None:
         if not cap > 0:
-            raise ValueError(f"loss.cap must be > 0 (the frequency reweighting min(1, cap / count)), got {cap!r}.")
+            raise UserError(f"loss.cap must be > 0 (the frequency reweighting min(1, cap / count)), got {cap!r}.")
         self.cap = cap
         self.key = key
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         if self.key not in draft.aux:
-            raise ValueError(
+            raise UserError(
                 f"loss RankOrdinal reads draft.aux[{self.key!r}], which this drafter does not give; use it with a "
                 "drafter that has a rank head (lightning_spec.drafters.SpecBlockDrafter) or drop it."
             )

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.losses import Loss, _upcast
 
 
@@ -40,9 +41,9 @@ class TwoBranchCE(Loss):
 
     def __init__(self, start: float = 1.0, decay_ratio: float = 0.5, branch: str = "base_logits") -> None:
         if not 0 <= start <= 1:
-            raise ValueError(f"loss.start must be in [0, 1], got {start}.")
+            raise UserError(f"loss.start must be in [0, 1], got {start}.")
         if not decay_ratio > 0:
-            raise ValueError(f"loss.decay_ratio must be > 0 (the share of training λ decays over), got {decay_ratio}.")
+            raise UserError(f"loss.decay_ratio must be > 0 (the share of training λ decays over), got {decay_ratio}.")
         self.start = start
         self.decay_ratio = decay_ratio
         self.branch = branch
@@ -54,7 +55,7 @@ class TwoBranchCE(Loss):
 
     def __call__(self, draft: DraftOutput) -> Tensor:
         if self.branch not in draft.aux:
-            raise ValueError(
+            raise UserError(
                 f"loss TwoBranchCE needs the drafter's second branch draft.aux[{self.branch!r}], which this drafter "
                 f"does not give (it has {sorted(draft.aux) or 'none'}); use it with DominoDrafter or set loss.branch."
             )

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.weights import PositionWeight
 
 
@@ -27,7 +28,7 @@ class VPDecay(PositionWeight):
 
     def __init__(self, tau: float = 7.0) -> None:
         if not tau > 0:
-            raise ValueError(f"position_weight.tau must be > 0, got {tau}.")
+            raise UserError(f"position_weight.tau must be > 0, got {tau}.")
         self.tau = tau
 
     def __call__(self, draft: DraftOutput) -> Tensor:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
+from lightning_spec.errors import UserError
 from lightning_spec.objectives.losses import _TOKENS, _draft_logprobs, _gold_or_argmax, _target_and_draft, acceptance
 from lightning_spec.objectives.part import Part
 from lightning_spec.sampling import SamplingConfig
@@ -39,7 +40,7 @@ class ExpDecay(PositionWeight):
 
     def __init__(self, gamma: float = 7.0) -> None:
         if gamma <= 0:
-            raise ValueError(f"position_weight.gamma must be > 0, got {gamma}.")
+            raise UserError(f"position_weight.gamma must be > 0, got {gamma}.")
         self.gamma = gamma  # larger gamma: later slots matter more
 
     def __call__(self, draft: DraftOutput) -> Tensor:
@@ -78,7 +79,7 @@ class Geometric(PositionWeight):
 
     def __init__(self, rho: float = 0.8) -> None:
         if not 0 < rho <= 1:
-            raise ValueError(f"position_weight.rho must be in (0, 1], got {rho}.")
+            raise UserError(f"position_weight.rho must be in (0, 1], got {rho}.")
         self.rho = rho
 
     def __call__(self, draft: DraftOutput) -> Tensor:
@@ -139,7 +140,7 @@ class DPACE(PositionWeight):
 
     def __init__(self, alpha: float = 0.5) -> None:
         if not 0 <= alpha <= 1:
-            raise ValueError(f"position_weight.alpha must be in [0, 1], got {alpha}.")
+            raise UserError(f"position_weight.alpha must be in [0, 1], got {alpha}.")
         self.alpha = alpha
 
     @torch.no_grad()
@@ -180,7 +181,7 @@ class WTVWeight(E2EWeight):
 
     def __init__(self, temperature: float = 1.0) -> None:
         if temperature <= 0:
-            raise ValueError(f"position_weight.temperature must be > 0, got {temperature}.")
+            raise UserError(f"position_weight.temperature must be > 0, got {temperature}.")
         super().__init__(SamplingConfig(temperature=temperature))
         self.temperature = temperature
 
@@ -197,7 +198,7 @@ class EALWeight(PositionWeight):
 
     def __init__(self, token: Literal["target_argmax", "gold"] = "target_argmax") -> None:
         if token not in _TOKENS:
-            raise ValueError(f"position_weight.token must be one of {_TOKENS}, got {token!r}.")
+            raise UserError(f"position_weight.token must be one of {_TOKENS}, got {token!r}.")
         self.token = token
 
     @property
@@ -219,7 +220,7 @@ class PositionProduct(PositionWeight):
 
     def __init__(self, weights: list[PositionWeight]) -> None:
         if not weights:
-            raise ValueError("position_weight.weights must name at least one weight.")
+            raise UserError("position_weight.weights must name at least one weight.")
         self.weights = list(weights)
 
     @property

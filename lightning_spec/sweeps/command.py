@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import optuna
+from jsonargparse import ArgumentError
 from optuna.trial import FrozenTrial, TrialState
 
+from lightning_spec.errors import UserError
 from lightning_spec.sweeps.locks import StudyLock, study_lock
 from lightning_spec.sweeps.runner import (
     Search,
@@ -93,20 +95,20 @@ def sweep(
             before touching the storage or MLflow.
     """
     if int(os.environ.get("LOCAL_RANK", "0")) > 0:
-        raise ValueError("a sweep runs each trial on one device; start one sweep worker per GPU instead of DDP.")
+        raise UserError("a sweep runs each trial on one device; start one sweep worker per GPU instead of DDP.")
     # plain `dict` types: jsonargparse would build `class_path` blocks typed Any; they stay config values here
     space, overrides = plain(space), plain(overrides or {})
     for key in overrides:
         if key == "trainer.logger" or key.startswith("trainer.logger."):
-            raise ValueError("overrides.trainer.logger: the sweep logs every trial to its MLflow child run.")
+            raise UserError("overrides.trainer.logger: the sweep logs every trial to its MLflow child run.")
     params = parse_space(space)
     grid = grid_of(params) if sampler == "grid" else None
     if n_trials is None:
         if grid is None and timeout is None:
-            raise ValueError("n_trials (or timeout) is needed unless sampler=grid, which runs the whole grid.")
+            raise UserError("n_trials (or timeout) is needed unless sampler=grid, which runs the whole grid.")
         n_trials = math.prod(len(v) for v in grid.values()) if grid is not None else None
     if not Path(base).is_file():
-        raise ValueError(f"base={base!r} is not a file (a path relative to the working folder, like fit -c).")
+        raise UserError(f"base={base!r} is not a file (a path relative to the working folder, like fit -c).")
     storage = absolute_sqlite_uri(storage)
     identity = {"base": base, "metric": metric, "direction": direction, "overrides": overrides, "space": space,
                 "sampler": sampler, "seed": seed}  # (a grid's seed orders it: every worker needs the same)
@@ -117,8 +119,8 @@ def sweep(
     for where, values in probes(params):
         try:
             check_config(trial_config(base_config, overrides, params, values))
-        except Exception as err:  # jsonargparse's message names the key
-            raise ValueError(f"{where} does not parse with {base}: {error_line(err)}") from None
+        except (ArgumentError, UserError) as err:  # jsonargparse's message names the key; anything else is a bug
+            raise UserError(f"{where} does not parse with {base}: {error_line(err)}") from None
     if dry_run:
         print_plan(base, overrides, params, grid, sampler, n_trials)
         return None
@@ -176,14 +178,14 @@ def _open_study(
         study = optuna.create_study(storage=rdb, study_name=study_name, direction=direction, load_if_exists=True)
         if study.direction.name.lower() != direction:
             created = study.direction.name.lower()
-            raise ValueError(f"direction={direction}, but study {study_name!r} was created to {created}.")
+            raise UserError(f"direction={direction}, but study {study_name!r} was created to {created}.")
         recorded = study.user_attrs.get(CONFIG_ATTR)
         if recorded is None:
             study.set_user_attr(CONFIG_ATTR, identity)
         else:
             for key in identity:
                 if json.dumps(recorded.get(key), sort_keys=True) != json.dumps(identity[key], sort_keys=True):
-                    raise ValueError(
+                    raise UserError(
                         f"{key} differs from the one study {study_name!r} was started with; a study is one search: "
                         "use a new study_name."
                     )

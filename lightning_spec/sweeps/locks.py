@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lightning_spec.errors import UserError
 from lightning_spec.tracking import mask_uri
 
 
@@ -43,7 +44,7 @@ class FileStudyLock(StudyLock):
     def __init__(self, url: str, study_name: str, database: str | None) -> None:
         super().__init__(url, study_name)
         if not database or database == ":memory:":
-            raise ValueError("storage: an in-memory SQLite study is not shared; use sqlite:///optuna.db.")
+            raise UserError("storage: an in-memory SQLite study is not shared; use sqlite:///optuna.db.")
         from filelock import FileLock
 
         self.database = Path(database).resolve()
@@ -54,7 +55,7 @@ class FileStudyLock(StudyLock):
 
         writable_dir(self.database.parent, "storage")
         if self.database.exists() and not self.database.is_file():
-            raise ValueError(f"storage '{self.database}' is a folder; name a database file (sqlite:///optuna.db).")
+            raise UserError(f"storage '{self.database}' is a folder; name a database file (sqlite:///optuna.db).")
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
@@ -77,7 +78,7 @@ class DatabaseStudyLock(StudyLock):
         try:
             self._engine = create_engine(url, poolclass=NullPool, connect_args=connect_args)
         except ImportError as err:
-            raise ValueError(
+            raise UserError(
                 f"storage {mask_uri(url)!r} needs a database driver that is not installed ({err}); install it "
                 "(PostgreSQL: pip install psycopg2-binary; MySQL: pip install pymysql)."
             ) from None
@@ -90,7 +91,7 @@ class DatabaseStudyLock(StudyLock):
                 pass
         except SQLAlchemyError as err:
             reason = str(getattr(err, "orig", None) or err).strip().splitlines()
-            raise ValueError(
+            raise UserError(
                 f"storage {mask_uri(self.url)!r} cannot be reached ({mask_uri(reason[0]) if reason else 'no reason'})"
                 "; start the database server or correct the host, port, database, user or password in storage."
             ) from None
@@ -145,6 +146,6 @@ def study_lock(url: str, study_name: str) -> StudyLock:
         return PostgresStudyLock(url, study_name, parsed.get_driver_name())
     if backend in ("mysql", "mariadb"):
         return MySQLStudyLock(url, study_name, parsed.get_driver_name())
-    raise ValueError(
+    raise UserError(
         f"storage {mask_uri(url)!r}: sweeps need an Optuna RDB URL (sqlite:///optuna.db, postgresql://..., mysql://...)."
     )

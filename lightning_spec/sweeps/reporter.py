@@ -9,6 +9,7 @@ import lightning as L
 import optuna
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_spec.errors import UserError
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import Objective
 
@@ -43,7 +44,7 @@ class TrialReporter(Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.world_size > 1:
-            raise ValueError(
+            raise UserError(
                 "a sweep runs each trial in its own process on one device (trainer.devices: 1); for several "
                 "GPUs start one sweep worker per GPU (CUDA_VISIBLE_DEVICES) on the same study."
             )
@@ -78,7 +79,7 @@ class TrialReporter(Callback):
         """The trial's objective: the metric's last value (the drafter the trial ends with)."""
         if self.metric not in self.final:
             logged = ", ".join(sorted(k for k in self.final if k.count("/") == 1)) or "nothing"
-            raise ValueError(
+            raise UserError(
                 f"metric {self.metric!r} was not logged by the trial (it logged {logged}); add the callback that "
                 "logs it (SpecDecodeValidation: val/mal, val/tokens_per_s; OfflineEvaluation: val/offline_mal)."
             )

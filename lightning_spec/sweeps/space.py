@@ -21,6 +21,7 @@ from typing import Any
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
+from lightning_spec.errors import UserError
 from lightning_spec.files import atomic_write_text
 
 CHOICE_TYPES = (str, int, float, bool, type(None))  # what Optuna stores as a categorical value
@@ -53,12 +54,12 @@ class Param:
 
 def _number(value: Any, field: str) -> float | int:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{field} must be a number, got {value!r}.")
+        raise UserError(f"{field} must be a number, got {value!r}.")
     if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
         try:
             return float(value)
         except ValueError:
-            raise ValueError(f"{field} must be a number, got {value!r}.") from None
+            raise UserError(f"{field} must be a number, got {value!r}.") from None
     return value
 
 
@@ -73,15 +74,15 @@ def parse_space(space: dict[str, Any]) -> list[Param]:
     ``{low, high, log?, step?}`` (int when both bounds are ints), with an optional ``name`` (default: the
     key's last part that is not ``init_args``)."""
     if not space:
-        raise ValueError("space is empty: give at least one dotted config key with choices or low/high.")
+        raise UserError("space is empty: give at least one dotted config key with choices or low/high.")
     params = []
     for key, spec in space.items():
         field = f"space.{key}"
         if not isinstance(spec, dict):
-            raise ValueError(f"{field} must be a mapping with `choices` or `low`/`high`, got {spec!r}.")
+            raise UserError(f"{field} must be a mapping with `choices` or `low`/`high`, got {spec!r}.")
         unknown = set(spec) - {"choices", "low", "high", "log", "step", "name"}
         if unknown:
-            raise ValueError(f"{field} has unknown fields {sorted(unknown)}; use choices, low, high, log, step, name.")
+            raise UserError(f"{field} has unknown fields {sorted(unknown)}; use choices, low, high, log, step, name.")
         name = str(spec.get("name") or short_name(key))
         if "choices" in spec:
             choices = spec["choices"]
@@ -90,10 +91,10 @@ def parse_space(space: dict[str, Any]) -> list[Param]:
                 values = {str(k): v for k, v in choices.items()}
                 choices = list(values)
             if not isinstance(choices, list) or not choices:
-                raise ValueError(f"{field}.choices must be a non-empty list or a mapping name -> value.")
+                raise UserError(f"{field}.choices must be a non-empty list or a mapping name -> value.")
             bad = [c for c in choices if not isinstance(c, CHOICE_TYPES)]
             if bad:
-                raise ValueError(
+                raise UserError(
                     f"{field}.choices holds {bad[0]!r}, which Optuna cannot store: give the choices as a mapping "
                     "name -> value (e.g. `choices: {kl_decay: {class_path: ...}}`); the name is the trial's param."
                 )
@@ -102,18 +103,18 @@ def parse_space(space: dict[str, Any]) -> list[Param]:
             low, high = _number(spec["low"], f"{field}.low"), _number(spec["high"], f"{field}.high")
             log, step = bool(spec.get("log", False)), spec.get("step")
             if low >= high:
-                raise ValueError(f"{field} needs low < high, got low={low}, high={high}.")
+                raise UserError(f"{field} needs low < high, got low={low}, high={high}.")
             if isinstance(low, int) and isinstance(high, int) and (step is None or isinstance(step, int)):
                 params.append(Param(key, name, IntDistribution(low, high, log=log, step=step or 1)))
             else:
                 step = None if step is None else float(_number(step, f"{field}.step"))
                 params.append(Param(key, name, FloatDistribution(float(low), float(high), log=log, step=step)))
         else:
-            raise ValueError(f"{field} needs `choices` or both `low` and `high`.")
+            raise UserError(f"{field} needs `choices` or both `low` and `high`.")
     names = [p.name for p in params]
     for p in params:
         if names.count(p.name) > 1:
-            raise ValueError(f"space.{p.key}: the param name {p.name!r} is taken twice; give each a `name:`.")
+            raise UserError(f"space.{p.key}: the param name {p.name!r} is taken twice; give each a `name:`.")
     return params
 
 
@@ -121,7 +122,7 @@ def grid_of(params: list[Param]) -> dict[str, list[Any]]:
     """The search space of the grid sampler: every param must be categorical."""
     for p in params:
         if not isinstance(p.distribution, CategoricalDistribution):
-            raise ValueError(f"sampler=grid needs `choices` for every space entry; space.{p.key} is a range.")
+            raise UserError(f"sampler=grid needs `choices` for every space entry; space.{p.key} is a range.")
     return {p.name: list(p.distribution.choices) for p in params}
 
 
@@ -157,7 +158,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
     config = get_loader("yaml")(Path(path).read_text())
     if not isinstance(config, dict):
-        raise ValueError(f"{path} is not a YAML mapping.")
+        raise UserError(f"{path} is not a YAML mapping.")
     return config
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from lightning_spec.errors import UserError
 from lightning_spec.sweeps.plots import comparison_plots
 from lightning_spec.sweeps.workers import counts
 from lightning_spec.tracking import DRAFTER_ARTIFACT, absolute_sqlite_uri, mask_uri, open_store
@@ -49,7 +50,7 @@ class Tracker:
             try:
                 self.experiment_id = self.client.get_run(parent).info.experiment_id  # the children go beside it
             except Exception:
-                raise ValueError(
+                raise UserError(
                     f"study {study.study_name!r} logs to MLflow parent run {parent}, which tracking_uri="
                     f"{mask_uri(self.uri)!r} does not hold; give every worker the tracking_uri of the first one."
                 ) from None

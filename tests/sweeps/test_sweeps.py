@@ -99,6 +99,20 @@ def test_every_sweep_yaml_parses(path, monkeypatch, capsys):
     assert sorted(p.name for p in ROOT.iterdir()) == before
 
 
+def test_a_space_key_that_does_not_parse_is_one_sentence_before_any_trial(tmp_path, monkeypatch, capsys):
+    """A typo in a space key is the user's: one sentence naming the entry, before a study exists."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    monkeypatch.delenv("LIGHTNING_SPEC_TRACEBACK", raising=False)
+    sweep = yaml.safe_load((ROOT / "sweeps" / "tiny.yaml").read_text())
+    sweep["space"] = {"model.drafter.init_args.block_sise": {"choices": [2, 4]}}
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    assert exit_code(["sweep", "-c", str(path), "--dry_run", "true"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lightning-spec: error: ") and "block_sise" in last and "does not parse with" in last, last
+
+
 def test_objectives_vs_block_reuses_the_objective_yamls():
     """Its choices are model.objective of experiments/objectives/<name>.yaml, on the quickstart, K in {4, 8, 16}."""
     sweep = yaml.safe_load((ROOT / "sweeps" / "objectives_vs_block.yaml").read_text())
@@ -223,7 +237,7 @@ def test_tiny_sweep_lands_in_optuna_and_mlflow(tmp_path, monkeypatch):
     assert sorted(by_block) == [2, 4, 200]
     failed = by_block[200]
     assert failed.state == optuna.trial.TrialState.FAIL
-    assert "block_size=200" in failed.user_attrs["error"] and failed.user_attrs["error"].startswith("ValueError")
+    assert "block_size=200" in failed.user_attrs["error"] and failed.user_attrs["error"].startswith("UserError")
     for k in (2, 4):
         assert by_block[k].state == optuna.trial.TrialState.COMPLETE and by_block[k].value >= 1.0
         assert by_block[k].user_attrs["block_size"] == k and by_block[k].user_attrs["objective"] == "kl"
