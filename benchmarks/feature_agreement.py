@@ -39,7 +39,7 @@ def main() -> None:
     real = batch["attention_mask"].bool()  # (N, S)
     layers = module.drafter.target_layers
     exact = module.target(batch["input_ids"], layers=layers, logits=False)
-    bf16 = module.feature_target(batch["input_ids"], layers=layers, logits=False)
+    bf16 = module.feature_source.target(batch["input_ids"], layers=layers, logits=False)
     ways = {
         "fp32 computed, fp16 stored (default)": (exact.features.half().float(), exact.last_hidden.half().float()),
         "bf16 computed, bf16 stored (feature_dtype: auto)": (bf16.features.float(), bf16.last_hidden.float()),

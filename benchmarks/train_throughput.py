@@ -94,7 +94,8 @@ def attach_data(module, dm) -> None:
         module.drafter.vocab.set_from_counts(dm.token_counts(module.target.vocab_size))
         module.drafter.on_vocab_chosen()
     if module.hparams.feature_cache != "off":
-        module._features = module.open_feature_store(dm.fingerprint, len(dm.train_dataset))
+        store = module.open_feature_store(dm.fingerprint, len(dm.train_dataset))
+        module.feature_source = module.feature_source.with_store(store)
 
 
 def optimizer(module):
@@ -196,7 +197,7 @@ def epochs(args, dtype: str) -> tuple[float, float, int]:
             plain_step(module, batch, step, opt, sched)
             tokens += tokens_of(batch)
             step += 1
-        module._features.flush()  # what on_train_epoch_end does
+        module.feature_source.store.flush()  # what on_train_epoch_end does
         rates.append(tokens / (time.perf_counter() - start))
     return rates[0], rates[1], step // 2
 

@@ -39,11 +39,12 @@ from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record,
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters.base import Drafter, DraftOutput
 from lightning_spec.errors import DivergedLoss, UserError
-from lightning_spec.features.store import FeatureStore, StoreSpec, check_holds, dtype_name, human
+from lightning_spec.features.source import FeatureSource
+from lightning_spec.features.store import FeatureStore, StoreSpec, dtype_name, human
 from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.schedule import TrainingClock
-from lightning_spec.target import Target, TargetOptions, load_target, resolve_dtype
+from lightning_spec.target import TargetOptions, load_target, resolve_dtype
 from lightning_spec.tracking import checkpoint_record
 
 
@@ -160,12 +161,12 @@ class DraftModule(L.LightningModule):
             load_target(target, options=options)
         self.target_spec = target if isinstance(target, str) else self.target.name
         wanted = self.target.dtype if feature_dtype == "target" else resolve_dtype(feature_dtype, self.target.device)
-        # training features come from this target: the target itself, or a copy in the feature dtype (in a list:
-        # neither a submodule nor in checkpoints)
-        self._feature_target: list[Target] = [] if wanted == self.target.dtype else [self.target.converted(wanted)]
         drafter, objective = build(drafter), build(objective)  # dicts when reloaded from hparams
         self.drafter = drafter
-        self.drafter.bind(self.target)
+        self.drafter.bind(self.target)  # sets the drafter's target layers when it names none
+        # training features: the target's (or its copy's in the feature dtype), through the feature store once setup
+        # opens one (model.feature_cache)
+        self.feature_source = FeatureSource(self.target, self.drafter.target_layers, dtype=wanted)
         self.objective = objective if objective is not None else Objective()
         self._parent = None if init_from is None else init_weights(self.drafter, init_from, self.target.fingerprint)
         # a frozen copy of the starting drafter for objectives that need it (GRPO's KL to the reference); in a list,
@@ -180,9 +181,7 @@ class DraftModule(L.LightningModule):
         )
         self.val_loss = RatioOfSums()
         self._den_accum = torch.zeros((), dtype=torch.float64)
-        self._features: FeatureStore | None = None
         self._anchor_seed: int | None = None  # run seed of anchor_seeds; set in setup, restored from checkpoints
-        self._target_work = [0.0, 0]  # seconds and examples of target forwards since the last optimizer step
         self._last_step_time: float | None = None
         self._clock: TrainingClock | None = None  # the LR schedule's clock, built in configure_optimizers
         self._clock_state: dict[str, Any] | None = None  # a checkpoint's clock, restored when the clock is built
@@ -217,26 +216,17 @@ class DraftModule(L.LightningModule):
                 "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."
             )
         if stage == "fit" and self.hparams.feature_cache != "off" and not dm.on_policy:
-            self._features = self.open_feature_store(dm.fingerprint, len(dm.train_dataset))
-
-    @property
-    def feature_target(self) -> Target:
-        """The target that computes training features: the target, or its copy in ``feature_dtype``."""
-        if not self._feature_target:
-            return self.target
-        copy = self._feature_target[0]
-        if copy.device != self.target.device:  # Lightning moved the module (and the target) after __init__
-            copy.to(self.target.device)
-        return copy
+            store = self.open_feature_store(dm.fingerprint, len(dm.train_dataset))
+            self.feature_source = self.feature_source.with_store(store)
 
     def store_spec(self, data_fingerprint: str, examples: int) -> StoreSpec:
         """What this fit's feature store holds: its target, layers, data and feature dtype."""
         return StoreSpec(
             target=self.target_spec,
             target_fingerprint=self.target.fingerprint,
-            layers=list(self.drafter.target_layers),
+            layers=list(self.feature_source.layers),
             data_fingerprint=data_fingerprint,
-            dtype=dtype_name(self.feature_target.dtype),
+            dtype=dtype_name(self.feature_source.dtype),
             hidden_size=self.target.hidden_size,
             examples=examples,
         )
@@ -251,9 +241,8 @@ class DraftModule(L.LightningModule):
         directory = self.store_directory(spec) if self.hparams.feature_cache == "disk" else None
         rank = self.trainer.global_rank if self._trainer is not None else 0
         store = FeatureStore.open(directory, spec, writer=f"rank{rank}")
-        check_holds(store.spec, self.objective.needs_target, type(self.objective).__name__, directory)
         if directory is not None:
-            rest = ("the target never runs in training" if len(store) >= examples else
+            rest = ("the target never runs in training" if store.complete else
                     "the first epoch writes the rest as it computes them")
             rank_zero_info(f"feature store {directory}: {len(store)} of {examples} training examples stored "
                            f"({human(store.disk_bytes())}); {rest}")
@@ -291,32 +280,9 @@ class DraftModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------- features
     def target_features(self, batch: dict[str, Tensor], use_cache: bool) -> tuple[Tensor, Tensor]:
-        """Context features (N, S, F) and final normed hidden states (N, S, H) of the frozen target."""
-        ids = batch["input_ids"]
-        layers = self.drafter.target_layers
-        cache = self._features if use_cache else None
-        if cache is None or "index" not in batch:
-            out = self.feature_target(ids, layers=layers, logits=False)  # right padding: causal, no mask needed
-            return out.features, out.last_hidden
-        index = batch["index"].tolist()
-        lengths = batch["attention_mask"].sum(1).tolist()
-        missing = [i for i, x in enumerate(index) if x not in cache]
-        if missing:
-            start = time.perf_counter()
-            out = self.feature_target(ids[missing], layers=layers, logits=False)
-            for j, i in enumerate(missing):
-                cache.put(index[i], out.features[j, : lengths[i]], out.last_hidden[j, : lengths[i]])
-            self._target_work[0] += time.perf_counter() - start  # the training clock's projection (schedule.py)
-            self._target_work[1] += len(missing)
-        n, s = ids.shape
-        feats = ids.new_zeros((n, s, len(layers) * self.target.hidden_size), dtype=torch.float32)
-        last = ids.new_zeros((n, s, self.target.hidden_size), dtype=torch.float32)
-        for i, x in enumerate(index):
-            f, h = cache.get(x)
-            feats[i, : f.shape[0]] = f.to(feats.device, feats.dtype)
-            if h is not None:  # a store of layer features only (check_holds refused objectives that need more)
-                last[i, : h.shape[0]] = h.to(last.device, last.dtype)
-        return feats, last
+        """Context features (N, S, F) and final normed hidden states (N, S, H) of the frozen target: through the
+        feature store when ``use_cache`` (training steps), else the target's forward (``FeatureSource``)."""
+        return self.feature_source(batch, use_store=use_cache)
 
     def attach_target(self, draft: DraftOutput, last_hidden: Tensor) -> None:
         """The target's side of every slot, lazily (the objective may evaluate it in chunks of anchors): its final
@@ -435,14 +401,13 @@ class DraftModule(L.LightningModule):
         """Feed the training clock one optimizer step: its wall time and the target forwards inside it."""
         now = time.perf_counter()
         last, self._last_step_time = self._last_step_time, now
-        seconds, examples = self._target_work
-        self._target_work = [0.0, 0]
+        seconds, examples = self.feature_source.take_work()
         if last is None or self._clock is None:
             return
         uncached = 0
-        dm = self.trainer.datamodule
-        if self._features is not None and isinstance(dm, SpecDataModule):  # a store opens only for a SpecDataModule
-            uncached = max(len(dm.train_dataset) - len(self._features), 0)
+        dm, store = self.trainer.datamodule, self.feature_source.store
+        if store is not None and isinstance(dm, SpecDataModule):  # a store opens only for a SpecDataModule
+            uncached = max(len(dm.train_dataset) - len(store), 0)  # len: a count, not a pass over the store
         self._clock.record(self.global_step + 1, now - last, seconds, examples, uncached)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -472,12 +437,14 @@ class DraftModule(L.LightningModule):
             quiet.__exit__(None, None, None)
 
     def on_train_epoch_start(self) -> None:
-        if self._features is not None:  # what the other DDP ranks (or processes) wrote since
-            self._features.refresh()
+        store = self.feature_source.store
+        if store is not None:  # what the other DDP ranks (or processes) wrote since
+            store.refresh()
 
     def on_train_epoch_end(self) -> None:
-        if self._features is not None:
-            self._features.flush()
+        store = self.feature_source.store
+        if store is not None:
+            store.flush()
             if self.trainer.world_size > 1:  # every rank's shards are on disk before any rank starts the next epoch
                 self.trainer.strategy.barrier("feature-store")
 
@@ -523,8 +490,9 @@ class DraftModule(L.LightningModule):
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self._features is not None:  # a run killed after this checkpoint resumes with these features stored
-            self._features.flush()
+        store = self.feature_source.store
+        if store is not None:  # a run killed after this checkpoint resumes with these features stored
+            store.flush()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
         checkpoint[CKPT_KEY] = {**drafter_record(self.drafter, self.target_spec), "parent": self._parent}
         checkpoint["anchor_seed"] = self._anchor_seed

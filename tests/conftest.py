@@ -218,7 +218,8 @@ def trained_fit(tmp_path, data_files):
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step >= 2
     # the feature cache holds every training example after one epoch
-    assert module._features is not None and len(module._features) == len(dm.train_dataset)
+    store = module.feature_source.store
+    assert store is not None and len(store) == len(dm.train_dataset)
     return module.eval(), tmp_path / "ckpt" / "last.ckpt", dm
 
 

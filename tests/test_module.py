@@ -105,7 +105,8 @@ def test_batch8_equals_batch1_times_accumulate8(tiny_target):
 
 def test_cached_features_equal_fresh_ones(tiny_target, monkeypatch):
     module = DraftModule(DFlashDrafter(block_size=3, num_layers=1), Objective(KL()), target=tiny_target)
-    module._features = FeatureStore(StoreSpec("tiny-random", "f", [0], "d", "float32", 64, 4))
+    store = FeatureStore(StoreSpec("tiny-random", "f", [0], "d", "float32", 64, 4))
+    module.feature_source = module.feature_source.with_store(store)
     examples = sequences(4, seed=1)
     batch = collate(examples[:3], pad_id=0)
     lengths = batch["attention_mask"].sum(1).tolist()
@@ -120,7 +121,7 @@ def test_cached_features_equal_fresh_ones(tiny_target, monkeypatch):
 
     monkeypatch.setattr(module.target, "forward", counting_forward)
     cached_f, cached_h = module.target_features(batch, use_cache=True)  # fills the cache, reads it back
-    assert calls == [(3, batch["input_ids"].shape[1])] and len(module._features) == 3
+    assert calls == [(3, batch["input_ids"].shape[1])] and len(store) == 3
     for i, length in enumerate(lengths):
         # fp16 storage: relative rounding error <= 2^-11
         torch.testing.assert_close(cached_f[i, :length], fresh_f[i, :length], rtol=1e-3, atol=1e-6)
@@ -133,7 +134,7 @@ def test_cached_features_equal_fresh_ones(tiny_target, monkeypatch):
     assert calls == [] and torch.equal(again_f, cached_f) and torch.equal(again_h, cached_h)
     mixed = collate([examples[3], examples[0]], pad_id=0)
     module.target_features(mixed, use_cache=True)  # only the missing example is computed
-    assert calls == [(1, mixed["input_ids"].shape[1])] and len(module._features) == 4
+    assert calls == [(1, mixed["input_ids"].shape[1])] and len(store) == 4
 
 
 def datamodule(files, train="train", **kwargs) -> SpecDataModule:

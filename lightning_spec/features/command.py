@@ -2,37 +2,46 @@
 command line, ``fit``'s own options, is parsed in ``cli.py``; the work is ``write_store`` here).
 
 The same YAML as ``fit`` says which target, layers, data and feature dtype; this command runs the target over every
-training example once, longest first in batches, and writes the store a fit with ``model.feature_cache: disk``
-reads (``--out`` here and ``model.feature_store`` there name another folder than the cache's). It prints the disk
-the store will take before it starts, refuses when the disk cannot hold it, and resumes: examples already stored
-are skipped, so a killed run continues where its last shard ended.
+training example once, longest first in batches, through the fit's own ``FeatureSource`` (``source.py``), and
+writes the store a fit with ``model.feature_cache: disk`` reads (``--out`` here and ``model.feature_store`` there
+name another folder than the cache's). It prints the disk the store will take before it starts, refuses when the
+disk cannot hold it, and resumes: examples already stored are skipped, so a killed run continues where its last
+shard ended.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_spec.errors import UserError
 from lightning_spec.features.store import FeatureStore, human
+from lightning_spec.loaders import collate
 from lightning_spec.progress import progress_bar
+
+if TYPE_CHECKING:  # types only: module.py imports this package, so nothing here imports module.py
+    from lightning_spec.datamodule import SpecDataModule
+    from lightning_spec.module import DraftModule
 
 
 @torch.no_grad()
-def write_store(module: Any, dm: Any, out: str | None = None, batch_size: int = 16, progress: bool = True,
-                echo: Any = print) -> FeatureStore:
+def write_store(module: DraftModule, dm: SpecDataModule, out: str | None = None, batch_size: int = 16,
+                progress: bool = True, echo: Callable[[str], None] = print) -> FeatureStore:
     """Run ``module``'s feature target over every training example of ``dm`` (set up) not yet stored, and write
-    them to the store of ``module.store_spec`` in ``out`` (default: the folder a fit would use)."""
+    them to the store of ``module.store_spec`` in ``out`` (default: the folder a fit would use), through the
+    module's own ``FeatureSource``: the rows a fit would compute, batched here longest first."""
     if batch_size < 1:
         raise UserError(f"--batch_size={batch_size} must be at least 1.")
     examples = dm.train_dataset
     spec = module.store_spec(dm.fingerprint, len(examples))
     directory = Path(out).expanduser() if out else module.store_directory(spec)
     store = FeatureStore.open(directory, spec, field_name="--out" if out else "model.feature_store", writer="cli")
+    source = module.feature_source.with_store(store)
     lengths = [len(examples[i]["input_ids"]) for i in range(len(examples))]
     todo = sorted((i for i in range(len(examples)) if i not in store), key=lambda i: (-lengths[i], i))
     tokens = sum(lengths[i] for i in todo)
@@ -45,19 +54,12 @@ def write_store(module: Any, dm: Any, out: str | None = None, batch_size: int = 
     if need > free:
         raise UserError(f"the feature store needs {human(need)} but {directory} has {human(free)} free; free space "
                         "or point --out (model.feature_store) at a larger disk.")
-    target, layers, pad = module.feature_target, spec.layers, dm.pad_id
     start, done_tokens = time.perf_counter(), 0
     columns = {"rate": "- tokens/s"}
     with progress_bar("features", len(todo), progress, columns) as bar:
         for lo in range(0, len(todo), batch_size):
             batch = todo[lo : lo + batch_size]
-            width = max(lengths[i] for i in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)  # (N, S) right-padded: causal, no mask
-            for row, i in enumerate(batch):
-                ids[row, : lengths[i]] = torch.as_tensor(examples[i]["input_ids"])
-            out_ = target(ids.to(target.device), layers=layers, logits=False)
-            for row, i in enumerate(batch):
-                store.put(i, out_.features[row, : lengths[i]], out_.last_hidden[row, : lengths[i]])
+            source.fill(collate([examples[i] for i in batch], dm.pad_id))  # (N, S) right-padded, as a fit's batch
             done_tokens += sum(lengths[i] for i in batch)
             rate = done_tokens / max(time.perf_counter() - start, 1e-9)
             bar.advance(len(batch), rate=f"{rate:,.0f} tokens/s")

@@ -16,12 +16,13 @@ On disk a store is a folder:
         index        (n,)   int64   the examples' indices in the training split
         offsets      (n+1,) int64   where each example's tokens start in the two tensors below
         features     (T, F)         F = len(layers) x H, rows of all n examples one after the other
-        last_hidden  (T, H)         the final normed hidden state (absent in a store that does not hold it)
+        last_hidden  (T, H)         the final normed hidden state
 
 Shards are plain safetensors files (any safetensors reader opens them), each written whole and renamed into place,
 so a killed writer leaves no torn shard; a writer (a process, a DDP rank) only ever adds shards of its own, so
 several write one store at once. Reading does not map the files: an example's rows are one ``pread`` per tensor,
-so memory holds the batch being read, never the store, and a DDP rank reads only the examples it trains on.
+so memory holds the batch being read, never the store, and a DDP rank reads only the examples it trains on. Its
+size is a count kept as examples are added (opening a store counts the shards' indices once), never a pass over them.
 Examples are stored in 16-bit floats: bf16 when the target ran in bf16, else fp16 (refused in one sentence when a
 value does not fit fp16's range).
 """
@@ -33,7 +34,7 @@ import json
 import math
 import os
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,6 @@ from lightning_spec.files import atomic_write, atomic_write_json
 FORMAT = 1
 SPEC_FILE = "store.json"
 SHARD_DIR = "shards"
-HOLDS = ("features", "last_hidden")
 _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}
 _MATCH = ("target_fingerprint", "layers", "data_fingerprint", "dtype")  # what a store is written for
 
@@ -82,8 +82,6 @@ class StoreSpec:
     dtype: str  # the dtype the target computed in
     hidden_size: int
     examples: int  # examples in the training split (the store is complete when it holds all of them)
-    holds: list[str] = field(default_factory=lambda: list(HOLDS))
-    producer: str = "lightning_spec"  # who ran the target: our Target forward, or a serving engine
     format: int = FORMAT
 
     @property
@@ -96,8 +94,7 @@ class StoreSpec:
         return storage_dtype(getattr(torch, self.dtype))
 
     def bytes_per_token(self) -> int:
-        width = len(self.layers) * self.hidden_size + (self.hidden_size if "last_hidden" in self.holds else 0)
-        return width * self.storage.itemsize
+        return (len(self.layers) + 1) * self.hidden_size * self.storage.itemsize  # features (F) and last_hidden (H)
 
     def describe(self) -> str:
         return (f"target '{self.target}' (fingerprint {self.target_fingerprint}), layers {self.layers}, data "
@@ -105,7 +102,7 @@ class StoreSpec:
 
 
 class FeatureStore:
-    """Example index -> (features (S_i, F), last_hidden (S_i, H) or None), in the storage dtype, on CPU.
+    """Example index -> (features (S_i, F), last_hidden (S_i, H)), in the storage dtype, on CPU.
 
     ``directory=None`` keeps everything in memory (a short run, a test); otherwise examples are buffered and
     written in shards of about ``shard_bytes``. Use ``FeatureStore.open`` to create or reopen one.
@@ -117,10 +114,11 @@ class FeatureStore:
         self.directory = directory
         self.writer = f"{writer}-{uuid.uuid4().hex[:8]}"  # unique per process: writers never share a shard name
         self.shard_bytes = shard_bytes
-        self._pending: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self._pending: dict[int, tuple[Tensor, Tensor]] = {}
         self._pending_bytes = 0
         self._shards: list[_Shard] = []
         self._where: dict[int, tuple[int, int]] = {}  # example -> (shard, row)
+        self._count = 0  # distinct examples in _where or _pending: len() is asked every optimizer step
         self._written = 0
         self.refresh()
 
@@ -143,7 +141,6 @@ class FeatureStore:
             atomic_write_json(directory / SPEC_FILE, asdict(spec))
         else:
             check_spec(found, spec, directory, field_name)
-            spec = StoreSpec(**{**asdict(spec), "holds": found.holds, "producer": found.producer})
         return cls(spec, directory, **kwargs)
 
     # ------------------------------------------------------------------------------------------- reading
@@ -159,39 +156,43 @@ class FeatureStore:
             number = len(self._shards)
             self._shards.append(shard)
             for row, example in enumerate(shard.index.tolist()):
-                self._where.setdefault(example, (number, row))  # a duplicate (two writers raced) is the same data
+                if example in self._where:
+                    continue  # a duplicate (two writers raced) is the same data
+                if example not in self._pending:  # the examples of our own new shard were counted when put
+                    self._count += 1
+                self._where[example] = (number, row)
 
     def __contains__(self, index: int) -> bool:
         return index in self._pending or index in self._where
 
     def __len__(self) -> int:
-        return len(self._where.keys() | self._pending.keys())
+        return self._count
 
     @property
     def complete(self) -> bool:
         return len(self) >= self.spec.examples
 
-    def get(self, index: int) -> tuple[Tensor, Tensor | None]:
+    def get(self, index: int) -> tuple[Tensor, Tensor]:
         if index in self._pending:
             return self._pending[index]
         shard, row = self._where[index]
         return self._shards[shard].read(row)
 
     # ------------------------------------------------------------------------------------------- writing
-    def put(self, index: int, features: Tensor, last_hidden: Tensor | None) -> None:
+    def put(self, index: int, features: Tensor, last_hidden: Tensor) -> None:
         """Buffer one example's features (S, F) and final hidden state (S, H); shards are written as they fill."""
         if index in self:
             return
         dtype = self.spec.storage
         features = features.detach().to("cpu", dtype)
-        last_hidden = last_hidden.detach().to("cpu", dtype) if "last_hidden" in self.spec.holds else None
-        if dtype == torch.float16 and not (bool(features.isfinite().all()) and
-                                           (last_hidden is None or bool(last_hidden.isfinite().all()))):
+        last_hidden = last_hidden.detach().to("cpu", dtype)
+        if dtype == torch.float16 and not (bool(features.isfinite().all()) and bool(last_hidden.isfinite().all())):
             raise UserError(f"the target's features of training example {index} exceed float16's range, which the "
                             f"feature store uses for a {self.spec.dtype} target; set model.feature_dtype: bfloat16 "
                             "(stored in bf16) or model.feature_cache: off.")
         self._pending[index] = (features, last_hidden)
-        self._pending_bytes += features.nbytes + (0 if last_hidden is None else last_hidden.nbytes)
+        self._count += 1
+        self._pending_bytes += features.nbytes + last_hidden.nbytes
         if self.directory is not None and self._pending_bytes >= self.shard_bytes:
             self.flush()
 
@@ -203,15 +204,13 @@ class FeatureStore:
         feats = [self._pending[i][0] for i in order]
         lengths = torch.tensor([0] + [f.shape[0] for f in feats])
         tensors = {"index": torch.tensor(order, dtype=torch.int64), "offsets": lengths.cumsum(0),
-                   "features": torch.cat(feats)}
-        if "last_hidden" in self.spec.holds:
-            tensors["last_hidden"] = torch.cat([self._pending[i][1] for i in order])
+                   "features": torch.cat(feats), "last_hidden": torch.cat([self._pending[i][1] for i in order])}
         path = self.directory / SHARD_DIR / f"{self.writer}-{self._written:05d}.safetensors"
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": self.spec.key}))
         self._written += 1
+        self.refresh()  # indexes the new shard while its examples are still pending: counted once
         self._pending.clear()
         self._pending_bytes = 0
-        self.refresh()
 
     def disk_bytes(self) -> int:
         if self.directory is None:
@@ -250,10 +249,9 @@ class _Shard:
     def _whole(self, name: str) -> Tensor:
         return self._range(name, 0, self.meta[name]["shape"][0])
 
-    def read(self, row: int) -> tuple[Tensor, Tensor | None]:
+    def read(self, row: int) -> tuple[Tensor, Tensor]:
         start, stop = self.offsets[row], self.offsets[row + 1]
-        last = self._range("last_hidden", start, stop) if "last_hidden" in self.meta else None
-        return self._range("features", start, stop), last
+        return self._range("features", start, stop), self._range("last_hidden", start, stop)
 
 
 # ------------------------------------------------------------------------------------------------ specs
@@ -280,12 +278,3 @@ def check_spec(found: StoreSpec, wanted: StoreSpec, directory: Path, field_name:
         f"({', '.join(names[d] for d in differ)} differ); point {field_name} at another folder or delete that one."
     )
 
-
-def check_holds(spec: StoreSpec, needs_distribution: bool, objective: str, directory: Any) -> None:
-    """An objective that reads the target's distribution needs the final hidden state in the store."""
-    if needs_distribution and "last_hidden" not in spec.holds:
-        raise UserError(
-            f"the feature store '{directory}' holds the target's layer features only (written by {spec.producer}), "
-            f"but model.objective {objective} needs the target's distribution (its final hidden state); write the "
-            "store with `lightning-spec features` or set model.feature_cache: off."
-        )

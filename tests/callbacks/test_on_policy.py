@@ -172,7 +172,7 @@ def test_draft_opd_trains_on_the_live_drafters_rounds(data_files, tmp_path):
     assert all("round_starts" in b for b in seen)
     assert max(int(b["drawn_step"].max()) for b in seen) == 4  # batches after a refresh train on fresh rollouts
     assert "train/staleness" in trainer.callback_metrics and "rollout/mal" in trainer.callback_metrics
-    assert module._features is None  # a changing buffer is never feature-cached
+    assert module.feature_source.store is None  # a changing buffer is never feature-cached
     for e in cb.buffer:  # every example is a lossless decoding of its prompt by the target
         prompt = prompt_of(e)
         plain = generate(module.target, prompt, 12).tokens

@@ -1,5 +1,6 @@
-"""The feature store: shards written once and read back lazily, refused when written for something else, and a
-fit that trains from it exactly as from the target's own forwards."""
+"""The feature store: shards written once and read back lazily, refused when written for something else, counted
+without a pass over its keys, and a fit that trains from it (written by a fit or by `lightning-spec features`)
+exactly as from the target's own forwards."""
 
 import json
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from helpers.fits import TINY, metric_history
 
-from lightning_spec.features.store import SHARD_DIR, FeatureStore, StoreSpec, check_holds, read_spec
+from lightning_spec.features.store import SHARD_DIR, FeatureStore, StoreSpec, read_spec
 
 
 def spec(**changes) -> StoreSpec:
@@ -81,15 +82,58 @@ def test_two_ranks_creating_one_store_at_once_both_open_it(tmp_path, monkeypatch
     assert FeatureStore.open(tmp_path, spec()).spec == spec()
 
 
-def test_a_store_without_the_final_hidden_state_refuses_objectives_that_need_the_distribution(tmp_path):
-    layers_only = spec(holds=["features"], producer="vllm")
-    check_holds(layers_only, needs_distribution=False, objective="CE", directory=tmp_path)
-    with pytest.raises(ValueError, match="holds the target's layer features only .* Objective needs the target's"):
-        check_holds(layers_only, needs_distribution=True, objective="Objective", directory=tmp_path)
-    store = FeatureStore.open(tmp_path, layers_only)
+def test_a_store_json_that_names_the_dropped_holds_and_producer_fields_still_opens(tmp_path):
+    """Stores written while ``StoreSpec`` had ``holds`` and ``producer`` (every one held both tensors, written by our
+    target forward) open and read as before; a new store.json no longer names them."""
+    store = FeatureStore.open(tmp_path, spec())
     store.put(0, *example(0))
     store.flush()
-    assert FeatureStore.open(tmp_path, spec()).get(0)[1] is None  # the folder's own spec decides what it holds
+    raw = json.loads((tmp_path / "store.json").read_text())
+    assert "holds" not in raw and "producer" not in raw
+    raw.update(holds=["features", "last_hidden"], producer="lightning_spec")
+    (tmp_path / "store.json").write_text(json.dumps(raw))
+    assert read_spec(tmp_path) == spec()
+    features, last = FeatureStore.open(tmp_path, spec()).get(0)
+    assert torch.equal(features, example(0)[0].half()) and torch.equal(last, example(0)[1].half())
+
+
+class Unlisted(dict):
+    """A dict whose keys cannot be listed (membership, reads and writes still work)."""
+
+    def __iter__(self):
+        raise AssertionError("the store listed every key")
+
+    keys = values = items = __iter__
+
+
+def test_the_store_counts_its_examples_without_listing_them(tmp_path):
+    """``len(store)`` is asked every optimizer step (the training clock's uncached examples): a count kept by ``put``
+    and by indexing each shard once (as opening a store does), never a pass over every key; an example two writers
+    raced on counts once."""
+    first = FeatureStore.open(tmp_path, spec(), writer="rank0")
+    second = FeatureStore.open(tmp_path, spec(), writer="rank1")
+    for i in (0, 1, 2):
+        first.put(i, *example(i))
+    for i in (2, 3):  # example 2 by both writers
+        second.put(i, *example(i))
+    first.put(1, *example(1))  # held already: not counted again
+    assert len(first) == 3 and len(second) == 2
+    first.flush()
+    second.flush()  # indexes the first writer's shard too
+    assert len(first) == 3 and len(second) == 4
+    first.refresh()
+    reopened = FeatureStore.open(tmp_path, spec())
+    for store in (first, second, reopened):
+        store._where, store._pending = Unlisted(store._where), Unlisted(store._pending)
+        assert len(store) == 4 and not store.complete
+        store.put(4, *example(4))
+        store.put(0, *example(0))
+        assert len(store) == 5 and store.complete
+    memory = FeatureStore(spec())  # feature_cache: memory, everything pending
+    memory._pending = Unlisted(memory._pending)
+    for i in (0, 1, 1):
+        memory.put(i, *example(i))
+    assert len(memory) == 2
 
 
 def test_features_that_overflow_float16_are_refused_in_one_sentence():
@@ -127,37 +171,62 @@ def test_fit_writes_the_store_in_its_first_epoch_and_a_second_fit_reads_it(tmp_p
     assert metric_history(tmp_path / "a", "train/loss") == metric_history(tmp_path / "b", "train/loss")
 
 
-def test_training_from_the_store_equals_training_from_live_target_forwards(tiny_target):
+def test_training_from_the_store_equals_training_from_live_target_forwards(tiny_target, tmp_path):
     """One step's loss and gradients from stored features against the same step with fresh target forwards: equal
-    to the store's fp16 rounding."""
+    to the store's fp16 rounding, whether the store was written by the fit's first step (in memory) or ahead of it
+    by ``lightning-spec features`` (``write_store``, batched longest first, on disk), the fit then running no target
+    forward for its features."""
+    from types import SimpleNamespace
+
     from helpers.data import sequences
 
     from lightning_spec.drafters import DFlashDrafter
+    from lightning_spec.features.command import write_store
     from lightning_spec.loaders import collate
     from lightning_spec.module import DraftModule
     from lightning_spec.objectives import KL, ExpDecay, Objective
 
-    def step(use_store: bool):
+    examples = sequences(4, seed=3)
+    data = SimpleNamespace(train_dataset=examples, fingerprint="d1", pad_id=0)  # what write_store reads of the data
+    lines: list[str] = []
+
+    def step(written_by: str | None):
         torch.manual_seed(0)
         module = DraftModule(DFlashDrafter(block_size=3, num_layers=1, num_anchors=6), Objective(KL(), ExpDecay(4.0)),
                              target=tiny_target)
-        module._features = FeatureStore(spec(examples=4)) if use_store else None
-        batch = collate(sequences(4, seed=3), pad_id=0)
-        if use_store:
-            module.target_features(batch, use_cache=True)  # written, then every step reads the store
-        _, terms = module.draft_step(module.seeded(batch, 0), use_cache=use_store)
+        batch = collate(examples, pad_id=0)
+        if written_by == "fit":  # the first step computes and stores the rows, every later step reads them
+            module.feature_source = module.feature_source.with_store(FeatureStore(module.store_spec("d1", 4)))
+            module.target_features(batch, use_cache=True)
+        elif written_by == "command":  # two batches (3 + 1) of their own widths, then the fit opens the folder
+            write_store(module, data, str(tmp_path / "store"), batch_size=3, progress=False, echo=lines.append)
+            store = FeatureStore.open(tmp_path / "store", module.store_spec("d1", 4))
+            module.feature_source = module.feature_source.with_store(store)
+        module.feature_source.take_work()
+        _, terms = module.draft_step(module.seeded(batch, 0), use_cache=written_by is not None)
+        assert module.feature_source.take_work() == (0.0, 0)  # no target forward for stored (or live) features
         terms.num.backward()
         loss = float(terms.num.detach() / terms.den)
-        return loss, {k: p.grad.clone() for k, p in module.drafter.named_parameters()}
+        rows = [module.feature_source.store.get(i) for i in range(4)] if written_by else None
+        return loss, {k: p.grad.clone() for k, p in module.drafter.named_parameters()}, rows
 
-    (live_loss, live_grads), (stored_loss, stored_grads) = step(False), step(True)
-    assert stored_loss == pytest.approx(live_loss, rel=1e-3)
-    for key, grad in live_grads.items():
-        # fp16 keeps 11 significant bits (relative rounding <= 2^-11 per feature value): each parameter's gradient
-        # moves by about that much as a whole (single elements that cancel to ~0 may move more, relatively)
-        error = float((stored_grads[key] - grad).norm() / grad.norm().clamp_min(1e-12))
-        assert error < 3e-3, (key, error)
-    assert stored_loss != live_loss  # the store's rounding is really in the path: the check has power
+    live_loss, live_grads, _ = step(None)
+    stored = {by: step(by) for by in ("fit", "command")}
+    assert lines[0].startswith("features: 4 of 4 examples to compute (0 stored)")
+    assert lines[1].startswith("features: 4 of 4 examples stored in ")
+    for by, (stored_loss, stored_grads, _) in stored.items():
+        assert stored_loss == pytest.approx(live_loss, rel=1e-3), by
+        for key, grad in live_grads.items():
+            # fp16 keeps 11 significant bits (relative rounding <= 2^-11 per feature value): each parameter's
+            # gradient moves by about that much as a whole (single elements that cancel to ~0 may move more)
+            error = float((stored_grads[key] - grad).norm() / grad.norm().clamp_min(1e-12))
+            assert error < 3e-3, (by, key, error)
+        assert stored_loss != live_loss  # the store's rounding is really in the path: the check has power
+    for (fit_f, fit_h), (cli_f, cli_h) in zip(stored["fit"][2], stored["command"][2], strict=True):
+        assert fit_f.dtype == cli_f.dtype == torch.float16 and fit_f.shape == cli_f.shape
+        # the same rows through one door; other batch widths may move a value by one fp16 rounding step at most
+        torch.testing.assert_close(cli_f, fit_f, rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(cli_h, fit_h, rtol=1e-3, atol=1e-6)
 
 
 def test_the_features_command_writes_the_store_a_fit_reads(tmp_path, monkeypatch, capsys):

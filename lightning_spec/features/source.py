@@ -1,0 +1,110 @@
+"""FeatureSource: the one door to the target's training features, used by ``DraftModule`` in every training step and
+by ``lightning-spec features`` (``command.py``) ahead of a fit.
+
+A batch's features come from the store where one is attached: what it holds is read back, what it lacks is computed
+by the target first and written to it, so a row's features are the same bytes whichever of the two computed them.
+Without a store (``model.feature_cache: off``, validation, on-policy data) the target runs over the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_spec.features.store import FeatureStore
+    from lightning_spec.target import Target
+
+
+class FeatureSource:
+    """The features of ``layers`` of ``target`` (computed in ``dtype``: None is the target's own) for batches of
+    training rows, through ``store`` when there is one (``FeatureStore``; in memory for ``feature_cache: memory``).
+
+    A batch is a collated one (``loaders.collate``): ``input_ids`` (N, S) right-padded, ``attention_mask`` (N, S),
+    and ``index`` (N,), the rows' keys in the store.
+    """
+
+    def __init__(self, target: Target, layers: Sequence[int], store: FeatureStore | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.layers = list(layers)
+        self.store = store
+        self._target = target
+        # a copy of the target in the feature dtype (its own weights, so decoding keeps the target's dtype); a plain
+        # attribute, so neither a submodule of the LightningModule nor in its checkpoints
+        self._copy: Target | None = None if dtype in (None, target.dtype) else target.converted(dtype)
+        self._work = [0.0, 0]  # seconds and examples of target forwards since the last take_work
+
+    def with_store(self, store: FeatureStore | None) -> FeatureSource:
+        """This source reading and writing ``store``: the same target, its feature-dtype copy not made again."""
+        source = copy.copy(self)
+        source.store, source._work = store, [0.0, 0]
+        return source
+
+    @property
+    def target(self) -> Target:
+        """The target that computes the features: the target, or its copy in the feature dtype, moved to where the
+        target is (Lightning moves the module, and the target with it, after this source was built)."""
+        if self._copy is None:
+            return self._target
+        if self._copy.device != self._target.device:
+            self._copy.to(self._target.device)
+        return self._copy
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the features are computed in (a store is written for it)."""
+        return (self._target if self._copy is None else self._copy).dtype
+
+    def take_work(self) -> tuple[float, int]:
+        """Seconds and examples of target forwards since the last call (the training clock's projection,
+        ``schedule.py``), counted from zero again."""
+        seconds, examples = self._work
+        self._work = [0.0, 0]
+        return seconds, examples
+
+    # ------------------------------------------------------------------------------------------- the door
+    def __call__(self, batch: Mapping[str, Tensor], use_store: bool = True) -> tuple[Tensor, Tensor]:
+        """Context features (N, S, F) and final normed hidden states (N, S, H) of the batch's rows.
+
+        Through the store (one is attached, ``use_store``, the batch names its rows' ``index``): float32, zero past
+        each row's length, rounded as the store keeps them. Else the target's own output over every position."""
+        if self.store is None or not use_store or "index" not in batch:
+            out = self.target(batch["input_ids"], layers=self.layers, logits=False)  # right padding: causal, no mask
+            return out.features, out.last_hidden
+        self.fill(batch)
+        return self._read(batch["index"].tolist(), batch["input_ids"])
+
+    def fill(self, batch: Mapping[str, Tensor]) -> int:
+        """Compute the rows the attached store lacks with one target forward and write them to it; how many were
+        computed (a row twice in the batch, as domain-weighted sampling draws, is computed twice and stored once)."""
+        index = batch["index"].tolist()
+        lengths = batch["attention_mask"].sum(1).tolist()
+        missing = [i for i, x in enumerate(index) if x not in self.store]
+        if not missing:
+            return 0
+        start = time.perf_counter()
+        target = self.target
+        ids = batch["input_ids"][missing].to(target.device)  # (M, S) right-padded: causal, no mask needed
+        out = target(ids, layers=self.layers, logits=False)
+        for j, i in enumerate(missing):
+            self.store.put(index[i], out.features[j, : lengths[i]], out.last_hidden[j, : lengths[i]])
+        self._work[0] += time.perf_counter() - start
+        self._work[1] += len(missing)
+        return len(missing)
+
+    def _read(self, index: list[int], ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The stored rows of ``index``, padded with zeros to the batch's (N, S), in float32 on ``ids``' device."""
+        n, s = ids.shape
+        hidden = self._target.hidden_size
+        feats = ids.new_zeros((n, s, len(self.layers) * hidden), dtype=torch.float32)  # (N, S, F)
+        last = ids.new_zeros((n, s, hidden), dtype=torch.float32)  # (N, S, H)
+        for i, x in enumerate(index):
+            f, h = self.store.get(x)  # (S_i, F), (S_i, H) in the storage dtype, on CPU
+            feats[i, : f.shape[0]] = f.to(feats.device, feats.dtype)
+            last[i, : h.shape[0]] = h.to(last.device, last.dtype)
+        return feats, last
