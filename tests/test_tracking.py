@@ -14,6 +14,7 @@ import pytest
 from helpers.cli import exit_code, last_error_line, local_data_args
 from helpers.tracking import runs
 
+from lightning_spec.errors import UserError
 from lightning_spec.tracking import SaveConfigToTracker, mask_uri
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def test_saved_config_and_error_tag_mask_credentials(tmp_path):
     callback = SaveConfigToTracker(parser, config=None, save_to_log_dir=False)
     trainer = SimpleNamespace(loggers=[logger], is_global_zero=True)
     callback.save_config(trainer, None, "fit")
-    callback.on_exception(trainer, None, ValueError(f"storage postgresql://me:{SECRET}@db/x cannot be reached."))
+    callback.on_exception(trainer, None, UserError(f"storage postgresql://me:{SECRET}@db/x cannot be reached."))
     client, (run,) = runs(uri)
     saved = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)))
     assert saved.read_text() == "tracking_uri: postgresql://me:***@db/mlflow\n"
@@ -119,7 +120,7 @@ def test_a_config_error_after_the_run_started_is_its_error_tag(in_tmp, capsys):
 
 
 def test_the_error_tag_is_a_user_errors_sentence_and_a_bugs_type():
-    from lightning_spec.errors import DivergedLoss, UserError
+    from lightning_spec.errors import DivergedLoss
     from lightning_spec.tracking import error_text
 
     assert error_text(UserError("data.max_length=8 is short;\n  raise it.")) == "data.max_length=8 is short; raise it."
