@@ -15,22 +15,33 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from lightning_spec.errors import UserError
-from lightning_spec.features.store import FeatureStore, human
+from lightning_spec.features.source import FeatureSource
+from lightning_spec.features.store import FeatureStore, StoreSpec, human
 from lightning_spec.loaders import collate
 from lightning_spec.progress import progress_bar
 
-if TYPE_CHECKING:  # types only: module.py imports this package, so nothing here imports module.py
+if TYPE_CHECKING:
     from lightning_spec.datamodule import SpecDataModule
-    from lightning_spec.module import DraftModule
+
+
+class StoreWriter(Protocol):
+    """What the command needs of a fit's module (``DraftModule``, which imports this package: named by what it
+    offers, not imported): its feature source, and the store's spec and folder it would train from."""
+
+    feature_source: FeatureSource
+
+    def store_spec(self, data_fingerprint: str, examples: int) -> StoreSpec: ...
+
+    def store_directory(self, spec: StoreSpec) -> Path: ...
 
 
 @torch.no_grad()
-def write_store(module: DraftModule, dm: SpecDataModule, out: str | None = None, batch_size: int = 16,
+def write_store(module: StoreWriter, dm: SpecDataModule, out: str | None = None, batch_size: int = 16,
                 progress: bool = True, echo: Callable[[str], None] = print) -> FeatureStore:
     """Run ``module``'s feature target over every training example of ``dm`` (set up) not yet stored, and write
     them to the store of ``module.store_spec`` in ``out`` (default: the folder a fit would use), through the
