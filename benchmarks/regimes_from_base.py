@@ -53,7 +53,7 @@ BASE_RECIPES = {  # the base's own training recipe: what its SFT twin continues
 }
 BASES = {"eagle3": "testbed/drafter.ckpt",
          "dflash": "curve/runs/dflash-rows8000-len160-v2048-d1-k8-s2000"}  # a runs folder: its last.ckpt is found
-EDR_BASE_OBJECTIVE = object()  # marks "drop the regime's objective": the base recipe's objective trains
+DROP = object()  # in an arm's patch: remove the key from the regime's YAML (edr-base: the base recipe's objective)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Arm:
 ARMS = [
     Arm("draft-opd", "eagle3", "sft_then_opd", 150),
     Arm("grpo", "eagle3", "eal_then_grpo", 150),
-    Arm("edr-base", "eagle3", "edr_finetune", None, {"model": {"objective": EDR_BASE_OBJECTIVE}}, 1.0, "edr-base"),
+    Arm("edr-base", "eagle3", "edr_finetune", None, {"model": {"objective": DROP}}, 1.0, "edr-base"),
     Arm("edr-e2e", "eagle3", "edr_finetune", None,
         {"model": {"objective": {"class_path": "lightning_spec.objectives.E2E",
                                  "init_args": {"sampling": {"temperature": 1.0}, "normalize": "sequences"}}}},
@@ -96,9 +96,9 @@ TINY_ON_POLICY = {"buffer_size": 4, "refresh_every": 1, "rollouts_per_refresh": 
 
 def merge(into: dict, patch: dict) -> dict:
     """``patch`` merged into ``into`` key by key (nested dicts merged, anything else replaced, a class of another
-    ``class_path`` replaced whole; the base-objective marker drops the key)."""
+    ``class_path`` replaced whole; ``DROP`` removes the key)."""
     for key, value in patch.items():
-        if value is EDR_BASE_OBJECTIVE:
+        if value is DROP:
             into.pop(key, None)
         elif (isinstance(value, dict) and isinstance(into.get(key), dict)
               and value.get("class_path", into[key].get("class_path")) == into[key].get("class_path")):
@@ -136,17 +136,17 @@ def sft_twin(arm: Arm) -> Arm:
     return Arm(f"sft-{arm.name}", arm.base, None, arm.steps, {"model": settings}, arm.temperature, "")
 
 
-def checkpoint_of(path: str) -> str:
-    """A checkpoint file, or the ``last.ckpt`` under a runs folder."""
+def checkpoint_of(path: str, family: str) -> str:
+    """The base of ``family``: a checkpoint file, or the ``last.ckpt`` under a runs folder."""
     p = ROOT / path
     if p.is_dir():
         found = sorted(p.rglob("last.ckpt"))
         if not found:
-            raise SystemExit(f"[regimes] no last.ckpt under {p}: pass the base checkpoint with --base-{path}")
+            raise SystemExit(f"[regimes] no last.ckpt under {p}: pass the base checkpoint with --base-{family}")
         return str(found[-1])
     if not p.exists():
         raise SystemExit(f"[regimes] the base {p} does not exist: train it (make testbed, or benchmarks/"
-                         "learning_curve.py --lines rows8000 --max-steps 2000) or pass --base-eagle3/--base-dflash")
+                         f"learning_curve.py --lines rows8000 --max-steps 2000) or pass --base-{family}")
     return str(p)
 
 
@@ -340,7 +340,7 @@ def main() -> None:
     arms = plan(args.arms)
     if not args.report_only:
         for base in {a.base for a in arms}:
-            setattr(args, f"base_{base}", checkpoint_of(getattr(args, f"base_{base}")))
+            setattr(args, f"base_{base}", checkpoint_of(getattr(args, f"base_{base}"), base))
         greedy, eval_t1, train_t1 = rollouts(args, arms)
         for arm in arms:
             one(arm, args, {0.0: greedy, 1.0: eval_t1}, train_t1)
