@@ -46,6 +46,8 @@ import yaml
 from learning_curve import LS, ROOT, Settings, evaluation_rollouts, run  # this folder is on sys.path when it runs
 from objective_memory import cpu_name
 
+from testbed import TINY as TESTBED_TINY
+
 BASE_RECIPES = {  # the base's own training recipe: what its SFT twin continues
     "eagle3": ["-c", "experiments/quickstart.yaml", "-c", "experiments/drafters/eagle3.yaml",
                "-c", "experiments/testbed.yaml"],
@@ -87,10 +89,8 @@ ARMS = [
         {"on_policy": {"sampling": {"temperature": 1.0}}}, control="sft-draft-opd"),
 ]
 SECOND_COMPARISONS = [("edr", "edr-e2e")]  # EDR's claim is over E2E as well as over the base objective
-# --target tiny-random: the packaged tiny target at toy sizes, for the benchmark's test
-TINY = ["--model.target=tiny-random", "--model.drafter.init_args.draft_vocab_size=64",
-        "--model.drafter.init_args.block_size=4", "--data.batch_size=4", "--data.train_limit=24",
-        "--data.max_length=64"]
+# --target tiny-random: the testbed's toy sizes on the packaged tiny target, and a small data set, for the test
+TINY = [*TESTBED_TINY, "--data.train_limit=24", "--data.max_length=64"]
 TINY_ON_POLICY = {"buffer_size": 4, "refresh_every": 1, "rollouts_per_refresh": 2, "max_new_tokens": 8}
 
 
