@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_spec.decoding.ngram import NgramDrafter, merge_into
+from lightning_spec.decoding.ngram import as_proposer, merge_into
 from lightning_spec.decoding.proposals import ChainProposal, Proposal
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
@@ -115,7 +115,7 @@ def generate(
     or the target's EOS."""
     sampling = SamplingConfig.coerce(sampling)
     tree = TreeConfig.coerce(tree)
-    drafter = NgramDrafter.coerce(drafter)
+    drafter = as_proposer(drafter)
     if tree is not None and drafter is None:
         raise UserError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
     if tree is not None and trace:

@@ -24,6 +24,7 @@ Two uses:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
+from lightning_spec.decoding.proposer import Drafting, Proposer, TreeGrowth
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
@@ -134,8 +136,9 @@ class NgramState:
     drafted: list[int] = field(default_factory=list)
 
 
-class NgramDrafter:
-    """Prompt-and-output lookup as a drafter: no weights, no target features, any target.
+class NgramDrafter(Proposer):
+    """Prompt-and-output lookup as a proposer (``decoding/proposer.py``): no weights, no target features, any
+    target. Its drafts are chosen, never drawn, and its trees are tries of continuations.
 
     Args:
         block_size: the longest continuation drafted per round (a chain's K; a tree's depth bound).
@@ -143,11 +146,8 @@ class NgramDrafter:
         min_ngram: the shortest suffix matched.
     """
 
-    target_layers: list[int] = []
-    parallel_slots = False
-    best_first_trees = False
-    #: every proposal is chosen from the committed tokens: the offline replay is exact under every sampling config
-    chosen_drafts = True
+    tree_growth = TreeGrowth.OWN  # a trie of up to top_k continuations (``propose_tree``)
+    drafting = Drafting.CHOSEN  # the offline replay is exact under every sampling config
 
     def __init__(self, block_size: int = 10, max_ngram: int = 3, min_ngram: int = 1) -> None:
         for name, value in (("block_size", block_size), ("max_ngram", max_ngram), ("min_ngram", min_ngram)):
@@ -156,33 +156,14 @@ class NgramDrafter:
         if min_ngram > max_ngram:
             raise UserError(f"NgramDrafter min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram}).")
         self.block_size, self.max_ngram, self.min_ngram = block_size, max_ngram, min_ngram
-        self.vocab_size = 0
-        self.training = False
+        self.target_layers: list[int] = []  # reads no features
+        self.target_vocab = 0  # the target's vocabulary size: the width of a chain's one-hot q under sampling
 
     def __repr__(self) -> str:
         return f"NgramDrafter(block_size={self.block_size}, max_ngram={self.max_ngram}, min_ngram={self.min_ngram})"
 
-    @classmethod
-    def coerce(cls, value: Any) -> Any:
-        """``"ngram"`` -> ``NgramDrafter()``; anything else is returned as it is."""
-        if isinstance(value, str):
-            if value != "ngram":
-                raise UserError(f"drafter must be a drafter, 'ngram' (prompt lookup) or None, got {value!r}.")
-            return cls()
-        return value
-
-    # the parts of the drafter interface that decoding and offline scoring use
     def use_target(self, target: Any) -> None:
-        self.vocab_size = target.vocab_size
-
-    def eval(self) -> NgramDrafter:
-        return self
-
-    def train(self, mode: bool = True) -> NgramDrafter:
-        return self
-
-    def check_tree(self) -> None:
-        """Every tree is possible: a trie of continuations."""
+        self.target_vocab = target.vocab_size
 
     def begin(self, features: Tensor | None, input_ids: Tensor) -> NgramState:
         return NgramState(history=input_ids[0].tolist())
@@ -198,7 +179,7 @@ class NgramDrafter:
         tokens = torch.tensor(state.drafted, dtype=torch.long, device=anchor.device)
         probs = None
         if not sampling.greedy:
-            probs = torch.zeros(len(state.drafted), self.vocab_size, device=anchor.device)
+            probs = torch.zeros(len(state.drafted), self.target_vocab, device=anchor.device)
             probs[torch.arange(len(state.drafted)), tokens] = 1.0
         return ChainProposal(tokens, probs)
 
@@ -220,3 +201,16 @@ class NgramDrafter:
     def extend(self, state: NgramState, features: Tensor | None, path: list[int]) -> None:
         state.history.append(state.anchor)
         state.history.extend(state.drafted[i - 1] for i in path[1:])
+
+
+def as_proposer(value: Any) -> Proposer | None:
+    """What ``generate`` and the offline evaluator take as a drafter: a ``Proposer`` (a loaded drafter, an
+    ``NgramDrafter``), ``"ngram"`` (n-gram lookup with its defaults) or None (plain decoding)."""
+    if value is None or isinstance(value, Proposer):
+        return value
+    if isinstance(value, str) and value == "ngram":
+        return NgramDrafter()
+    if isinstance(value, (str, os.PathLike)):
+        raise UserError(f"drafter takes a loaded drafter, 'ngram' (prompt lookup) or None, not {str(value)!r}; for a "
+                        f"checkpoint pass load_drafter({str(value)!r}, target=target) instead.")
+    raise UserError(f"drafter must be a drafter (load_drafter), 'ngram' (prompt lookup) or None, got {value!r}.")

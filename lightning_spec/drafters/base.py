@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import TreeProposal
+from lightning_spec.decoding.proposer import Proposer, TreeGrowth
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree, tree_probs
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
@@ -256,12 +257,12 @@ class DraftOutput:
 
 
 # ---------------------------------------------------------------------------------------------------- drafter
-class Drafter(nn.Module):
-    """Base class of every family. A family passes the shared arguments to ``__init__``, stores its own, declares
-    its capabilities (the class attributes below: ``family``, ``parallel_slots``, ``dynamic_trees``, ``own_trees``,
-    ``chosen_drafts``) and implements ``default_target_layers``, ``build``, ``forward``, ``begin``,
-    ``propose`` and ``extend``; ``config_dict`` reads the ``__init__`` arguments back from same-named attributes
-    unless a family overrides it. docs/adding-a-drafter.md walks through one.
+class Drafter(nn.Module, Proposer):
+    """Base class of every family, and a ``Proposer`` (``decoding/proposer.py``). A family passes the shared
+    arguments to ``__init__``, stores its own, declares its capabilities (the class attributes ``family``,
+    ``parallel_slots`` and the contract's ``tree_growth``) and implements ``default_target_layers``, ``build``,
+    ``forward``, ``begin``, ``propose`` and ``extend``; ``config_dict`` reads the ``__init__`` arguments back from
+    same-named attributes unless a family overrides it. docs/adding-a-drafter.md walks through one.
 
     Attributes:
         block_size: K, the most proposals per round (a chain's length, later a tree's depth).
@@ -402,6 +403,10 @@ class Drafter(nn.Module):
         return labels, inside & supervised & anchors.keep[..., None] & contained
 
     # ------------------------------------------------------------------------------------------- decoding
+    # The proposal contract (``decoding/proposer.py``): ``begin``, ``propose``, ``propose_tree``, ``adopt``,
+    # ``extend``, and the declarations ``tree_growth`` (NONE here: chains only) and ``drafting`` (DRAWN: every
+    # trained family draws its drafts). A family sets ``tree_growth`` to BEST_FIRST (and implements
+    # ``position_logits``), DYNAMIC (``tree_start`` / ``tree_step``) or OWN (overrides ``propose_tree``).
     def begin(self, features: Tensor, input_ids: Tensor) -> Any:
         """Decoding state from the prefill: the features (1, S, F) of positions 0..S-1 and their tokens (1, S)."""
         raise NotImplementedError(f"{type(self).__name__} must implement begin")
@@ -412,9 +417,9 @@ class Drafter(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement propose")
 
     #: True when no slot reads the tokens drafted before it (a block drafted in parallel, heads side by side):
-    #: then ``position_logits`` gives every slot's distribution from one call and ``propose_tree`` grows a
-    #: best-first tree over them. Autoregressive families grow EAGLE-2's dynamic tree through ``tree_start`` and
-    #: ``tree_step`` instead; a family with neither decodes chains only.
+    #: every slot's distribution then comes from one call (``position_logits``). What the slots depend on, which
+    #: training reads too (on-policy rounds supervise every rejected slot, GRPO's credit); a family whose trees are
+    #: best-first over those distributions declares ``tree_growth = TreeGrowth.BEST_FIRST`` as well.
     parallel_slots: bool = False
 
     def position_logits(self, state: Any, anchor: Tensor) -> Tensor:
@@ -423,26 +428,14 @@ class Drafter(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} sets parallel_slots but does not implement position_logits")
 
     def tree_start(self, state: Any, anchor: Tensor) -> tuple[Any, Tensor]:
-        """For autoregressive families: slot 1 after ``anchor`` as a chain of one row, and its draft logits (1, Vd)."""
+        """For ``TreeGrowth.DYNAMIC`` families: slot 1 after ``anchor`` as a chain of one row, and its draft logits
+        (1, Vd)."""
         raise NotImplementedError
 
     def tree_step(self, chain: Any, rows: Tensor, tokens: Tensor) -> tuple[Any, Tensor]:
         """Continue the chain's rows ``rows`` (A,) (a row may be taken several times) by one slot each on the draft
         indices ``tokens`` (A,): the new chain over A rows and their draft logits (A, Vd)."""
         raise NotImplementedError
-
-    #: True when every proposal is chosen from the committed tokens, never drawn (n-gram lookup,
-    #: ``decoding/ngram.py``): given the output a round is then deterministic under every sampling config, and the
-    #: offline replay scores it exactly under sampling too. No trained family is.
-    chosen_drafts: bool = False
-
-    #: True for autoregressive families that implement ``tree_start`` and ``tree_step``: ``propose_tree`` grows
-    #: EAGLE-2's dynamic tree through them.
-    dynamic_trees: bool = False
-
-    #: True for families whose ``propose_tree`` builds a tree of their own (D²SD's shared prefix, SpecBlock's block
-    #: expansion) instead of the best-first or dynamic tree above.
-    own_trees: bool = False
 
     def adaptation_scopes(self) -> dict[str, list[str]]:
         """Deploy-time adaptation's update scopes (``evaluation/adaptation.py``) as the submodules each trains:
@@ -451,29 +444,22 @@ class Drafter(nn.Module):
         apply to the family."""
         return {}
 
-    @property
-    def best_first_trees(self) -> bool:
-        """True when ``propose_tree`` is the best-first tree over ``position_logits``: a function of one anchor's
-        slot distributions, which the offline evaluator scores exactly under sampling too (``rounds.tree_accept``).
-        Other trees (dynamic, or a family's own) are replayed offline under greedy decoding."""
-        return self.parallel_slots and not self.own_trees
-
     @torch.no_grad()
     def propose_tree(
         self, state: Any, anchor: Tensor, sampling: SamplingConfig, tree: Any, generator=None
     ) -> TreeProposal:
         """A ``TreeProposal`` after ``anchor`` (``decoding/trees.py``): the best-first top-k tree over
-        ``position_logits`` for ``parallel_slots`` families, EAGLE-2's dynamic tree otherwise, both over the draft
+        ``position_logits`` (``TreeGrowth.BEST_FIRST``) or EAGLE-2's dynamic tree (``DYNAMIC``), both over the draft
         distributions under ``sampling``. Its nodes are chosen, not drawn, so they are verified with the
-        deterministic candidate rule (lossless under sampling as well)."""
+        deterministic candidate rule (lossless under sampling as well). ``OWN`` families override this."""
         self.check_tree()
 
         def probs(logits: Tensor) -> Tensor:
             return tree_probs(logits, sampling)
 
-        if self.parallel_slots:
+        if self.tree_growth is TreeGrowth.BEST_FIRST:
             index, parents = best_first_tree(probs(self.position_logits(state, anchor)), tree)  # (T,), (T,)
-        else:
+        elif self.tree_growth is TreeGrowth.DYNAMIC:
             def start() -> tuple[Any, Tensor]:
                 chain, logits = self.tree_start(state, anchor)
                 return chain, probs(logits)
@@ -484,16 +470,11 @@ class Drafter(nn.Module):
 
             depth = min(tree.depth or self.block_size, self.block_size)  # slots past K were never trained
             index, parents = dynamic_tree(start, step, depth, tree)
+        else:
+            raise NotImplementedError(f"{type(self).__name__} declares tree_growth={self.tree_growth.value} but does "
+                                      "not override propose_tree")
         device = anchor.device
         return TreeProposal(tokens=self.vocab.to_target(index.to(device)), parents=parents.to(device))
-
-    def check_tree(self) -> None:
-        """Refuse, in one sentence, a tree this family cannot grow."""
-        if not self.parallel_slots and not self.dynamic_trees:
-            raise UserError(
-                f"{type(self).__name__} drafts each slot from the tokens drafted before it and has no tree builder; "
-                "decode it as a chain (tree=None)."
-            )
 
     def adopt(self, state: Any, anchor: Tensor, proposal: Any) -> None:
         """The round verifies ``proposal`` instead of the tree this drafter proposed (n-gram nodes merged in,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput
 from lightning_spec.drafters.layers import DraftLayer, RMSNorm, TargetShape, init_weights, spread_layers
 from lightning_spec.errors import UserError
@@ -313,6 +314,7 @@ class ParallelBlockDrafter(Drafter):
         return self.norm(h)
 
     parallel_slots = True  # the block's K slots are drafted in one forward, none reads another's token
+    tree_growth = TreeGrowth.BEST_FIRST  # the best-first tree over the block's slot distributions
 
     @torch.no_grad()
     def position_logits(self, state: BlockDraftState, anchor: Tensor) -> Tensor:
@@ -363,6 +365,10 @@ class ChainedBlockDrafter(ParallelBlockDrafter):
     @property
     def parallel_slots(self) -> bool:  # slot t reads the token drafted at t - 1 unless the chain is off
         return not self.left_to_right
+
+    @property
+    def tree_growth(self) -> TreeGrowth:  # a property: DFly turns the chain off per instance (hidden_correction)
+        return TreeGrowth.NONE if self.left_to_right else TreeGrowth.BEST_FIRST
 
     @torch.no_grad()
     def propose(

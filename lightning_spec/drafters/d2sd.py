@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.proposals import TreeProposal
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.decoding.trees import tree_probs
 from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
 from lightning_spec.drafters.block import BlockDraftState, ParallelBlockDrafter
@@ -121,7 +122,7 @@ class D2SDDrafter(ParallelBlockDrafter):
     """
 
     family = "d2sd"
-    own_trees = True  # propose_tree: D²SD's shared-prefix tree, not the best-first tree over the block
+    tree_growth = TreeGrowth.OWN  # propose_tree: D²SD's shared-prefix tree, not the best-first tree over the block
 
     def __init__(
         self,
@@ -284,5 +285,3 @@ class D2SDDrafter(ParallelBlockDrafter):
         device = anchor.device
         return TreeProposal(tokens=self.vocab.to_target(index.to(device)), parents=parents.to(device))
 
-    def check_tree(self) -> None:
-        """D²SD grows its own tree (re-drafted branches), so it takes any ``tree`` setting."""

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.block import BlockDraftState, ParallelBlockDrafter
 from lightning_spec.errors import UserError
@@ -156,6 +157,8 @@ class DSparkDrafter(ParallelBlockDrafter):
     """
 
     family = "dspark"
+    parallel_slots = False  # the Markov head makes slot k read the token drafted at k - 1
+    tree_growth = TreeGrowth.NONE  # so chains only: no best-first tree over the block
 
     def __init__(
         self,
@@ -256,8 +259,6 @@ class DSparkDrafter(ParallelBlockDrafter):
                            aux={"confidence": conf}, drafted=drafted)
 
     # ------------------------------------------------------------------------------------------- decoding
-    parallel_slots = False  # the Markov head makes slot k read the token drafted at k - 1
-
     @torch.no_grad()
     def propose(
         self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, generator=None

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput
 from lightning_spec.drafters.layers import (
     RMSNorm,
@@ -148,7 +149,7 @@ class Eagle3Drafter(Drafter):
     """
 
     family = "eagle3"
-    dynamic_trees = True  # tree_start / tree_step below: EAGLE-2's dynamic tree
+    tree_growth = TreeGrowth.DYNAMIC  # tree_start / tree_step below: EAGLE-2's dynamic tree
 
     def __init__(
         self,

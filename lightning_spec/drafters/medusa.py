@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.layers import LastHiddenDrafter
 from lightning_spec.errors import UserError
@@ -72,7 +73,8 @@ class MedusaDrafter(LastHiddenDrafter):
     """
 
     family = "medusa"
-    parallel_slots = True  # the heads read h_{n-1} only: best-first trees over ``position_logits``
+    parallel_slots = True  # the heads read h_{n-1} only
+    tree_growth = TreeGrowth.BEST_FIRST  # so best-first trees over ``position_logits``
 
     def __init__(
         self,

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.layers import (
     DraftLayer,
@@ -132,7 +133,7 @@ class MTPDrafter(LastHiddenDrafter):
     """
 
     family = "mtp"
-    dynamic_trees = True  # tree_start / tree_step below: EAGLE-2's dynamic tree over the chained modules
+    tree_growth = TreeGrowth.DYNAMIC  # tree_start / tree_step below: EAGLE-2's dynamic tree over the chained modules
 
     def adaptation_scopes(self) -> dict[str, list[str]]:
         last = f"mtp.{self.num_modules - 1}"  # the module that drafts every slot past the others

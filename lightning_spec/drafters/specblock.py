@@ -87,6 +87,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.decoding.trees import tree_probs
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, seeded_rand
 from lightning_spec.drafters.layers import DraftLayer, RMSNorm, TargetShape, init_weights, low_mid_high_layers
@@ -142,7 +143,7 @@ class SpecBlockDrafter(Drafter):
     """
 
     family = "specblock"
-    own_trees = True  # propose_tree: block expansion over the rank head
+    tree_growth = TreeGrowth.OWN  # propose_tree: block expansion over the rank head
 
     def __init__(
         self,
@@ -488,8 +489,6 @@ class SpecBlockDrafter(Drafter):
         self.adopt(state, anchor, proposal)
         return proposal
 
-    def check_tree(self) -> None:
-        """SpecBlock grows its own tree (``block_tree``), so it takes any ``tree`` setting."""
 
     @torch.no_grad()
     def extend(self, state: SpecBlockState, features: Tensor, path: list[int]) -> None:

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_spec.decoding.engine import Generation, generate
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.drafters import Drafter
 from lightning_spec.errors import UserError
@@ -158,7 +159,7 @@ def window_rounds(
 ) -> float:
     """Exact expected rounds τ of one decoded window (1, S) with response ``mask`` (1, S), from the target forward
     ``out`` (features and final hidden states), as the offline evaluator computes them (``offline.py``)."""
-    if tree is not None and not drafter.best_first_trees:  # dynamic trees: replayed, greedy only
+    if tree is not None and drafter.tree_growth is not TreeGrowth.BEST_FIRST:  # replayed, greedy only
         prompt_len = int(mask[0].nonzero()[0])
         seq = ids[0].tolist()
         rounds, _, _ = replay_tree_rounds(drafter, ids, out.features, [seq[:prompt_len]], [seq[prompt_len:]], tree)
@@ -291,7 +292,7 @@ class CostAwareAdapter:
         """Decode one prompt with the engine's ``generate`` (the target decides every token), then measure the
         last update, decide and maybe apply one on this window. ``seconds`` includes the adapter's time."""
         sampling = SamplingConfig.coerce(sampling)
-        if self.tree is not None and not self.drafter.best_first_trees and not sampling.greedy:
+        if self.tree is not None and self.drafter.tree_growth is not TreeGrowth.BEST_FIRST and not sampling.greedy:
             raise UserError(f"{type(self.drafter).__name__} grows its tree from its own drafts, whose rounds the "
                             "adapter can score exactly under greedy decoding only; adapt with temperature 0 or "
                             "decode chains (tree=None).")

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from lightning_spec.decoding.engine import Generation, _as_ids, draft, generate
 from lightning_spec.decoding.ngram import NgramDrafter
+from lightning_spec.decoding.proposer import chosen_rounds
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
 from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
@@ -86,9 +87,7 @@ def candidates(drafter: Any = None) -> list[Setting]:
     if drafter is None:
         return out
     out.append(Setting("drafter"))
-    try:
-        drafter.check_tree()
-    except ValueError:  # a chain-only family
+    if not drafter.grows_trees:  # a chain-only family
         return out
     for nodes in (4, 8, 16, 32):
         for top_k in (2, 4) if nodes >= 8 else (2,):
@@ -284,7 +283,7 @@ def _count(target: Any, drafter: Any, setting: Setting, outputs: list[tuple[list
     d.use_target(target)
     tree = setting.tree
     per_round_draft = costs.draft[setting]
-    chosen = sampling.greedy or d.chosen_drafts or (tree is not None and d.best_first_trees)
+    chosen = sampling.greedy or chosen_rounds(d, tree)
     if chosen:  # replay every round: exact, with each round's size
         layers = list(d.target_layers)
         features = features or output_features(target, layers, outputs)

@@ -43,7 +43,8 @@ from torch import Tensor
 
 from lightning_spec.data.rollouts import load_rollout_set
 from lightning_spec.decoding.engine import draft
-from lightning_spec.decoding.ngram import NgramDrafter
+from lightning_spec.decoding.ngram import as_proposer
+from lightning_spec.decoding.proposer import Drafting, Proposer, TreeGrowth, chosen_rounds, evaluating
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
 from lightning_spec.evaluation.inputs import Rollouts, open_rollouts, refuse_paths
@@ -52,7 +53,6 @@ from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from lightning_spec.drafters import Drafter
     from lightning_spec.target import Target
 
 
@@ -170,7 +170,9 @@ def replayed(drafter: Any, tree: TreeConfig | None) -> bool:
     """Whether the drafter's rounds are replayed (``replay_tree_rounds``) rather than scored from one teacher-forced
     forward: trees grown from the drafter's own drafts, trees with n-gram candidates merged in, and every round
     of a drafter whose drafts are chosen from the committed tokens (n-gram lookup)."""
-    return drafter.chosen_drafts or (tree is not None and (bool(tree.ngram) or not drafter.best_first_trees))
+    if drafter.drafting is Drafting.CHOSEN:
+        return True
+    return tree is not None and (bool(tree.ngram) or drafter.tree_growth is not TreeGrowth.BEST_FIRST)
 
 
 @torch.no_grad()
@@ -242,7 +244,7 @@ def replay_tree_rounds(
 
 def offline_report(
     target: Target,
-    drafter: Drafter | NgramDrafter | Literal["ngram"],
+    drafter: Proposer | Literal["ngram"],
     rollouts: Rollouts,
     sampling: SamplingConfig | None = None,
     *,
@@ -274,15 +276,14 @@ def offline_report(
             (``rounds.tree_accept``), under greedy only for the others (``replay_tree_rounds``).
     """
     start = time.perf_counter()
-    if drafter == "ngram":  # a name, as generate(drafter="ngram") takes it: n-gram lookup has nothing to load
-        drafter = NgramDrafter()
-    refuse_paths("offline evaluation", target=target, drafter=drafter, rollouts=rollouts)
+    refuse_paths("offline evaluation", target=target, rollouts=rollouts)
+    drafter = as_proposer(drafter)  # "ngram" names n-gram lookup, as generate(drafter="ngram") takes it
     drafter.use_target(target)
     tree = TreeConfig.coerce(tree)
     if tree is not None:
         drafter.check_tree()
     data, sampling = open_rollouts(rollouts, target, sampling, max_rollouts)
-    if replayed(drafter, tree) and not (drafter.chosen_drafts or drafter.best_first_trees) and not sampling.greedy:
+    if replayed(drafter, tree) and not chosen_rounds(drafter, tree) and not sampling.greedy:
         raise UserError(
             f"{type(drafter).__name__} grows its tree from its own drafts, which offline evaluation replays exactly "
             "under greedy decoding only; score it on greedy rollouts (--temperature 0) or with real decoding "
@@ -298,25 +299,20 @@ def offline_report(
     seconds: dict[str, float] = {}
     todo = [i for i in sorted(range(r), key=lambda i: len(data.prompt_ids[i]) + len(data.response_ids[i]))
             if data.response_ids[i]]
-    was_training = drafter.training
-    drafter.eval()
     own_bar, callback = advancer(progress)
-    try:
-        with progress_bar(f"offline rounds ({type(drafter).__name__}, K={k})", r, own_bar) as bar:
-            advance = callback or bar.advance
-            advance(r - len(todo))  # empty responses: no rounds
-            for lo in range(0, len(todo), batch_size):
-                index = todo[lo : lo + batch_size]
-                tau, re, ac = _score_batch(
-                    target, drafter, [data.prompt_ids[i] for i in index], [data.response_ids[i] for i in index],
-                    sampling, anchors_per_forward, max_elems, seconds, tree,
-                )
-                rounds[index] = tau
-                reached += re
-                accepted += ac
-                advance(len(index))
-    finally:
-        drafter.train(was_training)
+    with evaluating(drafter), progress_bar(f"offline rounds ({type(drafter).__name__}, K={k})", r, own_bar) as bar:
+        advance = callback or bar.advance
+        advance(r - len(todo))  # empty responses: no rounds
+        for lo in range(0, len(todo), batch_size):
+            index = todo[lo : lo + batch_size]
+            tau, re, ac = _score_batch(
+                target, drafter, [data.prompt_ids[i] for i in index], [data.response_ids[i] for i in index],
+                sampling, anchors_per_forward, max_elems, seconds, tree,
+            )
+            rounds[index] = tau
+            reached += re
+            accepted += ac
+            advance(len(index))
     seconds["total"] = time.perf_counter() - start
     return OfflineReport(
         rounds=rounds,
@@ -330,7 +326,7 @@ def offline_report(
     )
 
 
-def offline_rounds(target: Target, drafter: Drafter | NgramDrafter | Literal["ngram"],
+def offline_rounds(target: Target, drafter: Proposer | Literal["ngram"],
                    rollouts: str | os.PathLike | Rollouts, sampling: SamplingConfig | None = None,
                    **kwargs: Any) -> Tensor:
     """Exact expected rounds per rollout (R,) float64, in the rollouts' order (part of the stable public API).

@@ -28,6 +28,7 @@ from helpers.trees import assert_greedy_tree_is_the_argmax_loop, committed_paths
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.data.rollouts import load_rollout_set
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
 from lightning_spec.drafters import Anchors
 from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
@@ -36,20 +37,12 @@ GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 VARIANTS = ["dflash_served", "dspark_served", "mtp_served"]  # a family below with other options: tested there
 
 
-def tree_builder(name: str) -> str:
-    """Which tree a family grows, read from its declarations (``Drafter.own_trees``, ``dynamic_trees``,
-    ``parallel_slots``), not from a list kept here."""
-    drafter = FAMILIES[name](2)
-    if drafter.own_trees:
-        return "own"
-    return "dynamic" if drafter.dynamic_trees else "best_first" if drafter.parallel_slots else "chain"
-
-
-KINDS = {name: tree_builder(name) for name in FAMILIES if name not in VARIANTS}
-BEST_FIRST = [f for f, kind in KINDS.items() if kind == "best_first"]  # per-slot distributions: scored offline exactly
-DYNAMIC = [f for f, kind in KINDS.items() if kind == "dynamic"]  # EAGLE-2's dynamic trees, replayed offline (greedy)
-OWN_TREES = [f for f, kind in KINDS.items() if kind == "own"]  # the family's own builder (its own test file), replayed
-CHAIN_ONLY = sorted(f for f, kind in KINDS.items() if kind == "chain")
+# Which tree each family grows, read from its one declaration (``Proposer.tree_growth``), not from a list kept here.
+GROWTH = {name: FAMILIES[name](2).tree_growth for name in FAMILIES if name not in VARIANTS}
+BEST_FIRST = [f for f, g in GROWTH.items() if g is TreeGrowth.BEST_FIRST]  # per-slot distributions: scored exactly
+DYNAMIC = [f for f, g in GROWTH.items() if g is TreeGrowth.DYNAMIC]  # EAGLE-2's dynamic trees, replayed (greedy)
+OWN_TREES = [f for f, g in GROWTH.items() if g is TreeGrowth.OWN]  # the family's own builder (its test file), replayed
+CHAIN_ONLY = sorted(f for f, g in GROWTH.items() if g is TreeGrowth.NONE)
 
 
 def test_the_declarations_give_the_known_tree_builders():
@@ -179,17 +172,18 @@ def test_after_a_tree_round_the_drafter_sees_what_a_fresh_prefill_of_the_committ
     distributions (all slots for a best-first tree, slot 1 for a dynamic one) equal those of a drafter started
     afresh on the committed sequence so far."""
     drafter = trained(tree_family, diverse_target, prompts, k=3)
-    hook = "position_logits" if drafter.parallel_slots else "tree_start"
+    best_first = drafter.tree_growth is TreeGrowth.BEST_FIRST
+    hook = "position_logits" if best_first else "tree_start"
     original = getattr(drafter, hook)
     seen = []
 
     def first(state, anchor):
         out = original(state, anchor)
-        return out if drafter.parallel_slots else out[1]
+        return out if best_first else out[1]
 
     def recording(state, anchor):
         out = original(state, anchor)
-        seen.append((anchor.clone(), out if drafter.parallel_slots else out[1]))
+        seen.append((anchor.clone(), out if best_first else out[1]))
         return out
 
     setattr(drafter, hook, recording)
