@@ -51,16 +51,9 @@ class SpecCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
-        # Checked here, before Lightning sets up the data (which would fail first with a less useful message).
-        block = self.model.drafter.block_size
-        if not isinstance(self.datamodule, SpecDataModule):  # a user's data module: DraftModule.setup has no check
-            return
-        max_length = self.datamodule.max_length
-        if block + 2 > max_length:
-            raise UserError(
-                f"model.drafter.block_size={block} needs data.max_length >= block_size + 2 (got {max_length}); "
-                "raise data.max_length or lower model.drafter.block_size."
-            )
+        # Checked here too, before Lightning sets up the data (which would fail first with a less useful message).
+        if isinstance(self.datamodule, SpecDataModule):  # a user's data module: DraftModule.setup has no check
+            self.datamodule.check_block_size(self.model.drafter.block_size)
 
     def parse_arguments(self, parser, args) -> None:
         """Parse, then check ``--ckpt_path`` before Lightning reads the file (for its hyperparameters) and before

@@ -5,8 +5,9 @@ table cached on disk (``data/tokenized.py``: ``prepare_data`` builds it on one p
 it); after ``setup`` it holds
 
     train_dataset / val_dataset   ``Examples``: example i = {input_ids, loss_mask, domain_id, index, id, domain}, read
-                                  from the memory-mapped table when asked for (a list during on-policy training:
-                                  the replay buffer, ``use_replay_buffer``)
+                                  from the memory-mapped table when asked for
+    training_set                  what the training loader draws from: ``train_dataset``, or the replay buffer of
+                                  an on-policy fit (``train_on``, a ``data.replay.ReplayBuffer``)
     domains                       sorted union of the train and eval domains; domain_id indexes it
     fingerprint                   sha256 of what a feature store depends on (the tokenised set, the train split)
 
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from lightning_spec.data.chat import prompt_ids, tokenize_conversation
 from lightning_spec.data.prompts import domain_prompts, first_user, opening
+from lightning_spec.data.replay import ReplayBuffer
 from lightning_spec.data.rollouts import is_rollouts_folder, load_rollouts, sft_examples
 from lightning_spec.data.sources import Source, as_source, held_out_keys, load_source
 from lightning_spec.data.tokenized import Examples, cache_key, source_identity, tokenized_set, tokenizer_identity
@@ -97,19 +99,18 @@ class SpecDataModule(L.LightningDataModule):
         self.eval_prompts_per_domain = eval_prompts_per_domain
         self.chat_template_kwargs = dict(self.target_options.chat_template_kwargs)
         self.num_proc = num_proc
-        self.on_policy = False  # the training set is the replay buffer (use_replay_buffer); no feature store then
         self._tokenizer = tokenizer
         self._tokenizer_given = tokenizer is not None
         self._check_args()
 
-        self.train_dataset: Examples | list[dict] | None = None
+        self.train_dataset: Examples | None = None  # the training split of the data
+        self.replay: ReplayBuffer | None = None  # an on-policy fit's training set instead (``train_on``)
         self.val_dataset: Examples | None = None
         self._eval_rows: list[dict] | None = None
         self._eval_prompts: list[dict] | None = None
         self._domains: list[str] | None = None
         self._fingerprint: str | None = None
         self._content: str | None = None  # the tokenised set's content fingerprint
-        self._examples: Examples | None = None  # the training split of the data (train_dataset unless on-policy)
         self._domain_weights: dict[str, float] | None = None
         self._rollout_meta: list[dict] | None = None
 
@@ -274,7 +275,7 @@ class SpecDataModule(L.LightningDataModule):
         self._domains = sorted(set(domains) | {r["domain"] for r in self._load_eval()})
         domain_id = {d: i for i, d in enumerate(self._domains)}
         train, val = self._split(keys)
-        self._examples = self.train_dataset = Examples(table, train, domain_id)  # _examples: the data, always
+        self.train_dataset = Examples(table, train, domain_id)
         self.val_dataset = Examples(table, val, domain_id)
         self._content, self._fingerprint = meta["fingerprint"], None
 
@@ -304,24 +305,31 @@ class SpecDataModule(L.LightningDataModule):
         val_set = set(val_idx)
         return [i for i in range(len(keys)) if i not in val_set], sorted(val_set)
 
-    def announce_replay_buffer(self) -> None:
-        """Training will run on a replay buffer (``callbacks/on_policy.py`` says so when it sets up, before the module
-        does): ``on_policy`` is True from now on, so the module opens no feature store for a set that changes."""
-        self.on_policy = True
+    def check_block_size(self, block_size: int) -> None:
+        """Refuse, in one sentence, a drafter block that no example can hold: an anchor needs a token before it and
+        the K it drafts after it (``block_size + 2 <= max_length``)."""
+        if block_size + 2 > self.max_length:
+            raise UserError(
+                f"model.drafter.block_size={block_size} needs data.max_length >= block_size + 2 (got "
+                f"{self.max_length}); raise data.max_length or lower model.drafter.block_size."
+            )
 
-    def use_replay_buffer(self, buffer: list[dict]) -> None:
-        """Train on ``buffer`` (on-policy rollouts) instead of the data from now on: the list itself, not a copy, so
-        the caller (``OnPolicyRollouts``) refreshes it by replacing its entries in place (its length, the epoch
-        length, stays). The draft vocabulary and ``fingerprint`` keep coming from the data."""
-        self._require_setup("use_replay_buffer")
-        self.announce_replay_buffer()
-        self.train_dataset = buffer
+    def train_on(self, buffer: ReplayBuffer) -> None:
+        """Train on ``buffer`` (on-policy rollouts, ``OnPolicyRollouts``) instead of the data from now on: the object
+        itself, which its owner refreshes in place. The draft vocabulary, the prompts and ``fingerprint`` keep
+        coming from the data (``train_dataset``)."""
+        self._require_setup("train_on")
+        self.replay = buffer
+
+    @property
+    def training_set(self) -> Examples | ReplayBuffer:
+        """What the training loader draws from: the replay buffer of an on-policy fit, else the data's train split."""
+        self._require_setup("training_set")
+        return self.replay if self.replay is not None else self.train_dataset
 
     def train_domains(self) -> list[str]:
         """The domain of every training example, in order."""
-        self._require_setup("train_domains")
-        data = self.train_dataset
-        return data.domains if isinstance(data, Examples) else [e["domain"] for e in data]
+        return self.training_set.domains
 
     # ----------------------------------------------------------------------------------------- properties
 
@@ -341,7 +349,7 @@ class SpecDataModule(L.LightningDataModule):
         store of this data depends on, the same on every machine."""
         self._require_setup("fingerprint")
         if self._fingerprint is None:
-            rows = self._examples.rows
+            rows = self.train_dataset.rows
             h = hashlib.sha256(f"{self._content}|{self.max_length}|{len(rows)}".encode())
             h.update(torch.tensor(rows, dtype=torch.int64).numpy().tobytes())
             self._fingerprint = h.hexdigest()[:16]
@@ -351,7 +359,7 @@ class SpecDataModule(L.LightningDataModule):
         """How often each token id occurs at loss-masked positions of the train split, shape (V,)."""
         self._require_setup("token_counts")
         counts = torch.zeros(vocab_size, dtype=torch.long)
-        for e in self._examples:
+        for e in self.train_dataset:
             ids = e["input_ids"][e["loss_mask"]]
             if ids.numel() and int(ids.max()) >= vocab_size:
                 raise UserError(
@@ -430,7 +438,7 @@ class SpecDataModule(L.LightningDataModule):
         # this rank's shard of every epoch's order (DDP: num_replicas = world size; one process: the whole order)
         shard = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}
         loader = TrainLoader(
-            self.train_dataset,
+            self.training_set,
             batch_size=self.batch_size,
             sampler=DomainSampler(self, self.seed, shard.get("num_replicas", 1), shard.get("rank", 0)),
             collate_fn=self._collate,

@@ -66,7 +66,7 @@ class DomainSampler(DistributedSampler):
     draws from its own generator seeded with ``(seed, epoch)``: every DDP rank draws the same order, and a
     resumed run draws what the original would have.
 
-    Under DDP (``num_replicas`` > 1) every rank draws that one global order of ``len(train_dataset)`` indices
+    Under DDP (``num_replicas`` > 1) every rank draws that one global order of ``len(training_set)`` indices
     (padded by wrapping around to a multiple of ``num_replicas``) and takes the interleaved shard
     ``order[rank::num_replicas]``, so the ranks' i-th batches together are exactly the i-th batch of one
     process with ``num_replicas`` times the batch size. It is a ``DistributedSampler`` so that Lightning keeps
@@ -74,7 +74,7 @@ class DomainSampler(DistributedSampler):
     """
 
     def __init__(self, datamodule: Any, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
-        super().__init__(datamodule.train_dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        super().__init__(datamodule.training_set, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.datamodule = datamodule
         self.drawn_with: dict[str, float] | None = None  # the domain weights of the last pass
         # for the next pass only (``resume_pass``): indices of this rank's shard already consumed, and (weights,)
@@ -89,7 +89,7 @@ class DomainSampler(DistributedSampler):
         self.skip, self.replay = skip, drawn_with
 
     def __len__(self) -> int:
-        return math.ceil(len(self.datamodule.train_dataset) / self.num_replicas)
+        return math.ceil(len(self.datamodule.training_set) / self.num_replicas)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -102,7 +102,7 @@ class DomainSampler(DistributedSampler):
             weights = example_weights(self.datamodule.train_domains(), self.drawn_with)
         else:
             self.drawn_with, weights = self.datamodule.domain_weights, self.datamodule.sample_weights()
-        n = len(self.datamodule.train_dataset)
+        n = len(self.datamodule.training_set)
         if weights is None:
             order = torch.randperm(n, generator=generator).tolist()
         else:

@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_spec.assets import cache_dir
+from lightning_spec.callbacks.on_policy import on_policy_fit
 from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record, init_weights
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters.base import Drafter, DraftOutput
@@ -202,20 +203,17 @@ class DraftModule(L.LightningModule):
                     f"{self.target.fingerprint}; regenerate them with `lightning-spec rollouts --target "
                     f"{self.target_spec} ...`."
                 )
-        if self.drafter.block_size + 2 > dm.max_length:
-            raise UserError(
-                f"model.drafter.block_size={self.drafter.block_size} needs data.max_length >= block_size + 2 "
-                f"(got {dm.max_length}); raise data.max_length or lower model.drafter.block_size."
-            )
+        dm.check_block_size(self.drafter.block_size)
         if stage == "fit" and not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens
             self.drafter.vocab.set_from_counts(dm.token_counts(self.target.vocab_size))
             self.drafter.on_vocab_chosen()
-        if stage == "fit" and self.objective.needs_rollouts and not dm.on_policy:  # not a replay buffer
+        on_policy = on_policy_fit(self.trainer)  # the configuration's callbacks, whichever sets up first
+        if stage == "fit" and self.objective.needs_rollouts and not on_policy:
             raise UserError(
                 f"model.objective {type(self.objective).__name__} trains on the rounds of on-policy rollouts; add "
                 "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."
             )
-        if stage == "fit" and self.hparams.feature_cache != "off" and not dm.on_policy:
+        if stage == "fit" and self.hparams.feature_cache != "off" and not on_policy:  # no store for a changing set
             store = self.open_feature_store(dm.fingerprint, len(dm.train_dataset))
             self.feature_source = self.feature_source.with_store(store)
 

@@ -7,8 +7,10 @@ rejected (``data/replay.py``). This callback is their data: the same ``DraftModu
 
 - ``on_fit_start``: the training prompts (the data module's train split, each conversation's first prompt) are
   shuffled with ``seed``; ``buffer_size`` of them are decoded with the current drafter through our engine
-  (``generate(trace=True)``), and the data module's ``train_dataset`` becomes that buffer (its length stays
-  ``buffer_size``, so Lightning's epoch length is fixed).
+  (``generate(trace=True)``) into a ``ReplayBuffer`` (``data/replay.py``), and the data module trains on that buffer
+  (``SpecDataModule.train_on``; its length stays ``buffer_size``, so Lightning's epoch length is fixed).
+- declared, not ordered: a fit is on-policy when this callback is in ``trainer.callbacks`` (``on_policy_fit``); the
+  module reads that in its own ``setup`` (no feature store for a changing set) whatever order the setups run in.
 - every ``refresh_every`` optimizer steps, ``rollouts_per_refresh`` further prompts are decoded with the drafter as
   it is now and replace the oldest buffer entries (a ring). ``rollouts_per_refresh = buffer_size`` renews the whole
   buffer: AdaFlash's loop of "roll out a buffer, train on it for ``refresh_every`` steps, roll out with the new
@@ -35,7 +37,7 @@ import lightning as L
 import torch
 
 from lightning_spec.callbacks.base import MetricsCallback, full_parameters, refuse_sharded_target
-from lightning_spec.data.replay import prompt_of, replay_example
+from lightning_spec.data.replay import ReplayBuffer, prompt_of, replay_example
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.engine import generate
 from lightning_spec.errors import UserError
@@ -86,8 +88,7 @@ class OnPolicyRollouts(MetricsCallback):
         self.seed = seed
         self.all_rejected = all_rejected
         self.prompts: list[dict[str, Any]] = []
-        self.buffer: list[dict[str, Any]] = []
-        self.cursor = 0  # the ring position the next rollout replaces
+        self.buffer = ReplayBuffer(buffer_size)
         self.next_prompt = 0  # position in the shuffled prompt list
         self.drawn = 0  # rollouts decoded so far (their seeds and example indices)
         self.last_refresh: int | None = None  # the optimizer step of the last refresh
@@ -113,15 +114,13 @@ class OnPolicyRollouts(MetricsCallback):
             )
         random.Random(self.seed).shuffle(prompts)
         self.prompts = prompts
-        dm.announce_replay_buffer()  # before the module sets up: it opens no feature store for a changing buffer
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         refuse_sharded_target(pl_module, type(self).__name__)
-        if len(self.buffer) != self.buffer_size:  # a fresh run (a resumed one restored its buffer)
-            self.buffer = self._rollouts(trainer, pl_module, self.buffer_size)
-            self.cursor = 0
+        if not self.buffer.full:  # a fresh run (a resumed one restored its buffer)
+            self.buffer.fill(self._rollouts(trainer, pl_module, self.buffer_size))
             self.last_refresh = trainer.global_step
-        trainer.datamodule.use_replay_buffer(self.buffer)  # this very list: refreshed in place below
+        trainer.datamodule.train_on(self.buffer)  # this very buffer: refreshed in place below
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -129,10 +128,7 @@ class OnPolicyRollouts(MetricsCallback):
             return
         if trainer.max_steps is not None and 0 <= trainer.max_steps <= step:
             return  # training is over; a refresh now would never be trained on
-        new = self._rollouts(trainer, pl_module, self.rollouts_per_refresh)
-        for example in new:  # the buffer is the list the data module trains on (use_replay_buffer)
-            self.buffer[self.cursor] = example
-            self.cursor = (self.cursor + 1) % self.buffer_size
+        self.buffer.put(self._rollouts(trainer, pl_module, self.rollouts_per_refresh))  # what the loader reads
         self.last_refresh = step
 
     # ----------------------------------------------------------------------------------------- rollouts
@@ -191,13 +187,19 @@ class OnPolicyRollouts(MetricsCallback):
 
     # ------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "buffer": self.buffer, "cursor": self.cursor, "next_prompt": self.next_prompt,
+        return {**super().state_dict(), **self.buffer.state_dict(), "next_prompt": self.next_prompt,
                 "drawn": self.drawn, "last_refresh": self.last_refresh}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.buffer = list(state_dict.get("buffer", []))
-        self.cursor = int(state_dict.get("cursor", 0))
+        self.buffer.load_state_dict(state_dict)  # its "buffer" and "cursor" keys, as checkpoints have always held
         self.next_prompt = int(state_dict.get("next_prompt", 0))
         self.drawn = int(state_dict.get("drawn", 0))
         self.last_refresh = state_dict.get("last_refresh")
+
+
+def on_policy_fit(trainer: L.Trainer) -> bool:
+    """Whether a fit trains on a replay buffer: its configuration puts ``OnPolicyRollouts`` in ``trainer.callbacks``.
+    A declaration any hook may read, whichever of the module's and the callback's ``setup`` runs first."""
+    return any(isinstance(c, OnPolicyRollouts) for c in trainer.callbacks)
+

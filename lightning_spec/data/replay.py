@@ -17,11 +17,64 @@ these to (N, R), (N, R, K).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from lightning_spec.decoding.engine import Generation
+
+
+class ReplayBuffer(torch.utils.data.Dataset):
+    """The training set of an on-policy fit: ``size`` replay examples (``replay_example``), renewed oldest first.
+
+    ``OnPolicyRollouts`` (``callbacks/on_policy.py``) owns it: it ``fill``s it before training and ``put``s fresh
+    rollouts in place of the oldest ones (a ring); ``SpecDataModule.train_on`` makes it the data module's training
+    set. Its length stays ``size`` once filled, so Lightning's epoch length is fixed, and the loader reads the
+    entries as they are when it draws them (a refresh mid-epoch is trained on from the next batch on).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.examples: list[dict[str, Any]] = []
+        self.cursor = 0  # the ring position the next example replaces
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.examples[index]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.examples)
+
+    @property
+    def full(self) -> bool:
+        return len(self.examples) == self.size
+
+    @property
+    def domains(self) -> list[str]:
+        """The domain of every entry, in order (domain weighting samples by them)."""
+        return [e["domain"] for e in self.examples]
+
+    def fill(self, examples: list[dict[str, Any]]) -> None:
+        """Replace the whole buffer with ``size`` examples."""
+        if len(examples) != self.size:
+            raise RuntimeError(f"ReplayBuffer.fill got {len(examples)} examples for a buffer of {self.size}.")
+        self.examples, self.cursor = list(examples), 0
+
+    def put(self, examples: list[dict[str, Any]]) -> None:
+        """Put ``examples`` in place of the oldest entries, in order."""
+        for example in examples:
+            self.examples[self.cursor] = example
+            self.cursor = (self.cursor + 1) % self.size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffer": self.examples, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.examples = list(state.get("buffer", []))
+        self.cursor = int(state.get("cursor", 0))
 
 
 def prompt_of(example: dict[str, Any]) -> list[int]:

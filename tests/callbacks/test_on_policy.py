@@ -10,7 +10,8 @@ from helpers.fits import quiet_trainer
 
 from lightning_spec import generate
 from lightning_spec.callbacks import OnPolicyRollouts
-from lightning_spec.data.replay import prompt_of, replay_example
+from lightning_spec.callbacks.on_policy import on_policy_fit as on_policy_fit_declared
+from lightning_spec.data.replay import ReplayBuffer, prompt_of, replay_example
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.engine import Generation
 from lightning_spec.drafters import DFlashDrafter
@@ -82,7 +83,7 @@ def test_first_rejections_only_for_drafters_that_read_their_drafts():
     assert first["rejected"].tolist() == [[-1, 1, -1], [3, -1, -1], [-1, -1, -1]]
     assert full["rejected_logp"][0].tolist() == [0.0, -2.0, -3.0]
     with pytest.raises(ValueError, match="tree=None to trace"):
-        generate(None, [1], 3, drafter=object(), tree={"nodes": 4}, trace=True)
+        generate(None, [1], 3, drafter="ngram", tree={"nodes": 4}, trace=True)
 
 
 # ---------------------------------------------------------------------------------------------- Draft-OPD
@@ -164,7 +165,9 @@ def on_policy_fit(files, tmp_path, steps=4, objective=None, callbacks=(), ckpt_p
 def test_draft_opd_trains_on_the_live_drafters_rounds(data_files, tmp_path):
     module, cb, dm, seen, trainer = on_policy_fit(data_files, tmp_path, steps=6)
     assert trainer.global_step == 6
-    assert len(dm.train_dataset) == 4 and dm.train_dataset[0] is cb.buffer[0]
+    assert len(dm.training_set) == 4 and dm.training_set is cb.buffer and dm.training_set[0] is cb.buffer[0]
+    assert len(dm.train_dataset) > 4  # the data stays the data: prompts and the draft vocabulary come from it
+    assert module.feature_source.store is None  # declared on-policy (the callback list): no store for a changing set
     # an initial fill at step 0, then 2 rollouts at steps 2 and 4 (none at 6: training is over)
     assert [s for s, _ in cb.history] == [0, 2, 4] and cb.drawn == 8
     assert sorted(e["index"] for e in cb.buffer) == [4, 5, 6, 7]  # the oldest four replaced
@@ -229,6 +232,28 @@ def test_a_resumed_run_keeps_its_buffer(data_files, tmp_path):
     assert [s for s, _ in again.history] == [0, 2, 4] and again.drawn == cb.drawn + 2
     first = set(seen[0]["index"].tolist())
     assert first <= {e["index"] for e in cb.buffer}
+
+
+def test_on_policy_is_declared_by_the_callback_list():
+    """The module reads whether a fit is on-policy from the configuration (``trainer.callbacks``), not from a flag
+    that the callback's setup must set before the module's."""
+    assert on_policy_fit_declared(quiet_trainer(max_steps=1, callbacks=[OnPolicyRollouts()]))
+    assert not on_policy_fit_declared(quiet_trainer(max_steps=1))
+
+
+def test_the_replay_buffer_is_a_ring_of_fixed_size():
+    buffer = ReplayBuffer(3)
+    with pytest.raises(RuntimeError, match="2 examples for a buffer of 3"):
+        buffer.fill([{"domain": "a"}] * 2)
+    buffer.fill([{"domain": d, "index": i} for i, d in enumerate("abc")])
+    assert buffer.full and len(buffer) == 3 and buffer.domains == ["a", "b", "c"]
+    buffer.put([{"domain": "d", "index": 3}, {"domain": "e", "index": 4}])  # the two oldest replaced, in order
+    assert [e["index"] for e in buffer] == [3, 4, 2] and buffer.cursor == 2
+    buffer.put([{"domain": "f", "index": 5}, {"domain": "g", "index": 6}])  # wraps around
+    assert [e["index"] for e in buffer] == [6, 4, 5]
+    again = ReplayBuffer(3)
+    again.load_state_dict(buffer.state_dict())  # the "buffer"/"cursor" keys checkpoints hold
+    assert list(again) == list(buffer) and again.cursor == buffer.cursor
 
 
 def test_rollout_settings_are_checked():
