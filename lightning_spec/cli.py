@@ -138,7 +138,7 @@ def _lightning_shortcut(path: str) -> bool:
 # (a dataclass) holds the options: its typed fields and its docstring's ``Args`` are the flags, YAML keys and
 # --help, and its ``run()`` runs the command; a function's typed signature and docstring are (``export``).
 EXTRA_COMMANDS: dict[str, str] = {
-    "rollouts": "lightning_spec.data.rollout_writer:rollouts",
+    "rollouts": "lightning_spec.data.rollout_writer:Rollouts",
     "evaluate": "lightning_spec.evaluation.cli:Evaluate",
     "sweep": "lightning_spec.sweeps:sweep",
     "export": "lightning_spec.checkpoint:export_checkpoint",
