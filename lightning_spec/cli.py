@@ -140,7 +140,7 @@ def _lightning_shortcut(path: str) -> bool:
 EXTRA_COMMANDS: dict[str, str] = {
     "rollouts": "lightning_spec.data.rollout_writer:Rollouts",
     "evaluate": "lightning_spec.evaluation.cli:Evaluate",
-    "sweep": "lightning_spec.sweeps:sweep",
+    "sweep": "lightning_spec.sweeps:Sweep",
     "export": "lightning_spec.checkpoint:export_checkpoint",
 }
 
