@@ -18,6 +18,7 @@ from lightning_spec.errors import UserError
 from lightning_spec.sweeps.locks import StudyLock, study_lock
 from lightning_spec.sweeps.runner import (
     Search,
+    TrialPlan,
     Worker,
     error_line,
     make_pruner,
@@ -67,19 +68,6 @@ class SearchSpace:
     space: dict[str, Any]
     overrides: dict[str, Any]
     params: list[Param]
-
-
-@dataclass(frozen=True)
-class TrialPlan:
-    """How trials are drawn and how many: the sampler (its grid with ``grid``) and its seed, the pruner, the
-    study's total of finished trials and this worker's timeout."""
-
-    sampler: str
-    pruner: str | optuna.pruners.BasePruner
-    seed: int
-    n_trials: int | None
-    timeout: float | None
-    grid: dict[str, list[Any]] | None
 
 
 @dataclass
@@ -199,8 +187,7 @@ class Sweep:
                                   pruner=make_pruner(trials.pruner))
         progress(f"study {options.name!r} in {mask_uri(options.storage)}; MLflow parent run {parent} "
                  f"({mask_uri(tracker.uri)})")
-        worker = Worker(study, rdb, lock, tracker, parent, search, trials.sampler, trials.grid, trials.seed,
-                        trials.n_trials, trials.timeout, options.heartbeat_interval)
+        worker = Worker(study, rdb, lock, tracker, parent, search, trials, options.heartbeat_interval)
         with remember_interrupts() as interrupted:
             worker.run(interrupted)
 
