@@ -205,6 +205,7 @@ class Shards:
         self.last_write = time.perf_counter()
 
     def is_done(self, prompt: dict, sample: int) -> bool:
+        """Whether (prompt, sample) is stored, drawn from this very prompt."""
         row = self.done.get((prompt["id"], sample))
         return row is not None and row["prompt_ids"] == prompt["prompt_ids"]  # a changed prompt is redrawn
 
@@ -223,6 +224,7 @@ class Shards:
             self.write()
 
     def write(self) -> None:
+        """The buffered rows as the next shard; from now on they count as stored."""
         _write_shard(self.folder, self.next_shard, self.buffer)
         self.next_shard += 1
         for row in self.buffer:
