@@ -30,7 +30,7 @@ import torch
 
 from lightning_spec import SamplingConfig, generate, load_drafter, load_target
 from lightning_spec.data.prompts import select_prompts
-from lightning_spec.data.rollout_writer import generate_rollouts, rollout_seed
+from lightning_spec.data.rollout_writer import Draw, generate_rollouts, rollout_seed
 from lightning_spec.data.rollouts import load_rollout_set, load_rollouts
 from lightning_spec.data.sources import as_source
 from lightning_spec.evaluation.offline import offline_report
@@ -76,7 +76,7 @@ def main() -> None:
     folder = folder if args.rollouts else folder / "r"
     reused = (folder / "rollouts.json").is_file()
     start = time.perf_counter()
-    generate_rollouts(target, prompts, sampling, args.samples, args.max_new_tokens, folder, seed=args.seed,
+    generate_rollouts(target, prompts, Draw(sampling, args.samples, args.max_new_tokens, seed=args.seed), folder,
                       batch_size=args.batch_size, sources=args.sources, progress=False)
     rollout_s = time.perf_counter() - start
     dataset, _ = load_rollouts(folder)

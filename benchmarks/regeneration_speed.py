@@ -39,7 +39,7 @@ def main() -> None:
     from lightning_spec import SamplingConfig, load_target
     from lightning_spec.data.engines import LocalEngine, ServerEngine
     from lightning_spec.data.prompts import select_prompts
-    from lightning_spec.data.rollout_writer import generate_rollouts
+    from lightning_spec.data.rollout_writer import Draw, generate_rollouts
 
     target = load_target(args.target)
     prompts = select_prompts(target.tokenizer, ["sharegpt"], args.prompts, 0, args.max_prompt_tokens)
@@ -52,8 +52,8 @@ def main() -> None:
     def run(side: str, engine, folder: Path) -> None:
         for name, sampling in samplings.items():
             start_time = time.perf_counter()
-            rows = generate_rollouts(target, prompts, sampling, 1, args.max_new_tokens, folder / name, engine=engine,
-                                     max_turns=1, progress=False).to_list()
+            draw = Draw(sampling, 1, args.max_new_tokens, max_turns=1)
+            rows = generate_rollouts(target, prompts, draw, folder / name, engine=engine, progress=False).to_list()
             seconds = time.perf_counter() - start_time
             results[side, name] = (rows, seconds)
             tokens = sum(len(r["response_ids"]) for r in rows)

@@ -180,13 +180,13 @@ def fit(arm: Arm, args: argparse.Namespace, train_t1: Path) -> dict:
 def evaluate(name: str, checkpoint: str, rollouts: Path, out: Path) -> dict:
     """Exact offline MAL of one checkpoint on ``rollouts`` at their own sampling; the per-row rounds the pairing
     needs are in the JSON it writes."""
-    from lightning_spec.evaluation.cli import evaluate as score
+    from lightning_spec.evaluation.cli import Evaluate
 
     output = out / "evaluations" / f"{name}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(out / "logs" / f"evaluate-{name}.log", "w") as log, contextlib.redirect_stdout(log):  # its tables
-        result = score([checkpoint], mode="offline", names=["arm"], rollouts=str(rollouts), output=str(output),
-                       progress=False)
+        result = Evaluate([checkpoint], mode="offline", names=["arm"], rollouts=str(rollouts), output=str(output),
+                          progress=False).run()
     arm = result["comparison"]["arms"]["arm"]
     return {"mal": arm["mal"], "mal_ci": arm["mal_ci"], "evaluation": str(output),
             "by_domain": {d: arms["arm"]["mal"] for d, arms in result["comparison"]["by_domain"].items()}}

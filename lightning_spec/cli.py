@@ -127,30 +127,37 @@ def _lightning_shortcut(path: str) -> bool:
     return path in ("last", "best", "hpc") or path.startswith("registry") or "://" in path
 
 
-# Subcommands that are not Lightning trainer runs: name -> "module:function", imported only when used. The
-# function's typed signature and docstring are its options and --help, parsed here like LightningCLI does.
+# Subcommands that are not Lightning trainer runs: name -> "module:attr", imported only when used. A command class
+# (a dataclass) holds the options: its typed fields and its docstring's ``Args`` are the flags, YAML keys and
+# --help, and its ``run()`` runs the command; a function's typed signature and docstring are (``export``).
 EXTRA_COMMANDS: dict[str, str] = {
-    "rollouts": "lightning_spec.data.rollout_writer:rollouts",
-    "evaluate": "lightning_spec.evaluation.cli:evaluate",
-    "sweep": "lightning_spec.sweeps:sweep",
+    "rollouts": "lightning_spec.data.rollout_writer:Rollouts",
+    "evaluate": "lightning_spec.evaluation.cli:Evaluate",
+    "sweep": "lightning_spec.sweeps:Sweep",
     "export": "lightning_spec.checkpoint:export_checkpoint",
 }
 
 
-def run_command(name: str, argv: list[str]) -> None:
-    """Parse ``argv`` against the registered function's signature (plus ``--config f.yaml``) and call it."""
+def run_command(name: str, argv: list[str]) -> Any:
+    """Parse ``argv`` against the registered command's fields or function's signature (plus ``--config f.yaml``),
+    then run it: ``Command(**options).run()`` or ``function(**options)``. Returns what that returns."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     module, _, attr = EXTRA_COMMANDS[name].partition(":")
     func = getattr(importlib.import_module(module), attr)
+    command = isinstance(func, type)  # a command class; else a function
     parser = ArgumentParser(
         prog=f"lightning-spec {name}", description=(func.__doc__ or "").split("\n\n")[0], exit_on_error=False
     )
     parser.add_argument("-c", "--config", action=ActionConfigFile, help="a YAML file with these options")
-    parser.add_function_arguments(func, as_group=False)
+    if command:
+        parser.add_class_arguments(func, as_group=False)
+    else:
+        parser.add_function_arguments(func, as_group=False)
     cfg = parser.parse_args(argv)
     cfg.pop("config", None)
-    func(**{k: v for k, v in vars(parser.instantiate_classes(cfg)).items() if k != "config"})
+    options = {k: v for k, v in vars(parser.instantiate_classes(cfg)).items() if k != "config"}
+    return func(**options).run() if command else func(**options)
 
 
 def run_features(argv: list[str]) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,20 +58,60 @@ def rollout_seed(seed: int, prompt_id: str, sample: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+@dataclass(frozen=True)
+class Draw:
+    """How every rollout of a run is drawn: a folder's rollouts share it (its tokens' settings are what a resumed
+    run must match, ``_RESUME_KEYS``), so ``generate_rollouts`` takes it as one object.
+
+    Args:
+        sampling: the distribution tokens are drawn from; use the serving/evaluation config (the offline
+            evaluator is exact only under the config the rollouts were drawn with).
+        n_per_prompt: responses per prompt (samples 0..n-1).
+        max_new_tokens: the budget of each turn; a turn that reaches it without EOS ends its conversation there
+            (the first turn's ``finished`` is False).
+        seed: with (prompt_id, sample) it seeds each rollout (``rollout_seed``; turn t draws from that seed + t).
+        max_turns: regenerate at most this many assistant turns per conversation; None = all.
+        max_prompt_tokens: a later turn whose prompt (history included) is longer ends its conversation.
+        chat_template_kwargs: keyword arguments for the chat template of later turns' prompts (first turns come
+            templated in the prompts), e.g. ``{"enable_thinking": false}``; recorded in ``rollouts.json``.
+    """
+
+    sampling: SamplingConfig
+    n_per_prompt: int
+    max_new_tokens: int
+    seed: int = 0
+    max_turns: int | None = None
+    max_prompt_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """Refuse counts that draw nothing, before anything is opened."""
+        if self.n_per_prompt < 1:
+            raise UserError(f"n_per_prompt={self.n_per_prompt} must be at least 1.")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise UserError(f"max_turns={self.max_turns} must be at least 1, or null for every turn.")
+
+    def turns(self, conversation: Conversation, tokenizer: Any) -> Turns:
+        """The walk over ``conversation``'s turns that the engine regenerates."""
+        return Turns(conversation, tokenizer, self.max_turns, self.max_prompt_tokens, self.chat_template_kwargs)
+
+
 # ---------------------------------------------------------------------------------------- resume or start
 
 
-def _run_meta(target: Any, sampling: SamplingConfig, seed: int, max_new_tokens: int, engine: Engine,
-              max_turns: int | None, chat_template_kwargs: dict | None) -> dict[str, Any]:
+def _run_meta(target: Any, draw: Draw, engine: Engine) -> dict[str, Any]:
+    """What a folder's run records in ``shards/run.json``: what a resumed run must match (``_RESUME_KEYS``)."""
     return {
         "target": target.name,
         "target_fingerprint": target.fingerprint,
-        "sampling": sampling.to_dict(),
-        "seed": int(seed),
-        "max_new_tokens": int(max_new_tokens),
+        "sampling": draw.sampling.to_dict(),
+        "seed": int(draw.seed),
+        "max_new_tokens": int(draw.max_new_tokens),
         "format": FORMAT,
-        "max_turns": max_turns,
-        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "max_turns": draw.max_turns,
+        "chat_template_kwargs": dict(draw.chat_template_kwargs or {}),
         **engine.describe(),
     }
 
@@ -142,6 +183,66 @@ def _read_shards(folder: Path) -> tuple[dict[tuple[str, int], dict], int]:
     return rows, last + 1
 
 
+class Shards:
+    """A run's ``shards/`` folder: opened (resumed, or started with its ``run.json``), the rows stored there, and
+    the finished conversations not yet in a shard (what a kill now would redo), written together once the engine's
+    ``shard_rows`` are in or ``SHARD_SECONDS`` have passed."""
+
+    def __init__(self, out: Path, wanted: dict[str, Any]) -> None:
+        """Resume or start: ``out`` must be empty, or hold rollouts drawn under the same settings (``wanted``)."""
+        self.folder = out / SHARD_DIR
+        if (self.folder / RUN_FILE).is_file():
+            _check_resume(out, json.loads((self.folder / RUN_FILE).read_text()), wanted)
+        elif (out / META_FILE).is_file():
+            _check_resume(out, json.loads((out / META_FILE).read_text()), wanted)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob("*.tmp*"):  # a write that was killed half-way: its rows are redone
+            stale.unlink()
+        if not (self.folder / RUN_FILE).is_file():
+            atomic_write_json(self.folder / RUN_FILE, wanted)
+        self.done, self.next_shard = _read_shards(self.folder)
+        self.buffer: list[dict] = []
+        self.last_write = time.perf_counter()
+
+    def is_done(self, prompt: dict, sample: int) -> bool:
+        """Whether (prompt, sample) is stored, drawn from this very prompt."""
+        row = self.done.get((prompt["id"], sample))
+        return row is not None and row["prompt_ids"] == prompt["prompt_ids"]  # a changed prompt is redrawn
+
+    def todo(self, prompts: list[dict], draw: Draw) -> list[Conversation]:
+        """The (prompt, sample) conversations not stored yet, each with its own seed."""
+        return [
+            Conversation(p["id"], s, rollout_seed(draw.seed, p["id"], s), p["domain"], p["subdomain"],
+                         p["prompt_ids"], p.get("messages") or [])
+            for p in prompts for s in range(draw.n_per_prompt) if not self.is_done(p, s)
+        ]
+
+    def add(self, rows: list[dict], shard_rows: int) -> None:
+        """Buffer finished rows; write a shard when enough are in or the last one is ``SHARD_SECONDS`` old."""
+        self.buffer.extend(rows)
+        if len(self.buffer) >= shard_rows or time.perf_counter() - self.last_write > SHARD_SECONDS:
+            self.write()
+
+    def write(self) -> None:
+        """The buffered rows as the next shard; from now on they count as stored."""
+        _write_shard(self.folder, self.next_shard, self.buffer)
+        self.next_shard += 1
+        for row in self.buffer:
+            self.done[(row["prompt_id"], row["sample"])] = row
+        self.buffer.clear()
+        self.last_write = time.perf_counter()
+
+    def table(self, prompts: list[dict], n_per_prompt: int) -> dict[str, list]:
+        """Consolidate: exactly the requested (prompt_id, sample) pairs, in prompt order, as columns."""
+        table: dict[str, list] = {c: [] for c in COLUMNS}
+        for p in prompts:
+            for s in range(n_per_prompt):
+                row = self.done[(p["id"], s)]
+                for c in COLUMNS:
+                    table[c].append(row[c])
+        return table
+
+
 # ---------------------------------------------------------------------------------------------- the run
 
 
@@ -187,20 +288,15 @@ def _source_label(source: Any) -> Any:
 def generate_rollouts(
     target: Any,
     prompts: Sequence[Any],
-    sampling: SamplingConfig,
-    n_per_prompt: int,
-    max_new_tokens: int,
+    draw: Draw,
     out_dir: str | os.PathLike,
-    seed: int = 0,
+    *,
+    engine: Engine | None = None,
     batch_size: int = 8,
     sources: Sequence[Any] | None = None,
     progress: bool = True,
-    engine: Engine | None = None,
-    max_turns: int | None = None,
-    max_prompt_tokens: int | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> datasets.Dataset:
-    """Sample ``n_per_prompt`` responses per prompt from ``target`` and store them as a rollouts folder.
+    """Sample ``draw.n_per_prompt`` responses per prompt from ``target`` and store them as a rollouts folder.
 
     Args:
         target: a ``Target`` (``load_target``): its name, weight fingerprint, tokenizer and EOS ids are recorded;
@@ -208,101 +304,57 @@ def generate_rollouts(
         prompts: ``{"id", "domain", "subdomain", "prompt_ids", "messages"}`` dicts (chat-templated prompts with the
             generation header, as ``select_prompts`` gives; ``messages``, the source conversation, makes every
             assistant turn regenerated) or token-id lists (one turn).
-        sampling: the distribution tokens are drawn from; use the serving/evaluation config (the offline
-            evaluator is exact only under the config the rollouts were drawn with).
-        n_per_prompt: responses per prompt (samples 0..n-1).
-        max_new_tokens: the budget of each turn; a turn that reaches it without EOS ends its conversation there
-            (the first turn's ``finished`` is False).
+        draw: how every rollout is drawn (``Draw``: sampling, samples per prompt, the turn budget, seed, turns).
         out_dir: the rollouts folder; a folder of an interrupted (or finished) run with the same target,
             sampling, seed, max_new_tokens, engine, turns and template arguments is resumed (extended), anything
             else is refused.
-        seed: with (prompt_id, sample) it seeds each rollout (``rollout_seed``; turn t draws from that seed + t).
+        engine: where the answers are drawn (``data/engines.py``): None = ``LocalEngine(target, batch_size)``, or a
+            ``ServerEngine`` (vLLM, SGLang).
         batch_size: conversations the in-process engine decodes together (left padding); speed only.
         sources: what the prompts came from, recorded in ``rollouts.json``.
         progress: show the work ahead, an estimate, and a rich progress bar (conversations done / total, tokens/s).
-        engine: where the answers are drawn (``data/engines.py``): None = ``LocalEngine(target, batch_size)``, or a
-            ``ServerEngine`` (vLLM, SGLang).
-        max_turns: regenerate at most this many assistant turns per conversation; None = all.
-        max_prompt_tokens: a later turn whose prompt (history included) is longer ends its conversation.
-        chat_template_kwargs: keyword arguments for the chat template of later turns' prompts (first turns come
-            templated in ``prompts``), e.g. ``{"enable_thinking": false}``; recorded in ``rollouts.json``.
 
     Returns the dataset (rows in prompt order, then sample), also saved in ``out_dir``.
     """
-    if n_per_prompt < 1:
-        raise UserError(f"n_per_prompt={n_per_prompt} must be at least 1.")
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1.")
-    if max_turns is not None and max_turns < 1:
-        raise UserError(f"max_turns={max_turns} must be at least 1, or null for every turn.")
+    draw.check()
     engine = engine if engine is not None else LocalEngine(target, batch_size)
     prompts = _as_prompts(prompts)
     if not prompts:
         raise UserError("no prompts to roll out; check the sources (and prompts_per_source).")
-    wanted = _run_meta(target, sampling, seed, max_new_tokens, engine, max_turns, chat_template_kwargs)
-
-    # ---- resume or start: the folder must be empty, or hold rollouts drawn under the same settings
+    wanted = _run_meta(target, draw, engine)
     out = _check_out(out_dir)
-    shard_dir = out / SHARD_DIR
-    if (shard_dir / RUN_FILE).is_file():
-        _check_resume(out, json.loads((shard_dir / RUN_FILE).read_text()), wanted)
-    elif (out / META_FILE).is_file():
-        _check_resume(out, json.loads((out / META_FILE).read_text()), wanted)
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    for stale in shard_dir.glob("*.tmp*"):  # a write that was killed half-way: its rows are redone
-        stale.unlink()
-    if not (shard_dir / RUN_FILE).is_file():
-        atomic_write_json(shard_dir / RUN_FILE, wanted)
-    done, next_shard = _read_shards(shard_dir)
-
-    def is_done(prompt: dict, sample: int) -> bool:
-        row = done.get((prompt["id"], sample))
-        return row is not None and row["prompt_ids"] == prompt["prompt_ids"]  # a changed prompt is redrawn
-
-    todo = [
-        Conversation(p["id"], s, rollout_seed(seed, p["id"], s), p["domain"], p["subdomain"], p["prompt_ids"],
-                     p.get("messages") or [])
-        for p in prompts for s in range(n_per_prompt) if not is_done(p, s)
-    ]
+    shards = Shards(out, wanted)
+    todo = shards.todo(prompts, draw)
     tokenizer = target.tokenizer  # None for a target built without one (Target declares it)
     eos = target.eos_token_ids
-    walk = lambda c: Turns(c, tokenizer, max_turns, max_prompt_tokens, chat_template_kwargs)  # noqa: E731
-    total = len(prompts) * n_per_prompt
+    walk = lambda c: draw.turns(c, tokenizer)  # noqa: E731
+    total = len(prompts) * draw.n_per_prompt
     if progress:
-        announce(engine, todo, total, walk, sampling, max_new_tokens, eos)
+        announce(engine, todo, total, walk, draw.sampling, draw.max_new_tokens, eos)
 
     tokens, start = 0, time.perf_counter()
-    buffer: list[dict] = []  # finished conversations not yet in a shard: what a kill now would redo
-    last_write = start
-
-    def write() -> None:
-        nonlocal next_shard, last_write
-        _write_shard(shard_dir, next_shard, buffer)
-        next_shard += 1
-        for row in buffer:
-            done[(row["prompt_id"], row["sample"])] = row
-        buffer.clear()
-        last_write = time.perf_counter()
-
+    shards.last_write = start
     with progress_bar("rollouts", total, progress, {"rate": "- tokens/s"}) as bar:
         bar.advance(total - len(todo))
-        for finished in engine.run(todo, sampling, max_new_tokens, walk, eos):
-            buffer.extend(_row(r) for r in finished)
-            if len(buffer) >= engine.shard_rows or time.perf_counter() - last_write > SHARD_SECONDS:
-                write()
+        for finished in engine.run(todo, draw.sampling, draw.max_new_tokens, walk, eos):
+            shards.add([_row(r) for r in finished], engine.shard_rows)
             tokens += sum(sum(len(x) for x in r.responses) for r in finished)
             rate = tokens / max(time.perf_counter() - start, 1e-9)
             bar.advance(len(finished), rate=f"{rate:.1f} tokens/s")
-        if buffer:
-            write()
+        if shards.buffer:
+            shards.write()
 
-    # ---- consolidate: exactly the requested (prompt_id, sample) pairs, in prompt order
-    table = {c: [] for c in COLUMNS}
-    for p in prompts:
-        for s in range(n_per_prompt):
-            row = done[(p["id"], s)]
-            for c in COLUMNS:
-                table[c].append(row[c])
+    table = shards.table(prompts, draw.n_per_prompt)
+    dataset = _save_dataset(out, table)
+    atomic_write_json(out / META_FILE, _folder_meta(target, wanted, draw.n_per_prompt, sources))
+    if progress:
+        rate = tokens / max(time.perf_counter() - start, 1e-9)
+        _print_done(out, table, tokens, rate, draw.max_new_tokens)
+    return dataset
+
+
+def _save_dataset(out: Path, table: dict[str, list]) -> datasets.Dataset:
+    """The consolidated rows as the folder's dataset files (``rollouts.json`` absent meanwhile)."""
     dataset = datasets.Dataset.from_dict(table, features=FEATURES)
     (out / META_FILE).unlink(missing_ok=True)  # absent while the dataset files are rewritten
     bars_were_on = not datasets.utils.are_progress_bars_disabled()
@@ -312,28 +364,35 @@ def generate_rollouts(
     finally:
         if bars_were_on:
             datasets.utils.enable_progress_bars()
-    meta = {
+    return dataset
+
+
+def _folder_meta(target: Any, wanted: dict[str, Any], n_per_prompt: int,
+                 sources: Sequence[Any] | None) -> dict[str, Any]:
+    """``rollouts.json``: the run's settings, the target's tokenizer and vocabulary, the sources, when."""
+    tokenizer = target.tokenizer
+    return {
         **wanted,
         "tokenizer": getattr(tokenizer, "name_or_path", None),  # an HF tokenizer's; None without one
         "tokenizer_size": len(tokenizer) if tokenizer is not None else None,
         "vocab_size": int(target.vocab_size),
-        "eos_token_ids": [int(t) for t in eos],
+        "eos_token_ids": [int(t) for t in target.eos_token_ids],
         "n_per_prompt": int(n_per_prompt),
         "sources": [_source_label(s) for s in (sources or [])],
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    atomic_write_json(out / META_FILE, meta)
-    if progress:
-        from rich.console import Console
 
-        n_done = sum(table["finished"])
-        rate = tokens / max(time.perf_counter() - start, 1e-9)
-        Console(stderr=True, soft_wrap=True).print(
-            f"rollouts: {len(dataset)} in {out} ({n_done} first turns ended with EOS, {len(dataset) - n_done} hit "
-            f"max_new_tokens={max_new_tokens}; {sum(table['turns'])} turns in all); {tokens} tokens drawn this run "
-            f"at {rate:.1f} tokens/s"
-        )
-    return dataset
+
+def _print_done(out: Path, table: dict[str, list], tokens: int, rate: float, max_new_tokens: int) -> None:
+    """The run's last line: rollouts stored, first turns ended by EOS or the budget, tokens drawn and their rate."""
+    from rich.console import Console
+
+    n_rows, n_done = len(table["finished"]), sum(table["finished"])
+    Console(stderr=True, soft_wrap=True).print(
+        f"rollouts: {n_rows} in {out} ({n_done} first turns ended with EOS, {n_rows - n_done} hit "
+        f"max_new_tokens={max_new_tokens}; {sum(table['turns'])} turns in all); {tokens} tokens drawn this run "
+        f"at {rate:.1f} tokens/s"
+    )
 
 
 def _row(r: Regenerated) -> dict[str, Any]:
@@ -373,29 +432,8 @@ def announce(engine: Engine, todo: list[Conversation], total: int, walk: Any, sa
 # -------------------------------------------------------------------------------------------------- CLI
 
 
-def rollouts(
-    out: str,
-    target: str = "smollm2-135m-instruct",
-    sources: list[Source | str] = ["mt-bench", "humaneval", "mmath"],  # noqa: B006 (never mutated; a list shows in --help)
-    prompts_per_source: int | None = 20,
-    max_prompt_tokens: int | None = 1024,
-    max_turns: int | None = None,
-    n_per_prompt: int = 1,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    max_new_tokens: int = 256,
-    seed: int = 0,
-    backend: Literal["local", "server"] = "local",
-    batch_size: int = 8,
-    server_url: str = "http://127.0.0.1:8000",
-    server_model: str | None = None,
-    concurrency: int = 64,
-    target_options: TargetOptions | None = None,
-    target_dtype: str = "float32",
-    device: str = "cpu",
-    progress: bool = True,
-) -> datasets.Dataset:
+@dataclass
+class Rollouts:
     """Sample responses from the target for prompts of any source and store them as a rollouts folder.
 
     Rerunning the same command resumes a killed run (same tokens as an uninterrupted one with the local backend);
@@ -435,35 +473,67 @@ def rollouts(
         device: where the local target runs (cpu, cuda, cuda:1, ...).
         progress: print the work ahead and an estimate, and show the progress bar.
     """
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
-    if prompts_per_source is not None and prompts_per_source < 1:
-        raise UserError(f"--prompts_per_source={prompts_per_source} must be at least 1, or null for all.")
-    if not sources:
-        raise UserError("--sources is empty; name at least one, e.g. '[mt-bench, humaneval, mmath]'.")
-    if max_prompt_tokens is not None and max_prompt_tokens < 1:
-        raise UserError(f"--max_prompt_tokens={max_prompt_tokens} must be at least 1, or null for no limit.")
-    _check_out(out)  # before the target is loaded and hours of decoding start
-    engine = ServerEngine(server_url, server_model, concurrency) if backend == "server" else None
-    model = load_target(target, dtype=target_dtype, device=device, options=target_options)
-    if model.tokenizer is None:
-        raise UserError(f"--target {target} has no tokenizer; rollouts need one to build chat prompts.")
-    chat_template_kwargs = model.chat_template_kwargs
-    source_list = [as_source(s) for s in sources]
-    prompts = select_prompts(model.tokenizer, source_list, prompts_per_source, seed, max_prompt_tokens,
-                             chat_template_kwargs=chat_template_kwargs)
-    return generate_rollouts(
-        model,
-        prompts,
-        sampling,
-        n_per_prompt=n_per_prompt,
-        max_new_tokens=max_new_tokens,
-        out_dir=out,
-        seed=seed,
-        batch_size=batch_size,
-        sources=source_list,
-        progress=progress,
-        engine=engine if engine is not None else LocalEngine(model, batch_size),
-        max_turns=max_turns,
-        max_prompt_tokens=max_prompt_tokens,
-        chat_template_kwargs=chat_template_kwargs,
-    )
+
+    out: str
+    target: str = "smollm2-135m-instruct"
+    sources: list[Source | str] = field(default_factory=lambda: ["mt-bench", "humaneval", "mmath"])
+    prompts_per_source: int | None = 20
+    max_prompt_tokens: int | None = 1024
+    max_turns: int | None = None
+    n_per_prompt: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    seed: int = 0
+    backend: Literal["local", "server"] = "local"
+    batch_size: int = 8
+    server_url: str = "http://127.0.0.1:8000"
+    server_model: str | None = None
+    concurrency: int = 64
+    target_options: TargetOptions | None = None
+    target_dtype: str = "float32"
+    device: str = "cpu"
+    progress: bool = True
+
+    # The fields above are the command's flags and YAML keys (``lightning-spec rollouts``, ``cli.run_command``);
+    # the methods below group them: the prompt source, the engine, and how the rollouts are drawn.
+    def run(self) -> datasets.Dataset:
+        """Check the options and ``--out``, load the target, select the prompts, draw them into ``--out``."""
+        sampling = SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        self.check()
+        _check_out(self.out)  # before the target is loaded and hours of decoding start
+        server = self.server()
+        model = load_target(self.target, dtype=self.target_dtype, device=self.device, options=self.target_options)
+        if model.tokenizer is None:
+            raise UserError(f"--target {self.target} has no tokenizer; rollouts need one to build chat prompts.")
+        sources = self.source()
+        prompts = select_prompts(model.tokenizer, sources, self.prompts_per_source, self.seed, self.max_prompt_tokens,
+                                 chat_template_kwargs=model.chat_template_kwargs)
+        engine = server if server is not None else LocalEngine(model, self.batch_size)
+        return generate_rollouts(model, prompts, self.draw(sampling, model.chat_template_kwargs), self.out,
+                                 engine=engine, batch_size=self.batch_size, sources=sources, progress=self.progress)
+
+    def check(self) -> None:
+        """Refuse a prompt selection that cannot be made, before anything is loaded."""
+        if self.prompts_per_source is not None and self.prompts_per_source < 1:
+            raise UserError(f"--prompts_per_source={self.prompts_per_source} must be at least 1, or null for all.")
+        if not self.sources:
+            raise UserError("--sources is empty; name at least one, e.g. '[mt-bench, humaneval, mmath]'.")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise UserError(f"--max_prompt_tokens={self.max_prompt_tokens} must be at least 1, or null for no limit.")
+
+    def source(self) -> list[Source]:
+        """The prompt sources (``--sources``), as ``Source`` entries."""
+        return [as_source(s) for s in self.sources]
+
+    def server(self) -> ServerEngine | None:
+        """The server engine with ``--backend server`` (its URL and model checked now); None: the local engine."""
+        if self.backend != "server":
+            return None
+        return ServerEngine(self.server_url, self.server_model, self.concurrency)
+
+    def draw(self, sampling: SamplingConfig, chat_template_kwargs: dict[str, Any] | None) -> Draw:
+        """How every rollout is drawn (``chat_template_kwargs``: the loaded target's, from ``--target_options``)."""
+        return Draw(sampling, self.n_per_prompt, self.max_new_tokens, seed=self.seed, max_turns=self.max_turns,
+                    max_prompt_tokens=self.max_prompt_tokens, chat_template_kwargs=chat_template_kwargs)

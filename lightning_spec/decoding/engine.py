@@ -94,6 +94,56 @@ def draft(drafter: Any, state: Any, anchor: Tensor, context: list[int], sampling
     return merged
 
 
+def _check_request(drafter: Any, tree: TreeConfig | None, trace: bool, max_new_tokens: Any) -> None:
+    """Refuse a ``generate`` call that cannot run, before the target is touched."""
+    if tree is not None and drafter is None:
+        raise UserError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
+    if tree is not None and trace:
+        raise UserError("generate(trace=True) records chains; decode with tree=None to trace the drafts.")
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
+
+
+def _generator(seed: int | None, sampling: SamplingConfig) -> torch.Generator | None:
+    """The draws' generator: seeded by ``seed``, else a fresh seed when sampling, none for greedy decoding."""
+    if seed is not None:
+        return torch.Generator().manual_seed(seed)
+    if not sampling.greedy:
+        return torch.Generator().manual_seed(torch.seed() % (2**63))
+    return None
+
+
+def _prefill(target: Any, drafter: Any, ids: Tensor, layers: list[int], cache: Any) -> Any:
+    """Prefill the target cache with the prompt (1, S) but its last token (the first round's anchor); the
+    drafter's state begun on those positions' features (None without a drafter)."""
+    state = None
+    if ids.shape[1] > 1:
+        out = target(ids[:, :-1], layers=layers, cache=cache, logits=False)  # prefill, no logits needed
+        if drafter is not None:
+            state = drafter.begin(out.features, ids[:, :-1])
+    elif drafter is not None:
+        state = drafter.begin(torch.zeros(1, 0, len(layers) * target.hidden_size, device=target.device), ids[:, :0])
+    return state
+
+
+def _commit(new: list[int], eos: set[int], room: int) -> list[int]:
+    """A round's accepted drafts and next token, cut after the first EOS and to the ``room`` left in the budget."""
+    for i, tok in enumerate(new):
+        if tok in eos:
+            new = new[: i + 1]
+            break
+    return new[:room]
+
+
+def _trace_round(gen: Generation, logits: Tensor, nodes: Tensor, drafted: int, sampling: SamplingConfig) -> None:
+    """Record a chain round's drafted tokens and the target's log-probability of each (``trace=True``).
+    ``logits`` (T, V) of the verify forward: logits[i] predicts node i + 1, the drafted tokens are nodes 1..k."""
+    logits = logits[:drafted].float()  # (k, V)
+    logp = logits.log_softmax(-1) if sampling.greedy else sampling.logprobs(logits)
+    gen.drafts.append(nodes[1 : drafted + 1].tolist())
+    gen.draft_logp.append(logp.gather(-1, nodes[1 : drafted + 1, None])[:, 0].tolist())
+
+
 @torch.no_grad()
 def generate(
     target: Any,
@@ -116,19 +166,10 @@ def generate(
     sampling = SamplingConfig.coerce(sampling)
     tree = TreeConfig.coerce(tree)
     drafter = as_proposer(drafter)
-    if tree is not None and drafter is None:
-        raise UserError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
-    if tree is not None and trace:
-        raise UserError("generate(trace=True) records chains; decode with tree=None to trace the drafts.")
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
+    _check_request(drafter, tree, trace, max_new_tokens)
     device = target.device
     ids = _as_ids(input_ids, target.vocab_size, device)
-    generator = None
-    if seed is not None:
-        generator = torch.Generator().manual_seed(seed)
-    elif not sampling.greedy:
-        generator = torch.Generator().manual_seed(torch.seed() % (2**63))
+    generator = _generator(seed, sampling)
     eos = set(target.eos_token_ids)
     layers = list(drafter.target_layers) if drafter is not None else []
     k = drafter.block_size if drafter is not None else 0
@@ -137,23 +178,12 @@ def generate(
 
     start = time.perf_counter()
     cache = target.new_cache()
-    state = None
-    if ids.shape[1] > 1:
-        out = target(ids[:, :-1], layers=layers, cache=cache, logits=False)  # prefill, no logits needed
-        if drafter is not None:
-            state = drafter.begin(out.features, ids[:, :-1])
-    elif drafter is not None:
-        state = drafter.begin(torch.zeros(1, 0, len(layers) * target.hidden_size, device=device), ids[:, :0])
-    prefill_seconds = time.perf_counter() - start
+    state = _prefill(target, drafter, ids, layers, cache)
+    # filled round by round; ``rounds`` and ``seconds`` are set at the end
+    gen = Generation([], [], 0, 0.0, prefill_seconds=time.perf_counter() - start, block_size=k)
     anchor = ids[0, -1:]  # (1,)
     context = ids[0].tolist() if tree is not None and tree.ngram else []  # committed tokens, for n-gram merges
-    tokens: list[int] = []
-    accept_lengths: list[int] = []
-    draft_lengths: list[int] = []
-    drafts: list[list[int]] = []
-    draft_logp: list[list[float]] = []
-    t_draft = t_verify = 0.0
-    while len(tokens) < max_new_tokens:
+    while len(gen.tokens) < max_new_tokens:
         t0 = time.perf_counter()
         proposal = None if drafter is None else draft(drafter, state, anchor, context, sampling, tree, generator)
         proposal = proposal if proposal is not None else ChainProposal.empty(device)
@@ -162,26 +192,15 @@ def generate(
         past = cache.get_seq_length()
         out = target(nodes[None], layers=layers, cache=cache, positions=offsets, tree_mask=tree_mask)
         path, nxt = proposal.accept(out.logits[0], sampling, generator)  # committed nodes, the anchor first
-        t_verify += time.perf_counter() - t1
-        t_draft += t1 - t0
-        accepted = len(path) - 1
-        new = nodes[path[1:]].tolist() + [nxt]
-        # commit up to EOS and the token budget
-        for i, tok in enumerate(new):
-            if tok in eos:
-                new = new[: i + 1]
-                break
-        new = new[: max_new_tokens - len(tokens)]
-        tokens.extend(new)
-        accept_lengths.append(min(accepted, len(new)))
-        draft_lengths.append(proposal.num_drafted)
-        if trace:  # logits[i] predicts node i + 1: the drafted tokens are nodes 1..k
-            k_r = proposal.num_drafted
-            logits = out.logits[0, :k_r].float()  # (k, V)
-            logp = logits.log_softmax(-1) if sampling.greedy else sampling.logprobs(logits)
-            drafts.append(nodes[1 : k_r + 1].tolist())
-            draft_logp.append(logp.gather(-1, nodes[1 : k_r + 1, None])[:, 0].tolist())
-        if new[-1] in eos or len(tokens) >= max_new_tokens:
+        gen.verify_seconds += time.perf_counter() - t1
+        gen.draft_seconds += t1 - t0
+        new = _commit(nodes[path[1:]].tolist() + [nxt], eos, max_new_tokens - len(gen.tokens))
+        gen.tokens.extend(new)
+        gen.accept_lengths.append(min(len(path) - 1, len(new)))  # accepted drafts, bonus excluded
+        gen.draft_lengths.append(proposal.num_drafted)
+        if trace:
+            _trace_round(gen, out.logits[0], nodes, proposal.num_drafted, sampling)
+        if new[-1] in eos or len(gen.tokens) >= max_new_tokens:
             break
         # keep the anchor and the accepted drafts in the caches; the committed next token is the new anchor
         target.keep(cache, past, path)
@@ -190,16 +209,6 @@ def generate(
         if context:
             context.extend(new)
         anchor = torch.tensor([nxt], device=device)
-    return Generation(
-        tokens=tokens,
-        accept_lengths=accept_lengths,
-        rounds=len(accept_lengths),
-        seconds=time.perf_counter() - start,
-        draft_seconds=t_draft,
-        verify_seconds=t_verify,
-        prefill_seconds=prefill_seconds,
-        block_size=k,
-        draft_lengths=draft_lengths,
-        drafts=drafts,
-        draft_logp=draft_logp,
-    )
+    gen.rounds = len(gen.accept_lengths)
+    gen.seconds = time.perf_counter() - start
+    return gen

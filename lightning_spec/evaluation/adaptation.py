@@ -38,9 +38,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +51,7 @@ from lightning_spec.drafters import Drafter
 from lightning_spec.errors import UserError
 from lightning_spec.evaluation.benchmark import DecodeReport
 from lightning_spec.evaluation.offline import replay_tree_rounds
+from lightning_spec.evaluation.online import Adaptation
 from lightning_spec.objectives import CE, Objective
 from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
@@ -188,6 +188,30 @@ def _prompt_list(input_ids: Any) -> list[int]:
     return torch.as_tensor(input_ids).reshape(-1).tolist()
 
 
+def check_settings(settings: Adaptation) -> None:
+    """Refuse settings the adapter cannot run with, in one sentence naming the ``--adapt_*`` flag, before it binds
+    the drafter."""
+    checks = [
+        (math.isfinite(settings.lr) and settings.lr > 0, "lr (--adapt_lr)", settings.lr,
+         "a learning rate > 0, e.g. 1e-4"),
+        (settings.steps >= 1, "steps (--adapt_steps)", settings.steps, "at least 1 optimizer step per update"),
+        (settings.optimizer in ("adamw", "sgd"), "optimizer", settings.optimizer, "adamw or sgd"),
+        (settings.horizon_tokens > 0, "horizon_tokens (--adapt_horizon)", settings.horizon_tokens,
+         "a number of tokens > 0"),
+        (settings.exploration >= 0, "exploration (--adapt_exploration)", settings.exploration, "a UCB constant >= 0"),
+        (0 < settings.ema <= 1, "ema", settings.ema, "a weight in (0, 1]"),
+        (settings.score_chunk >= 1, "score_chunk", settings.score_chunk, "at least 1 anchor"),
+    ]
+    for ok, name, value, wanted in checks:
+        if not ok:
+            raise UserError(f"adapter {name} is {value!r}; it must be {wanted}.")
+    scopes = settings.scopes
+    unknown = [s for s in scopes if s not in SCOPES]
+    if unknown or not scopes:
+        raise UserError(f"adapt scopes (--adapt_scopes) {list(scopes)!r} must be a non-empty list from "
+                        f"{', '.join(SCOPES)}.")
+
+
 # ---------------------------------------------------------------------------------------------------- adapter
 class CostAwareAdapter:
     """A drafter and its target in deployment: decode, then update the drafter on the verified window when the
@@ -196,19 +220,9 @@ class CostAwareAdapter:
     Args:
         drafter: the drafter to adapt, in place (load a copy for a side-by-side comparison).
         target: its target (a ``Target``); the target decides every token.
-        scopes: the update scopes to choose among, from ``head``, ``last``, ``all``; a scope with no parameters
-            for this drafter is skipped (``skipped``).
-        lr: the update's learning rate.
-        steps: optimizer steps per update.
-        optimizer: ``adamw`` or ``sgd``; one per scope, its state kept across windows.
-        weight_decay: AdamW weight decay.
-        max_grad_norm: clip the update's gradient norm (None: no clipping).
-        horizon_tokens: H, the tokens still to decode over which an update's gain counts.
-        exploration: c of the UCB bonus, in MAL units.
-        ema: weight of the newest observation in the running estimates (gain, cost, MAL, seconds per round).
-        force: apply this arm after every window whatever the rule (``none``: never adapt); still measured.
+        settings: the bandit's and the update's knobs (``Adaptation``: scopes, learning rate, steps, optimizer,
+            horizon, exploration, EMA weight, a forced arm, the scoring chunk); None: the defaults.
         tree: decode token trees (``TreeConfig``) instead of chains, as ``generate(tree=...)``.
-        score_chunk: anchors per drafter forward when scoring a window (memory, not results).
         seed: seeds the update steps' anchor draws.
     """
 
@@ -216,41 +230,19 @@ class CostAwareAdapter:
         self,
         drafter: nn.Module,
         target: Any,
-        scopes: Sequence[str] = SCOPES,
-        lr: float = 1e-4,
-        steps: int = 2,
-        optimizer: Literal["adamw", "sgd"] = "adamw",
-        weight_decay: float = 0.0,
-        max_grad_norm: float | None = 1.0,
-        horizon_tokens: float = 4096,
-        exploration: float = 0.1,
-        ema: float = 0.3,
-        force: str | None = None,
+        settings: Adaptation | None = None,
         tree: TreeConfig | dict | None = None,
-        score_chunk: int = 64,
         seed: int = 0,
     ) -> None:
-        checks = [
-            (math.isfinite(lr) and lr > 0, "lr (--adapt_lr)", lr, "a learning rate > 0, e.g. 1e-4"),
-            (steps >= 1, "steps (--adapt_steps)", steps, "at least 1 optimizer step per update"),
-            (optimizer in ("adamw", "sgd"), "optimizer", optimizer, "adamw or sgd"),
-            (horizon_tokens > 0, "horizon_tokens (--adapt_horizon)", horizon_tokens, "a number of tokens > 0"),
-            (exploration >= 0, "exploration (--adapt_exploration)", exploration, "a UCB constant >= 0"),
-            (0 < ema <= 1, "ema", ema, "a weight in (0, 1]"),
-            (score_chunk >= 1, "score_chunk", score_chunk, "at least 1 anchor"),
-        ]
-        for ok, name, value, wanted in checks:
-            if not ok:
-                raise UserError(f"adapter {name} is {value!r}; it must be {wanted}.")
-        unknown = [s for s in scopes if s not in SCOPES]
-        if unknown or not scopes:
-            raise UserError(f"adapt scopes (--adapt_scopes) {list(scopes)!r} must be a non-empty list from "
-                            f"{', '.join(SCOPES)}.")
+        settings = settings if settings is not None else Adaptation()
+        check_settings(settings)
+        scopes, force = settings.scopes, settings.force
         self.drafter, self.target = drafter, target
-        self.lr, self.steps, self.optimizer, self.weight_decay = lr, steps, optimizer, weight_decay
-        self.max_grad_norm, self.horizon_tokens = max_grad_norm, horizon_tokens
-        self.exploration, self.ema = exploration, ema
-        self.tree, self.score_chunk, self.seed = TreeConfig.coerce(tree), score_chunk, seed
+        self.lr, self.steps, self.optimizer, self.weight_decay = (settings.lr, settings.steps, settings.optimizer,
+                                                                  settings.weight_decay)
+        self.max_grad_norm, self.horizon_tokens = settings.max_grad_norm, settings.horizon_tokens
+        self.exploration, self.ema = settings.exploration, settings.ema
+        self.tree, self.score_chunk, self.seed = TreeConfig.coerce(tree), settings.score_chunk, seed
         if self.tree is not None:
             drafter.check_tree()
         drafter.use_target(target)

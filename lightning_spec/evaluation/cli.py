@@ -17,7 +17,7 @@ This file is the edge: it parses the flags, loads the inputs (``inputs.py``), ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -185,42 +185,8 @@ def run_online(entries: list[Entry], target: str | None, how: TargetLoad, option
 
 
 # -------------------------------------------------------------------------------------------------- command
-def evaluate(
-    drafters: list[str],
-    mode: Literal["offline", "online"] = "offline",
-    names: list[str] | None = None,
-    baseline: int | str = 0,
-    rollouts: str | None = None,
-    max_rollouts: int | None = None,
-    target: str | None = None,
-    target_options: TargetOptions | None = None,
-    sources: list[str] = ["mt-bench", "humaneval", "mmath"],  # noqa: B006 (never mutated; a list shows in --help)
-    prompts_per_source: int = 8,
-    max_new_tokens: int = 128,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int = 0,
-    batch_size: int = 4,
-    n_resamples: int = 2000,
-    confidence: float = 0.95,
-    output: str | None = "evaluation.json",
-    mlflow: bool = False,
-    tracking_uri: str = "sqlite:///mlflow.db",
-    experiment_name: str = "lightning_spec_evaluate",
-    target_dtype: str = "float32",
-    device: str = "cpu",
-    progress: bool = True,
-    tree: TreeConfig | Literal["auto"] | None = None,
-    trees: list[TreeConfig | Literal["auto"] | None] | None = None,
-    adapt: bool = False,
-    adapt_scopes: list[str] = ["head", "last", "all"],  # noqa: B006 (never mutated; a list shows in --help)
-    adapt_lr: float = 1e-4,
-    adapt_steps: int = 2,
-    adapt_horizon: int = 4096,
-    adapt_exploration: float = 0.1,
-    adapt_force: str | None = None,
-) -> dict[str, Any]:
+@dataclass
+class Evaluate:
     """Score drafters offline on target rollouts (exact expected rounds) or online by real decoding.
 
     Args:
@@ -273,49 +239,114 @@ def evaluate(
         adapt_exploration: the UCB constant, in MAL units.
         adapt_force: apply this scope after every prompt whatever the saving ('none': never update).
     """
-    tree = tree if tree == "auto" else TreeConfig.coerce(tree)
-    if not drafters:
-        raise UserError("--drafters is empty; pass one or more checkpoints, e.g. --drafters '[runs/a/last.ckpt]'.")
-    if n_resamples < 1 or not 0 < confidence < 1:
-        raise UserError(f"--n_resamples ({n_resamples}) must be >= 1 and --confidence ({confidence}) in (0, 1).")
-    labels = arm_names(drafters, names)
-    if trees is not None and tree is not None:
-        raise UserError("pass --tree (one setting for every drafter) or --trees (one per drafter), not both.")
-    if trees is not None and len(trees) != len(drafters):
-        raise UserError(f"--trees has {len(trees)} settings for {len(drafters)} drafters; give one per drafter "
-                        "(null for a chain).")
-    per_drafter = [t if t == "auto" else TreeConfig.coerce(t) for t in trees] if trees is not None else [tree] * len(
-        drafters)
-    if "auto" in per_drafter and (mode != "online" or adapt):
-        raise UserError("--tree auto picks a decoding by its measured speed: use it with --mode online and without "
-                        "--adapt.")
-    sampling = sampling_config(temperature, top_p, top_k)
-    if adapt and mode != "online":
-        raise UserError("--adapt true adapts drafters while they decode; use it with --mode online.")
-    taken = [n for n in labels if adapt and n.endswith("+adapt") and n[: -len("+adapt")] in labels]
-    if taken:
-        raise UserError(f"--names {taken[0]!r} is also the name of an adapting arm (--adapt true); rename it.")
-    entries = [Entry(n, d, t) for n, d, t in zip(labels, drafters, per_drafter)]
-    how = TargetLoad(dtype=target_dtype, device=device, options=target_options)
-    bootstrap = Bootstrap(baseline, n_resamples, confidence, seed)
-    if mode == "offline":
-        if rollouts is None:
+
+    drafters: list[str]
+    mode: Literal["offline", "online"] = "offline"
+    names: list[str] | None = None
+    baseline: int | str = 0
+    rollouts: str | None = None
+    max_rollouts: int | None = None
+    target: str | None = None
+    target_options: TargetOptions | None = None
+    sources: list[str] = field(default_factory=lambda: ["mt-bench", "humaneval", "mmath"])
+    prompts_per_source: int = 8
+    max_new_tokens: int = 128
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int = 0
+    batch_size: int = 4
+    n_resamples: int = 2000
+    confidence: float = 0.95
+    output: str | None = "evaluation.json"
+    mlflow: bool = False
+    tracking_uri: str = "sqlite:///mlflow.db"
+    experiment_name: str = "lightning_spec_evaluate"
+    target_dtype: str = "float32"
+    device: str = "cpu"
+    progress: bool = True
+    tree: TreeConfig | Literal["auto"] | None = None
+    trees: list[TreeConfig | Literal["auto"] | None] | None = None
+    adapt: bool = False
+    adapt_scopes: list[str] = field(default_factory=lambda: ["head", "last", "all"])
+    adapt_lr: float = 1e-4
+    adapt_steps: int = 2
+    adapt_horizon: int = 4096
+    adapt_exploration: float = 0.1
+    adapt_force: str | None = None
+
+    # The fields above are the command's flags and YAML keys (``lightning-spec evaluate``, ``cli.run_command``);
+    # the methods below group them into the objects the evaluators take.
+    def run(self) -> dict[str, Any]:
+        """Check the options, score the arms offline or online, print the tables, log to MLflow and write the JSON.
+        Returns the JSON's dict."""
+        entries, sampling = self.arms()
+        how = TargetLoad(dtype=self.target_dtype, device=self.device, options=self.target_options)
+        if self.mode == "offline":
+            result, comparison = run_offline(self.rollouts, entries, self.target, how, self.offline(sampling),
+                                             self.bootstrap())
+        elif self.mode == "online":
+            result, comparison = run_online(entries, self.target, how, self.online(sampling), self.bootstrap(),
+                                            self.adaptation())
+        else:
+            raise UserError(f"--mode must be offline or online, got {self.mode!r}.")
+        print_results(result, comparison)
+        if self.mlflow:
+            result["mlflow_run_ids"] = log_mlflow(result, comparison, self.tracking_uri, self.experiment_name)
+        if self.output:
+            write_json(result, self.output)
+        return result
+
+    def arms(self) -> tuple[list[Entry], SamplingConfig | None]:
+        """Every check of the options that needs no file, in one place: the checkpoints as arm entries (name, path,
+        tree) and the sampling flags' config (None: none given)."""
+        tree = self.tree if self.tree == "auto" else TreeConfig.coerce(self.tree)
+        drafters, trees = self.drafters, self.trees
+        if not drafters:
+            raise UserError("--drafters is empty; pass one or more checkpoints, e.g. --drafters '[runs/a/last.ckpt]'.")
+        if self.n_resamples < 1 or not 0 < self.confidence < 1:
+            raise UserError(f"--n_resamples ({self.n_resamples}) must be >= 1 and --confidence ({self.confidence}) "
+                            "in (0, 1).")
+        labels = arm_names(drafters, self.names)
+        if trees is not None and tree is not None:
+            raise UserError("pass --tree (one setting for every drafter) or --trees (one per drafter), not both.")
+        if trees is not None and len(trees) != len(drafters):
+            raise UserError(f"--trees has {len(trees)} settings for {len(drafters)} drafters; give one per drafter "
+                            "(null for a chain).")
+        per_drafter = ([t if t == "auto" else TreeConfig.coerce(t) for t in trees] if trees is not None
+                       else [tree] * len(drafters))
+        if "auto" in per_drafter and (self.mode != "online" or self.adapt):
+            raise UserError("--tree auto picks a decoding by its measured speed: use it with --mode online and "
+                            "without --adapt.")
+        sampling = sampling_config(self.temperature, self.top_p, self.top_k)
+        if self.adapt and self.mode != "online":
+            raise UserError("--adapt true adapts drafters while they decode; use it with --mode online.")
+        taken = [n for n in labels if self.adapt and n.endswith("+adapt") and n[: -len("+adapt")] in labels]
+        if taken:
+            raise UserError(f"--names {taken[0]!r} is also the name of an adapting arm (--adapt true); rename it.")
+        return [Entry(n, d, t) for n, d, t in zip(labels, drafters, per_drafter)], sampling
+
+    def bootstrap(self) -> Bootstrap:
+        """How the arms are compared: the baseline and the bootstrap over prompts."""
+        return Bootstrap(self.baseline, self.n_resamples, self.confidence, self.seed)
+
+    def offline(self, sampling: SamplingConfig | None) -> OfflineOptions:
+        """How ``--mode offline`` scores (``sampling``: the flags', None for the rollouts' own)."""
+        if self.rollouts is None:
             raise UserError("--mode offline needs --rollouts: a folder made by `lightning-spec rollouts`.")
-        options = OfflineOptions(sampling, max_rollouts, batch_size, progress)
-        result, comparison = run_offline(rollouts, entries, target, how, options, bootstrap)
-    elif mode == "online":
-        if prompts_per_source < 1 or max_new_tokens < 1:
+        return OfflineOptions(sampling, self.max_rollouts, self.batch_size, self.progress)
+
+    def online(self, sampling: SamplingConfig | None) -> OnlineOptions:
+        """What ``--mode online`` decodes (``sampling``: the flags', None for greedy decoding)."""
+        if self.prompts_per_source < 1 or self.max_new_tokens < 1:
             raise UserError("--prompts_per_source and --max_new_tokens must be >= 1.")
-        online = OnlineOptions(sampling or SamplingConfig(), sources, prompts_per_source, max_new_tokens, seed,
-                               progress)
-        adaptation = Adaptation(adapt_scopes, adapt_lr, adapt_steps, adapt_horizon, adapt_exploration,
-                                adapt_force) if adapt else None
-        result, comparison = run_online(entries, target, how, online, bootstrap, adaptation)
-    else:
-        raise UserError(f"--mode must be offline or online, got {mode!r}.")
-    print_results(result, comparison)
-    if mlflow:
-        result["mlflow_run_ids"] = log_mlflow(result, comparison, tracking_uri, experiment_name)
-    if output:
-        write_json(result, output)
-    return result
+        return OnlineOptions(sampling or SamplingConfig(), self.sources, self.prompts_per_source, self.max_new_tokens,
+                             self.seed, self.progress)
+
+    def adaptation(self) -> Adaptation | None:
+        """The adapting copies' settings with ``--adapt true`` (None: no adapting arms)."""
+        if not self.adapt:
+            return None
+        return Adaptation(scopes=self.adapt_scopes, lr=self.adapt_lr, steps=self.adapt_steps,
+                          horizon_tokens=self.adapt_horizon, exploration=self.adapt_exploration,
+                          force=self.adapt_force)

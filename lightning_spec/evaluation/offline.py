@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_spec.data.rollouts import load_rollout_set
+from lightning_spec.data.rollouts import RolloutSet, load_rollout_set
 from lightning_spec.decoding.engine import draft
 from lightning_spec.decoding.ngram import as_proposer
 from lightning_spec.decoding.proposer import Drafting, Proposer, TreeGrowth, chosen_rounds, evaluating
@@ -242,6 +242,34 @@ def replay_tree_rounds(
     return rounds, reached, accepted
 
 
+def _check_scorable(drafter: Proposer, tree: TreeConfig | None, sampling: SamplingConfig,
+                    batch_size: int, anchors_per_forward: int) -> None:
+    """Refuse what ``offline_report`` cannot score exactly (a replayed tree under sampling) or at all."""
+    if replayed(drafter, tree) and not chosen_rounds(drafter, tree) and not sampling.greedy:
+        raise UserError(
+            f"{type(drafter).__name__} grows its tree from its own drafts, which offline evaluation replays exactly "
+            "under greedy decoding only; score it on greedy rollouts (--temperature 0) or with real decoding "
+            "(evaluate --mode online)."
+        )
+    if batch_size < 1 or anchors_per_forward < 1:
+        raise UserError(f"batch_size ({batch_size}) and anchors_per_forward ({anchors_per_forward}) must be >= 1.")
+
+
+def _report(data: RolloutSet, rounds: Tensor, reached: Tensor, accepted: Tensor,
+            seconds: dict[str, float]) -> OfflineReport:
+    """The report of the opened rollouts ``data``: rounds (R,) per rollout, slots reached and accepted (K,)."""
+    return OfflineReport(
+        rounds=rounds,
+        tokens=torch.tensor([len(x) for x in data.response_ids], dtype=torch.int64),
+        domains=list(data.domains),
+        prompt_keys=list(data.prompt_keys),
+        finished=list(data.finished),
+        slot_reached=reached,
+        slot_accepted=accepted,
+        seconds=seconds,
+    )
+
+
 def offline_report(
     target: Target,
     drafter: Proposer | Literal["ngram"],
@@ -283,14 +311,7 @@ def offline_report(
     if tree is not None:
         drafter.check_tree()
     data, sampling = open_rollouts(rollouts, target, sampling, max_rollouts)
-    if replayed(drafter, tree) and not chosen_rounds(drafter, tree) and not sampling.greedy:
-        raise UserError(
-            f"{type(drafter).__name__} grows its tree from its own drafts, which offline evaluation replays exactly "
-            "under greedy decoding only; score it on greedy rollouts (--temperature 0) or with real decoding "
-            "(evaluate --mode online)."
-        )
-    if batch_size < 1 or anchors_per_forward < 1:
-        raise UserError(f"batch_size ({batch_size}) and anchors_per_forward ({anchors_per_forward}) must be >= 1.")
+    _check_scorable(drafter, tree, sampling, batch_size, anchors_per_forward)
 
     r, k = len(data), drafter.block_size
     rounds = torch.zeros(r, dtype=torch.float64)
@@ -314,16 +335,7 @@ def offline_report(
             accepted += ac
             advance(len(index))
     seconds["total"] = time.perf_counter() - start
-    return OfflineReport(
-        rounds=rounds,
-        tokens=torch.tensor([len(x) for x in data.response_ids], dtype=torch.int64),
-        domains=list(data.domains),
-        prompt_keys=list(data.prompt_keys),
-        finished=list(data.finished),
-        slot_reached=reached,
-        slot_accepted=accepted,
-        seconds=seconds,
-    )
+    return _report(data, rounds, reached, accepted, seconds)
 
 
 def offline_rounds(target: Target, drafter: Proposer | Literal["ngram"],

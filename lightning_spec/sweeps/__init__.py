@@ -24,22 +24,22 @@ The package, top to bottom:
     tracker.py   the study's MLflow parent and child runs
     plots.py     the comparison plots on the parent run
     runner.py    Worker: claim a trial, run its fit, record it
-    command.py   sweep(): the command's options, the checks before the first trial, the study opened or joined
+    command.py   Sweep: the command's options, the checks before the first trial, the study opened or joined
 """
 
-from lightning_spec.sweeps.command import sweep
+from lightning_spec.sweeps.command import Sweep
 from lightning_spec.sweeps.reporter import TrialReporter, objective_label
 from lightning_spec.sweeps.space import Param, load_yaml, parse_space, trial_config
 from lightning_spec.sweeps.workers import counts, this_worker, worker_is_dead
 
 __all__ = [
     "Param",
+    "Sweep",
     "TrialReporter",
     "counts",
     "load_yaml",
     "objective_label",
     "parse_space",
-    "sweep",
     "this_worker",
     "trial_config",
     "worker_is_dead",

@@ -132,10 +132,23 @@ class Search:
     metric: str
 
 
+@dataclass(frozen=True)
+class TrialPlan:
+    """How trials are drawn and how many: the sampler (its grid with ``grid``) and its seed, the pruner, the
+    study's total of finished trials and this worker's timeout."""
+
+    sampler: str
+    pruner: str | optuna.pruners.BasePruner
+    seed: int
+    n_trials: int | None
+    timeout: float | None
+    grid: dict[str, list[Any]] | None
+
+
 @dataclass
 class Worker:
     """One sweep process on one study: the study and its storage and lock, the MLflow side, what a trial is,
-    and this worker's budget (the study's ``n_trials``, its own ``timeout``)."""
+    how trials are drawn and this worker's budget (``plan``: the study's ``n_trials``, its own ``timeout``)."""
 
     study: optuna.Study
     storage: optuna.storages.RDBStorage
@@ -143,11 +156,7 @@ class Worker:
     tracker: Tracker
     parent: str  # the study's MLflow parent run
     search: Search
-    sampler: str
-    grid: dict[str, list[Any]] | None
-    seed: int
-    n_trials: int | None
-    timeout: float | None
+    plan: TrialPlan
     heartbeat_interval: int | None
     me: dict[str, Any] = field(default_factory=this_worker)
 
@@ -158,8 +167,9 @@ class Worker:
             if interrupted.is_set():
                 progress("interrupted: no new trial (the same command resumes the study)")
                 raise KeyboardInterrupt
-            if self.timeout is not None and time.monotonic() - started > self.timeout:
-                progress(f"timeout ({self.timeout:g} s): no new trial")
+            timeout = self.plan.timeout
+            if timeout is not None and time.monotonic() - started > timeout:
+                progress(f"timeout ({timeout:g} s): no new trial")
                 return
             trial = self.claim()
             if trial is None:
@@ -178,11 +188,12 @@ class Worker:
             trials = self.study.get_trials(deepcopy=False)
             done = sum(counts(t) for t in trials)
             running = sum(t.state == TrialState.RUNNING for t in trials)
-            if self.n_trials is not None and done + running >= self.n_trials:
+            if self.plan.n_trials is not None and done + running >= self.plan.n_trials:
                 return None
-            if self.sampler != "grid":  # (the grid's seed shuffles the grid: it must stay the same for the study)
+            plan = self.plan
+            if plan.sampler != "grid":  # (the grid's seed shuffles the grid: it must stay the same for the study)
                 # seeded by the trial's place in the study: one worker is reproducible, two never draw alike
-                self.study.sampler = make_sampler(self.sampler, self.grid, self.seed + len(trials))
+                self.study.sampler = make_sampler(plan.sampler, plan.grid, plan.seed + len(trials))
             with warnings.catch_warnings():  # our Heartbeat thread does what study.optimize would
                 warnings.filterwarnings("ignore", message=r".*Heartbeat of storage is supposed to be used with")
                 trial = self.study.ask({p.name: p.distribution for p in self.search.params})
@@ -232,7 +243,7 @@ class Worker:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
         result = f"{metric}={value:.4f}" if value is not None else (error or "")
-        progress(f"trial {trial.number} {state}: {result} | {standing(study, self.n_trials, metric)}")
+        progress(f"trial {trial.number} {state}: {result} | {standing(study, self.plan.n_trials, metric)}")
 
     def _fit(self, trial: optuna.Trial, run_id: str) -> tuple[str, float | None, str | None]:
         """Write the trial's YAML, run ``fit`` on it: (state, value, error). A trial that raises fails on its own

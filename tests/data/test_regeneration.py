@@ -19,7 +19,7 @@ from helpers.openai_standin import StandIn
 from lightning_spec import SamplingConfig
 from lightning_spec.data import prompt_ids
 from lightning_spec.data.engines import LocalEngine, ServerEngine, ServerError, user_turns
-from lightning_spec.data.rollout_writer import generate_rollouts
+from lightning_spec.data.rollout_writer import Draw, generate_rollouts
 from lightning_spec.data.rollouts import load_rollouts
 from lightning_spec.target import Target
 
@@ -74,7 +74,9 @@ def regenerate(target, folder, engine=None, sampling=GREEDY, **kwargs):
     kwargs = {"seed": 0, "progress": False, "max_new_tokens": 12, "n_per_prompt": 1, **kwargs}
     n, max_new = kwargs.pop("n_per_prompt"), kwargs.pop("max_new_tokens")
     prompts = kwargs.pop("prompts", None) or prompts_of(target.tokenizer)
-    return generate_rollouts(target, prompts, sampling, n, max_new, folder, engine=engine, **kwargs)
+    draw = Draw(sampling, n, max_new, **{k: kwargs.pop(k) for k in ("seed", "max_turns", "max_prompt_tokens",
+                                                                    "chat_template_kwargs") if k in kwargs})
+    return generate_rollouts(target, prompts, draw, folder, engine=engine, **kwargs)
 
 
 def test_user_turns_split_a_conversation_at_its_assistant_turns():

@@ -13,7 +13,7 @@ from lightning_spec.data import engines as E
 from lightning_spec.data import prompt_ids
 from lightning_spec.data import rollout_writer as W
 from lightning_spec.data import rollouts as R
-from lightning_spec.data.rollout_writer import generate_rollouts, rollout_seed
+from lightning_spec.data.rollout_writer import Draw, generate_rollouts, rollout_seed
 from lightning_spec.data.rollouts import check_compatible, load_rollouts
 from lightning_spec.datamodule import SpecDataModule
 
@@ -28,6 +28,7 @@ TEXTS = [
 ]
 SAMPLED = SamplingConfig(temperature=1.0, top_k=50)
 T1 = SamplingConfig(temperature=1.0)
+DRAW_KEYS = ("seed", "max_turns", "max_prompt_tokens", "chat_template_kwargs")  # Draw's, not the run's
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def prompts(tiny_target):
 
 def run(target, prompts, folder, sampling=SAMPLED, n=2, max_new_tokens=24, **kwargs):
     kwargs = {"seed": 0, "batch_size": 4, "progress": False, **kwargs}
-    return generate_rollouts(target, prompts, sampling, n, max_new_tokens, folder, **kwargs)
+    draw = Draw(sampling, n, max_new_tokens, **{k: kwargs.pop(k) for k in DRAW_KEYS if k in kwargs})
+    return generate_rollouts(target, prompts, draw, folder, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------ correctness
@@ -372,6 +374,6 @@ def test_rollouts_out_that_cannot_be_written_is_refused_before_any_decoding(tiny
     assert f"--out '{out}' cannot be written" in last and "pick a folder you can write to" in last, last
 
     with pytest.raises(ValueError, match=r"--out '.*' cannot be written"):  # the Python API checks it too
-        generate_rollouts(tiny_target, [[1, 2, 3]], T1, 1, 4, out, progress=False)
+        generate_rollouts(tiny_target, [[1, 2, 3]], Draw(T1, 1, 4), out, progress=False)
     with pytest.raises(ValueError, match="is a file; name a folder"):
-        generate_rollouts(tiny_target, [[1, 2, 3]], T1, 1, 4, blocker, progress=False)
+        generate_rollouts(tiny_target, [[1, 2, 3]], Draw(T1, 1, 4), blocker, progress=False)

@@ -281,7 +281,7 @@ def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_ta
 
     from lightning_spec.cli import main
     from lightning_spec.data import prompt_ids
-    from lightning_spec.data.rollout_writer import generate_rollouts
+    from lightning_spec.data.rollout_writer import Draw, generate_rollouts
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lightning-spec"])
@@ -289,7 +289,7 @@ def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_ta
     prompts = [{"id": f"p{i}", "domain": "chat", "subdomain": "",
                 "prompt_ids": prompt_ids(tiny_target.tokenizer, [{"role": "user", "content": text}])}
                for i, text in enumerate(["hello", "2+2?"])]
-    generate_rollouts(tiny_target, prompts, T1, 2, 10, tmp_path / "t1", seed=0, batch_size=4, progress=False)
+    generate_rollouts(tiny_target, prompts, Draw(T1, 2, 10, seed=0), tmp_path / "t1", batch_size=4, progress=False)
     tree = "{nodes: 4, top_k: 2}"
     main(["evaluate", "--mode", "offline", "--rollouts", "t1", "--drafters", f"[{path}]", "--tree", tree,
           "--n_resamples", "50", "--output", "off.json", "--progress", "false"])
@@ -317,7 +317,7 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
 
     from lightning_spec.cli import main
     from lightning_spec.data import prompt_ids
-    from lightning_spec.data.rollout_writer import generate_rollouts
+    from lightning_spec.data.rollout_writer import Draw, generate_rollouts
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lightning-spec"])
@@ -325,7 +325,7 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
     prompts = [{"id": f"p{i}", "domain": "chat", "subdomain": "",
                 "prompt_ids": prompt_ids(tiny_target.tokenizer, [{"role": "user", "content": text}])}
                for i, text in enumerate(["hello", "2+2?", "a poem"])]
-    generate_rollouts(tiny_target, prompts, GREEDY, 1, 10, tmp_path / "g", seed=0, batch_size=4, progress=False)
+    generate_rollouts(tiny_target, prompts, Draw(GREEDY, 1, 10, seed=0), tmp_path / "g", batch_size=4, progress=False)
     arms = ["--drafters", f"[{path}, {path}]", "--names", "[chain, tree]", "--trees", "[null, {nodes: 6, top_k: 3}]",
             "--n_resamples", "50", "--progress", "false"]
     main(["evaluate", "--mode", "offline", "--rollouts", "g", "--output", "off.json", *arms])

@@ -20,6 +20,7 @@ from lightning_spec.evaluation.adaptation import (
     expected_saving,
     scope_parameters,
 )
+from lightning_spec.evaluation.online import Adaptation
 
 
 def prompts(vocab: int, n: int, length: int = 10) -> list[list[int]]:
@@ -44,7 +45,7 @@ def test_greedy_output_is_plain_greedy_while_the_drafter_adapts(diverse_target, 
     drafter = make_block_drafter(diverse_target, block_size=3) if family == "block" else eagle3(diverse_target)
     flags = {n: p.requires_grad for n, p in drafter.named_parameters()}
     before = weights(drafter)
-    adapter = CostAwareAdapter(drafter, diverse_target, lr=1e-2, steps=2, force=scope)
+    adapter = CostAwareAdapter(drafter, diverse_target, Adaptation(lr=1e-2, steps=2, force=scope))
     for prompt in prompts(diverse_target.vocab_size, 4):
         out = adapter.generate(prompt, 16)
         assert out.tokens == generate(diverse_target, prompt, 16).tokens
@@ -59,7 +60,8 @@ def test_greedy_output_is_plain_greedy_while_the_drafter_adapts(diverse_target, 
 
 def test_greedy_output_with_a_tree_is_plain_greedy(diverse_target, make_block_drafter):
     drafter = make_block_drafter(diverse_target, block_size=3)
-    adapter = CostAwareAdapter(drafter, diverse_target, lr=1e-2, force="head", tree={"nodes": 8, "top_k": 2})
+    adapter = CostAwareAdapter(drafter, diverse_target, Adaptation(lr=1e-2, force="head"),
+                               tree={"nodes": 8, "top_k": 2})
     for prompt in prompts(diverse_target.vocab_size, 3):
         assert adapter.generate(prompt, 12).tokens == generate(diverse_target, prompt, 12).tokens
     assert [d.measured_arm for d in adapter.history] == [None, "head", "head"]
@@ -71,7 +73,7 @@ def test_measured_gain_is_the_realised_mal_change_on_a_repeated_window(tiny_targ
     scored on window w decodes it as window w - 1 was decoded: the exact offline gain must equal MAL_w - MAL_{w-1}
     of real decoding. The drafter memorises the window, so MAL must rise."""
     drafter = make_block_drafter(tiny_target, block_size=3)
-    adapter = CostAwareAdapter(drafter, tiny_target, lr=1e-2, steps=4, force="all")
+    adapter = CostAwareAdapter(drafter, tiny_target, Adaptation(lr=1e-2, steps=4, force="all"))
     (prompt,) = prompts(300, 1, length=12)
     for _ in range(6):
         adapter.generate(prompt, 32)
@@ -86,7 +88,7 @@ def test_measured_gain_is_the_realised_mal_change_on_a_repeated_window(tiny_targ
 
 def test_untried_scopes_come_first_then_the_rule(tiny_target, make_block_drafter):
     drafter = make_block_drafter(tiny_target, block_size=3)
-    adapter = CostAwareAdapter(drafter, tiny_target, lr=1e-2, steps=2)
+    adapter = CostAwareAdapter(drafter, tiny_target, Adaptation(lr=1e-2, steps=2))
     (prompt,) = prompts(300, 1, length=12)
     for _ in range(4):
         adapter.generate(prompt, 16)
@@ -166,11 +168,11 @@ def test_scopes_of_other_families_and_empty_scopes(diverse_target):
     adapter = CostAwareAdapter(medusa, diverse_target)
     assert adapter.skipped == ["head", "last"] and list(adapter.scopes) == ["all"]
     with pytest.raises(ValueError, match="not an available scope of MedusaDrafter"):
-        CostAwareAdapter(medusa, diverse_target, force="last")
+        CostAwareAdapter(medusa, diverse_target, Adaptation(force="last"))
     with pytest.raises(ValueError, match="adapt scopes"):
-        CostAwareAdapter(medusa, diverse_target, scopes=["everything"])
+        CostAwareAdapter(medusa, diverse_target, Adaptation(scopes=["everything"]))
     with pytest.raises(ValueError, match="--adapt_lr"):
-        CostAwareAdapter(medusa, diverse_target, lr=0.0)
+        CostAwareAdapter(medusa, diverse_target, Adaptation(lr=0.0))
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -186,7 +188,7 @@ def test_update_time_is_inside_the_window_seconds(diverse_target, make_block_dra
     monkeypatch.setattr(engine, "time", clock)
     monkeypatch.setattr(adaptation, "time", clock)
     drafter = make_block_drafter(diverse_target, block_size=3)
-    adapter = CostAwareAdapter(drafter, diverse_target, lr=1e-2, force="head")
+    adapter = CostAwareAdapter(drafter, diverse_target, Adaptation(lr=1e-2, force="head"))
     real = adapter._update
 
     def slow(*args, **kwargs):

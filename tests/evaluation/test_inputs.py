@@ -7,7 +7,7 @@ import torch
 from helpers.cli import exit_code
 
 from lightning_spec import SamplingConfig, offline_rounds
-from lightning_spec.data.rollout_writer import generate_rollouts
+from lightning_spec.data.rollout_writer import Draw, generate_rollouts
 from lightning_spec.data.rollouts import RolloutSet, load_rollout_set
 from lightning_spec.evaluation.inputs import open_rollouts
 from lightning_spec.evaluation.offline import offline_report
@@ -25,7 +25,7 @@ def one_sentence(err: pytest.ExceptionInfo) -> str:
 def folder(tiny_target, tmp_path_factory):
     out = tmp_path_factory.mktemp("inputs") / "r"
     prompts = [{"id": f"p{i}", "domain": "ab"[i % 2], "subdomain": "", "prompt_ids": [5 + i, 6, 7]} for i in range(4)]
-    generate_rollouts(tiny_target, prompts, T1, 2, 4, out, seed=0, batch_size=4, progress=False)
+    generate_rollouts(tiny_target, prompts, Draw(T1, 2, 4, seed=0), out, batch_size=4, progress=False)
     return out
 
 
@@ -124,7 +124,7 @@ def test_offline_rounds_reads_a_tokenizer_output_as_a_prompt(tiny_target, drafte
 @pytest.mark.parametrize("content", [None, b"", b"garbage"])
 def test_offline_evaluate_of_a_missing_or_broken_checkpoint_is_one_line(in_tmp, capsys, tiny_target, content):
     """``evaluate`` with a missing or empty checkpoint ended in FileNotFoundError / EOFError."""
-    generate_rollouts(tiny_target, [[5, 6, 7]], T1, n_per_prompt=1, max_new_tokens=4, out_dir=in_tmp / "rollouts",
+    generate_rollouts(tiny_target, [[5, 6, 7]], Draw(T1, n_per_prompt=1, max_new_tokens=4), in_tmp / "rollouts",
                       progress=False)
     ckpt = in_tmp / "drafter.ckpt"
     if content is not None:

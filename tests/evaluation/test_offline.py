@@ -12,7 +12,7 @@ from helpers.offline import enumerate_rounds, saved_drafters
 
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds, rounds
 from lightning_spec.data import prompt_ids
-from lightning_spec.data.rollout_writer import generate_rollouts
+from lightning_spec.data.rollout_writer import Draw, generate_rollouts
 from lightning_spec.data.rollouts import load_rollout_set, spread
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.drafters import DFlashDrafter, DraftOutput
@@ -227,7 +227,7 @@ def rollout_folder(tiny_target, tmp_path_factory):
         for i, text in enumerate(["hello", "def f(x):", "2+2?", "print('a')"])
     ]
     folder = tmp_path_factory.mktemp("rollouts") / "t1"
-    generate_rollouts(tiny_target, prompts, T1, 2, 12, folder, seed=0, batch_size=4, progress=False)
+    generate_rollouts(tiny_target, prompts, Draw(T1, 2, 12, seed=0), folder, batch_size=4, progress=False)
     return folder
 
 

@@ -12,7 +12,7 @@ from lightning_spec import SamplingConfig
 from lightning_spec.data import prompt_ids
 from lightning_spec.data.engines import LocalEngine, ServerEngine, ServerError
 from lightning_spec.data.prompts import select_prompts
-from lightning_spec.data.rollout_writer import generate_rollouts
+from lightning_spec.data.rollout_writer import Draw, generate_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_PYTHON = ROOT / ".venv-serve" / "bin" / "python"
@@ -45,10 +45,10 @@ def test_vllm_regenerates_the_tokens_of_our_engine_turn_by_turn(vllm, tmp_path):
         {"role": "user", "content": "And another one?"}]}]
     prompts = select_prompts(target.tokenizer, ["mt-bench"], 4, 0)
     prompts.append({**two_turns[0], "prompt_ids": prompt_ids(target.tokenizer, two_turns[0]["messages"][:1])})
-    kwargs = dict(sampling=SamplingConfig(), n_per_prompt=1, max_new_tokens=24, progress=False)
-    ours = generate_rollouts(target, prompts, out_dir=tmp_path / "ours", engine=LocalEngine(target), **kwargs)
-    served = generate_rollouts(target, prompts, out_dir=tmp_path / "vllm", engine=ServerEngine(vllm, concurrency=4),
-                               **kwargs)
+    draw = Draw(SamplingConfig(), n_per_prompt=1, max_new_tokens=24)
+    ours = generate_rollouts(target, prompts, draw, tmp_path / "ours", engine=LocalEngine(target), progress=False)
+    served = generate_rollouts(target, prompts, draw, tmp_path / "vllm", engine=ServerEngine(vllm, concurrency=4),
+                               progress=False)
     same = sum(a["response_ids"] == b["response_ids"] for a, b in zip(ours, served))
     assert same >= len(prompts) - 1, [(a["response_ids"], b["response_ids"]) for a, b in zip(ours, served)]
     two = served.to_list()[-1]
