@@ -27,7 +27,7 @@ def main() -> None:
     from lightning_spec.drafters import DFlashDrafter
     from lightning_spec.loaders import collate
     from lightning_spec.module import DraftModule
-    from lightning_spec.objectives import KL, ExpDecay, Objective
+    from lightning_spec.objectives import KL, ExpDecay, Objective, StepContext
 
     torch.manual_seed(0)
     module = DraftModule(DFlashDrafter(block_size=8, num_layers=1, num_anchors=32, context_shortcut=True),
@@ -51,8 +51,8 @@ def main() -> None:
         module.drafter.zero_grad(set_to_none=True)
         seeded = module.seeded(batch, 0)
         draft = module.drafter(seeded, features)
-        module.attach_target(draft, last)
-        terms = module.objective(draft)
+        ctx = StepContext(target_hidden=module.target_hidden(draft, last), target_head=module.target_head)
+        terms = module.objective(draft, ctx)
         terms.num.backward()
         return float(terms.num.detach() / terms.den), {k: q.grad.clone() for k, q in module.drafter.named_parameters()
                                                        if q.grad is not None}

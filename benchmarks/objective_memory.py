@@ -48,7 +48,7 @@ def run_side(args: argparse.Namespace, chunk: int | None) -> dict:
     import torch
 
     from lightning_spec.drafters import DraftOutput
-    from lightning_spec.objectives import KL, ExpDecay, Objective
+    from lightning_spec.objectives import KL, ExpDecay, Objective, StepContext
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -60,11 +60,11 @@ def run_side(args: argparse.Namespace, chunk: int | None) -> dict:
     labels = torch.randint(0, v, (n, a, k))
     valid = torch.rand(n, a, k) < 0.9
     draft = DraftOutput(labels=labels, valid=valid, anchors=torch.zeros(n, a, dtype=torch.long), hidden=hidden,
-                        head=lambda x, index: x @ head.t(), target_hidden=target_hidden,
-                        target_head=lambda x: x @ head.t())
+                        head=lambda x, index: x @ head.t())
+    ctx = StepContext(target_hidden=target_hidden, target_head=lambda x: x @ head.t())
     objective = Objective(KL(), ExpDecay(7.0))
     start = time.perf_counter()
-    terms = objective(draft, chunk=chunk)
+    terms = objective(draft, ctx, chunk=chunk)
     terms.num.backward()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

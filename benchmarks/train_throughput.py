@@ -135,7 +135,7 @@ def plain_step(module, batch, step: int, opt, sched, clock: Clock | None = None)
 def instrument(module, clock: Clock) -> None:
     """Time the module's own parts in place: target forward (or stored features), drafter forward, target head."""
     module.target_features = clock.wrap("target forward", module.target_features)
-    module._target_head = clock.wrap("target distribution", module._target_head)
+    module.target_head = clock.wrap("target distribution", module.target_head)
     forward = module.drafter.forward
     module.drafter.forward = clock.wrap("drafter forward", forward)
     objective = module.objective  # draft_step calls it as a callable object: time it through its class

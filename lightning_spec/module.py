@@ -43,6 +43,7 @@ from lightning_spec.errors import DivergedLoss, UserError
 from lightning_spec.features.source import FeatureSource
 from lightning_spec.features.store import FeatureStore, StoreSpec, dtype_name, human
 from lightning_spec.metrics import RatioOfSums
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.schedule import TrainingClock
 from lightning_spec.target import TargetOptions, load_target, resolve_dtype
@@ -282,21 +283,21 @@ class DraftModule(L.LightningModule):
         feature store when ``use_cache`` (training steps), else the target's forward (``FeatureSource``)."""
         return self.feature_source(batch, use_store=use_cache)
 
-    def attach_target(self, draft: DraftOutput, last_hidden: Tensor) -> None:
-        """The target's side of every slot, lazily (the objective may evaluate it in chunks of anchors): its final
-        hidden state at position n + t - 1, which predicts x_{n+t} (the shift), through the draft vocabulary's head."""
+    def target_hidden(self, draft: DraftOutput, last_hidden: Tensor) -> Tensor:
+        """The target's side of every slot (N, A, K, H), no gradient: its final hidden state at position n + t - 1,
+        which predicts x_{n+t} (the shift). ``target_head`` turns it into logits lazily (the objective may evaluate
+        them in chunks of anchors)."""
         n, a, k = draft.valid.shape
         pos = (draft.anchors[..., None] + torch.arange(k, device=draft.anchors.device)).clamp(
             max=last_hidden.shape[1] - 1
         )  # (N, A, K): n + t - 1 for t = 1..K
         h = last_hidden.gather(1, pos.reshape(n, -1, 1).expand(-1, -1, last_hidden.shape[-1]))  # (N, A*K, H)
-        draft.target_hidden = h.view(n, a, k, -1).detach()  # (N, A, K, H)
-        draft.target_head = self._target_head
+        return h.view(n, a, k, -1).detach()  # (N, A, K, H)
 
     @torch.no_grad()
-    def attach_reference(self, draft: DraftOutput, batch: dict[str, Tensor], features: Tensor, anchors) -> None:
-        """The reference drafter's logits (N, A, K, Vd) at the same anchors (``draft.reference_logits``): the same
-        chosen anchors, or the same seeded draw (``anchor_seed``) when the drafter samples them."""
+    def reference_logits(self, draft: DraftOutput, batch: dict[str, Tensor], features: Tensor, anchors) -> Tensor:
+        """The reference drafter's logits (N, A, K, Vd) at the same anchors as ``draft``: the same chosen anchors,
+        or the same seeded draw (``anchor_seed``) when the drafter samples them."""
         reference = self._reference[0]
         if reference.vocab.ids.device != draft.valid.device:
             reference.to(draft.valid.device)
@@ -307,10 +308,10 @@ class DraftModule(L.LightningModule):
                 "The reference drafter drew other anchors than the trained one; the objective's reference KL needs "
                 "seeded anchors (batches with an 'index') or anchors chosen by the objective."
             )
-        draft.reference_logits = ref.materialize().logits.detach()  # (N, A, K, Vd)
+        return ref.materialize().logits.detach()  # (N, A, K, Vd)
 
     @torch.no_grad()
-    def _target_head(self, hidden: Tensor) -> Tensor:
+    def target_head(self, hidden: Tensor) -> Tensor:
         return self.drafter.head(hidden)  # (..., Vd) target logits over the draft vocabulary, no gradient
 
     def target_info(self, last_hidden: Tensor) -> TargetInfo:
@@ -325,23 +326,26 @@ class DraftModule(L.LightningModule):
         )
 
     def draft_step(self, batch: dict[str, Tensor], use_cache: bool) -> tuple[DraftOutput, Any]:
+        draft, ctx = self.draft_and_context(batch, use_cache)
+        return draft, self.objective(draft, ctx, chunk=self.hparams.loss_chunk)
+
+    def draft_and_context(self, batch: dict[str, Tensor], use_cache: bool) -> tuple[DraftOutput, StepContext]:
+        """The drafter's forward over the batch, and what the objective reads next to it, each written once here."""
         features, last = self.target_features(batch, use_cache)
         draft_fn = lambda anchors: self.drafter(batch, features, anchors)  # noqa: E731
         chosen = self.objective.select_anchors(batch, draft_fn, self.target_info(last))  # EDR chooses; else None
-        anchors = None
-        if chosen is None:
-            draft = self.drafter(batch, features)
-        else:
-            anchors, extra = chosen
-            draft = self.drafter(batch, features, anchors)
-            draft.extra = extra
-        if self.objective.needs_target:
-            self.attach_target(draft, last)
-        if self._reference:
-            self.attach_reference(draft, batch, features, anchors)
-        draft.progress = self.training_progress()
-        draft.seeds = batch.get("anchor_seed")  # (N,) per-example seeds for parts that draw (GRPO)
-        return draft, self.objective(draft, chunk=self.hparams.loss_chunk)
+        anchors, extra = (None, None) if chosen is None else chosen
+        draft = self.drafter(batch, features, anchors)
+        needs_target = self.objective.needs_target
+        ctx = StepContext(
+            target_hidden=self.target_hidden(draft, last) if needs_target else None,  # (N, A, K, H)
+            target_head=self.target_head if needs_target else None,
+            reference_logits=self.reference_logits(draft, batch, features, anchors) if self._reference else None,
+            extra=extra,
+            progress=self.training_progress(),
+            seeds=batch.get("anchor_seed"),  # (N,) per-example seeds for parts that draw (GRPO)
+        )
+        return draft, ctx
 
     def training_progress(self) -> float:
         """The share 0..1 of training done: by the LR schedule's clock (steps, or time when ``max_time`` binds)."""

@@ -184,3 +184,64 @@ def test_no_drafter_family_file_imports_another_family():
         others = {m for m in imported if m in files and m != name}
         assert not others, f"drafters/{name}.py imports the family file(s) {sorted(others)}"
         assert imported <= {"base", "layers", "block"} | {m for m in imported if m.startswith(name + "_")}, imported
+
+
+# ------------------------------------------------ a DraftOutput is written by its drafter only, a StepContext by nobody
+OWNED = {"draft": "DraftOutput", "ctx": "StepContext"}  # the names our code gives them -> their class
+
+
+def owned_writes(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every write to a ``DraftOutput`` or a ``StepContext`` in ``source``: an assignment (plain,
+    augmented, annotated, in place through a subscript) whose target is an attribute of a variable named ``draft`` or
+    ``ctx``, or of a parameter annotated with either class. The drafter builds the first, the module the second;
+    nobody writes to them afterwards."""
+    tree = ast.parse(source)
+    names = set(OWNED) | {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg) and a.annotation is not None
+                          and any(cls in ast.unparse(a.annotation) for cls in OWNED.values())}
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for t in ast.walk(target):  # tuple targets too: a, draft.x = ...
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and isinstance(t.ctx, ast.Store):
+                    chain = _chain(t.value if isinstance(t, ast.Subscript) else t)
+                    if len(chain) > 1 and chain[0] in names:
+                        found.append((t.lineno, f"writes {'.'.join(chain)}"))
+    return sorted(set(found))
+
+
+def test_no_module_but_the_drafters_writes_to_a_draft_output():
+    """issue 34: each value of a step has one owner. The drafter builds its ``DraftOutput`` (``drafters/``, which
+    never sees a ``StepContext``); the module's additions (the target's side, the reference drafter's logits, the
+    objective's extras, progress, seeds) are a ``StepContext`` it builds whole."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        if rel.startswith("lightning_spec/drafters/"):
+            continue
+        lines = path.read_text().splitlines()
+        bad += [f"{rel}:{n}: {lines[n - 1].strip()}  [{what}]" for n, what in owned_writes(path.read_text())]
+    assert not bad, "writes to a DraftOutput outside its drafter, or to a StepContext (build a new one):\n  " + \
+        "\n  ".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("source", "what"),
+    [
+        ("draft.extra = x\n", "writes draft.extra"),
+        ("draft.seeds, y = s, 1\n", "writes draft.seeds"),
+        ("draft.aux['rank'] = z\n", "writes draft.aux"),
+        ("def f(out: DraftOutput):\n    out.progress += 0.1\n", "writes out.progress"),
+        ("ctx.progress = 0.5\n", "writes ctx.progress"),
+        ("def f(c: StepContext | None):\n    c.extra['edr'] = e\n", "writes c.extra"),
+        ("ctx = StepContext(extra=x)\nout.extra = x\ndraft = d\nself.draft = d\n", None),
+        ('msg = "draft.extra = x"  # draft.extra = x\n', None),  # strings and comments never match
+    ],
+)
+def test_the_ownership_scan_finds_what_it_should(source, what):
+    got = [w for _, w in owned_writes(source)]
+    assert got == ([what] if what else [])

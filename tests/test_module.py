@@ -255,8 +255,8 @@ def test_seeded_anchors_depend_on_the_example_only(tiny_target):
 class NaNObjective(Objective):
     """KL whose numerator is NaN: a diverged run."""
 
-    def __call__(self, draft, chunk=None):
-        terms = super().__call__(draft, chunk)
+    def __call__(self, draft, ctx=None, chunk=None):
+        terms = super().__call__(draft, ctx, chunk)
         return type(terms)(terms.num * float("nan"), terms.den, terms.metrics)
 
 

@@ -68,13 +68,13 @@ def test_the_reference_drafter_is_the_frozen_start_at_the_same_anchors(trained_f
     child = DraftModule(drafter_like(), NeedsReference(KL()), target="tiny-random", init_from=str(path))
     batch = child.seeded(next(iter(torch.utils.data.DataLoader([dm.train_dataset[i] for i in range(4)], batch_size=4,
                                                                collate_fn=dm._collate))), 0)
-    draft, _ = child.draft_step(batch, use_cache=False)
-    assert torch.allclose(draft.reference_logits, draft.logits.detach())  # nothing trained yet
+    draft, ctx = child.draft_and_context(batch, use_cache=False)
+    assert torch.allclose(ctx.reference_logits, draft.logits.detach())  # nothing trained yet
     with torch.no_grad():
         for p in child.drafter.parameters():
             p.add_(0.1)
-    draft, _ = child.draft_step(batch, use_cache=False)
-    assert not torch.allclose(draft.reference_logits, draft.logits.detach())
+    draft, ctx = child.draft_and_context(batch, use_cache=False)
+    assert not torch.allclose(ctx.reference_logits, draft.logits.detach())
     assert not any(k.startswith("_reference") for k in child.state_dict())
     assert all(not p.requires_grad for p in child._reference[0].parameters())
     L.seed_everything(0)

@@ -122,22 +122,16 @@ class Anchors:
 Head = Callable[[Tensor, Tensor], Tensor]  # (hidden (N, a, K, H), anchor index (a,)) -> logits (N, a, K, Vd)
 
 
-class PerAnchor:
-    """Base of an objective's scratch values that hold one entry per anchor (``DraftOutput.extra``): when the
-    objective is evaluated in chunks of anchors, ``DraftOutput.chunk`` slices them with ``chunk(index)``."""
-
-    def chunk(self, index: Tensor) -> PerAnchor:
-        """The anchors ``index`` (a,) only."""
-        raise NotImplementedError(f"{type(self).__name__} must implement chunk")
-
-
 class DraftOutput:
     """One teacher-forced forward of a drafter over a batch: ``K`` slots per anchor; slot t (1..K) of anchor n
     predicts the token at position n + t.
 
+    Written by the drafter that builds it, and by nobody else: what a training step adds (the target's side of every
+    slot, a reference drafter's logits, the objective's scratch) travels in the objective's own ``StepContext``
+    (``objectives/context.py``).
+
     Logits can be given as a tensor or lazily as ``hidden`` + ``head``: the objective then evaluates them in
-    chunks of anchors (``chunk``), so memory does not grow with N x A x K x Vd. The same holds for the target's
-    logits (``target_hidden`` + ``target_head``, set by the module).
+    chunks of anchors (``chunk``), so memory does not grow with N x A x K x Vd.
 
     Args:
         logits: (N, A, K, Vd) draft logits over the draft vocabulary (or None with ``hidden`` and ``head``).
@@ -147,19 +141,10 @@ class DraftOutput:
         hidden: (N, A, K, H) the drafter's last states per slot, turned into logits by ``head``.
         head: ``head(hidden[:, index], index)`` -> logits of those anchors; a family whose logits are more than
             its head of ``hidden`` (a Markov or correction head) closes over its own per-anchor inputs.
-        target_logits: (N, A, K, Vd) target logits at position n + t - 1 (the shift: they predict x_{n+t}).
-        target_hidden, target_head: the same lazily.
         aux: the drafter's own extra heads, per anchor: tensors (N, A, ...) (DSpark's confidence, a length head),
             or, for large ones, a ``Head`` evaluated per chunk like the logits (a second branch's logits).
         drafted: (N, A) slots the drafter submits from that anchor at decode time (a prefix scheduler or length
             head cuts blocks); None: all K.
-        extra: the objective's scratch space (what its ``select_anchors`` computed for its parts). Entries that are
-            ``PerAnchor`` are sliced with the chunk; the rest are shared.
-        progress: the share 0..1 of training done (the module sets it; parts with a schedule read it).
-        reference_logits: (N, A, K, Vd) a frozen reference drafter's logits at the same anchors (the module sets
-            them for objectives with ``needs_reference``, e.g. GRPO's KL to its starting drafter).
-        seeds: (N,) the batch's per-example seeds (the module's ``anchor_seed``: a function of the example, not of
-            its batch), for parts that draw their own randomness per example (GRPO's drafts); None without them.
     """
 
     def __init__(
@@ -171,27 +156,15 @@ class DraftOutput:
         *,
         hidden: Tensor | None = None,
         head: Head | None = None,
-        target_logits: Tensor | None = None,
-        target_hidden: Tensor | None = None,
-        target_head: Callable[[Tensor], Tensor] | None = None,
         aux: dict[str, Tensor] | None = None,
         drafted: Tensor | None = None,
-        extra: dict[str, Any] | None = None,
-        progress: float | None = None,
-        reference_logits: Tensor | None = None,
-        seeds: Tensor | None = None,
     ) -> None:
         if logits is None and (hidden is None or head is None):
             raise ValueError("DraftOutput needs logits, or hidden and head.")
         self._logits, self.hidden, self.head = logits, hidden, head
-        self._target_logits, self.target_hidden, self.target_head = target_logits, target_hidden, target_head
         self.labels, self.valid, self.anchors = labels, valid, anchors
         self.aux = aux if aux is not None else {}
         self.drafted = drafted
-        self.extra = extra
-        self.progress = progress
-        self.reference_logits = reference_logits
-        self.seeds = seeds
 
     @property
     def logits(self) -> Tensor:
@@ -200,20 +173,6 @@ class DraftOutput:
             index = torch.arange(self.hidden.shape[1], device=self.hidden.device)
             self._logits = self.head(self.hidden, index)
         return self._logits
-
-    @logits.setter
-    def logits(self, value: Tensor) -> None:
-        self._logits = value
-
-    @property
-    def target_logits(self) -> Tensor | None:
-        if self._target_logits is None and self.target_hidden is not None:
-            self._target_logits = self.target_head(self.target_hidden)
-        return self._target_logits
-
-    @target_logits.setter
-    def target_logits(self, value: Tensor | None) -> None:
-        self._target_logits = value
 
     @property
     def block_size(self) -> int:
@@ -224,9 +183,9 @@ class DraftOutput:
         return self.valid.shape[1]
 
     def materialize(self) -> DraftOutput:
-        """Every lazy part computed over all anchors (and kept): the logits, the target's, the aux heads."""
+        """Every lazy part computed over all anchors (and kept): the logits, the aux heads."""
         index = torch.arange(self.num_anchors, device=self.valid.device)
-        _ = self.logits, self.target_logits
+        _ = self.logits
         self.aux = {k: v(self.hidden, index) if callable(v) else v for k, v in self.aux.items()}
         return self
 
@@ -241,19 +200,9 @@ class DraftOutput:
             logits = take(self._logits)
         else:
             logits = self.head(hidden, index)
-        target = take(self._target_logits)
-        if target is None and self.target_hidden is not None:
-            target = self.target_head(take(self.target_hidden))
-        extra = None
-        if self.extra is not None:
-            extra = {k: v.chunk(index) if isinstance(v, PerAnchor) else v
-                     for k, v in self.extra.items()}
         aux = {k: v(hidden, index) if callable(v) else take(v) for k, v in self.aux.items()}
-        return DraftOutput(
-            logits, take(self.labels), take(self.valid), take(self.anchors), hidden=hidden, target_logits=target,
-            aux=aux, drafted=take(self.drafted), extra=extra, progress=self.progress,
-            reference_logits=take(self.reference_logits), seeds=self.seeds,
-        )
+        return DraftOutput(logits, take(self.labels), take(self.valid), take(self.anchors), hidden=hidden, aux=aux,
+                           drafted=take(self.drafted))
 
 
 # ---------------------------------------------------------------------------------------------------- drafter

@@ -9,10 +9,12 @@ AnchorUniform, EDROccupancy. Aux-head losses: ConfidenceBCE (DSpark), RankOrdina
 LengthMSE (AdaFlash's length head). AdaFlashLoss: AdaFlash's CE on the target argmax + reverse KL.
 Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, Mixture (weighted sums), and GRPO
 (policy gradient on simulated acceptance). On-policy: DraftOPD (replays the rounds of the live drafter's rollouts).
+Every part is called as ``part(draft, ctx)``: the drafter's ``DraftOutput`` and the module's ``StepContext``.
 """
 
 from lightning_spec.objectives.adaflash import AdaFlashLoss, LengthMSE
 from lightning_spec.objectives.confidence import ConfidenceBCE
+from lightning_spec.objectives.context import PerAnchor, StepContext
 from lightning_spec.objectives.draft_opd import DraftOPD
 from lightning_spec.objectives.edr import EDR, EDRCost, EDROccupancy, EDRReach
 from lightning_spec.objectives.grpo import GRPO
@@ -52,8 +54,8 @@ from lightning_spec.objectives.weights import (
 __all__ = [
     "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "ConfidenceBCE", "DPACE", "DraftOPD", "E2E",
     "E2EWeight", "EAL", "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "GRPO", "Geometric",
-    "JSD", "KL", "LK", "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PositionProduct",
-    "PositionWeight", "RankOrdinal", "ReverseKL", "TV", "TVMinusOne", "TargetInfo", "TwoBranchCE", "Uniform",
-    "ValidPrefix", "VPDecay", "WTV", "WTVWeight",
+    "JSD", "KL", "LK", "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PerAnchor",
+    "PositionProduct", "PositionWeight", "RankOrdinal", "ReverseKL", "StepContext", "TV", "TVMinusOne", "TargetInfo",
+    "TwoBranchCE", "Uniform", "ValidPrefix", "VPDecay", "WTV", "WTVWeight",
     "AdaFlashLoss", "LengthMSE",
 ]

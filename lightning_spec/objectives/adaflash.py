@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.losses import Loss, _gold_or_argmax, _target_and_draft, _upcast
 from lightning_spec.sampling import SamplingConfig
 
@@ -51,10 +52,10 @@ class AdaFlashLoss(Loss):
         self.temperature = temperature
         self.rkl_clip = rkl_clip
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        greedy = _gold_or_argmax(draft, "target_argmax")  # (N, A, K) argmax p
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        greedy = _gold_or_argmax(draft, ctx, "target_argmax")  # (N, A, K) argmax p
         ce = -_upcast(draft.logits).log_softmax(-1).gather(-1, greedy[..., None])[..., 0]  # (N, A, K)
-        logp, _, logq, q = _target_and_draft(draft, SamplingConfig(temperature=self.temperature))  # (N, A, K, Vd)
+        logp, _, logq, q = _target_and_draft(draft, ctx, SamplingConfig(temperature=self.temperature))  # (N, A, K, Vd)
         rkl = self.temperature**2 * (q * (logq - logp)).sum(-1)  # (N, A, K)
         if self.rkl_clip is not None:
             rkl = rkl.clamp(max=self.rkl_clip)
@@ -91,7 +92,7 @@ class LengthMSE(Loss):
         self.lookahead = lookahead
         self.key = key
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         if self.key not in draft.aux:
             raise UserError(
                 f"loss LengthMSE reads draft.aux[{self.key!r}], which this drafter does not give; use it with "

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.losses import Loss, _target_and_draft, acceptance
 from lightning_spec.sampling import SamplingConfig
 
@@ -33,14 +34,14 @@ class ConfidenceBCE(Loss):
         self.sampling = sampling
         self.key = key
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         if self.key not in draft.aux:
             raise UserError(
                 f"loss ConfidenceBCE reads draft.aux[{self.key!r}], which this drafter does not give; use it with a "
                 "drafter that has a confidence head (lightning_spec.drafters.DSparkDrafter) or drop it."
             )
         with torch.no_grad():
-            _, p, _, q = _target_and_draft(draft, self.sampling)
+            _, p, _, q = _target_and_draft(draft, ctx, self.sampling)
             target = acceptance(p, q).clamp(0, 1)  # (N, A, K) c*
         z = draft.aux[self.key]
         z = z if z.dtype == torch.float64 else z.float()

@@ -38,8 +38,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_spec.drafters.base import Anchors, DraftOutput, PerAnchor
+from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import PerAnchor, StepContext
 from lightning_spec.objectives.losses import BernoulliKL, _draft_logprobs, _target_logprobs
 from lightning_spec.objectives.objective import DraftFn, Objective, TargetInfo
 from lightning_spec.sampling import SamplingConfig
@@ -47,7 +48,7 @@ from lightning_spec.sampling import SamplingConfig
 
 @dataclass
 class ReplayRounds(PerAnchor):
-    """The rounds of a batch's rollouts, per anchor (= round), sliced with the anchors by ``DraftOutput.chunk``."""
+    """The rounds of a batch's rollouts, per anchor (= round), sliced with the anchors by ``StepContext.chunk``."""
 
     segment: Tensor  # (N, A) slots of the response stream: accepted drafts + 1 (K for the last round)
     rejected: Tensor  # (N, A, K) rejected drafts as draft ids, -1 where none
@@ -136,27 +137,27 @@ class DraftOPD(Objective):
         anchors, rounds = replay_rounds(batch, target)
         return anchors, {"rounds": rounds}
 
-    def _rounds(self, draft: DraftOutput) -> ReplayRounds | None:
-        return (draft.extra or {}).get("rounds")
+    def _rounds(self, ctx: StepContext) -> ReplayRounds | None:
+        return ctx.extra.get("rounds")
 
-    def slot_mask(self, draft: DraftOutput) -> Tensor:
-        rounds = self._rounds(draft)
+    def slot_mask(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        rounds = self._rounds(ctx)
         if rounds is None:
             return draft.valid
         slot = torch.arange(1, draft.block_size + 1, device=draft.valid.device)
         return draft.valid & (slot <= rounds.segment[..., None])  # accepted drafts + the correction
 
-    def sums(self, draft: DraftOutput) -> list[tuple[Tensor, Tensor]]:
-        mask = self.slot_mask(draft)  # (N, A, K)
+    def sums(self, draft: DraftOutput, ctx: StepContext) -> list[tuple[Tensor, Tensor]]:
+        mask = self.slot_mask(draft, ctx)  # (N, A, K)
         if self.response_loss == "bernoulli_kl":
-            ell = self.loss(draft)  # (N, A, K)
+            ell = self.loss(draft, ctx)  # (N, A, K)
         else:
             gold = draft.labels[..., None]
-            log_p = _target_logprobs(draft, self.sampling).gather(-1, gold)[..., 0].clamp_min(self.log_floor)
+            log_p = _target_logprobs(ctx, self.sampling).gather(-1, gold)[..., 0].clamp_min(self.log_floor)
             log_q = _draft_logprobs(draft, self.sampling.temperature).gather(-1, gold)[..., 0]
             ell = k3(log_p, log_q.clamp_min(self.log_floor)).clamp(-self.clip, self.clip)
         response = (torch.where(mask, ell, torch.zeros_like(ell)).sum(), mask.sum().to(ell.dtype))
-        rounds = self._rounds(draft)
+        rounds = self._rounds(ctx)
         if rounds is None or self.rejected_weight == 0:
             zero = ell.sum() * 0
             return [response, (zero, zero.detach())]
@@ -167,7 +168,7 @@ class DraftOPD(Objective):
         ell_r = (weight * ell_r.clamp(-self.clip, self.clip)).masked_fill(~has, 0)
         return [response, (ell_r.sum(), has.sum().to(ell_r.dtype))]
 
-    def sequence_dens(self, draft: DraftOutput) -> list[Tensor | None]:
+    def sequence_dens(self, draft: DraftOutput, ctx: StepContext) -> list[Tensor | None]:
         return [None, None]
 
     @property

@@ -28,8 +28,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_spec.drafters.base import Anchors, DraftOutput, PerAnchor, seeded_rand
+from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import PerAnchor, StepContext
 from lightning_spec.objectives.losses import Loss
 from lightning_spec.objectives.objective import DraftFn, Objective, TargetInfo
 from lightning_spec.objectives.weights import AnchorWeight, PositionWeight
@@ -93,7 +94,7 @@ def systematic_sample(
 # ------------------------------------------------------------------------------------------------ the parts
 @dataclass
 class EDRBatch(PerAnchor):
-    """What ``EDROccupancy.select_anchors`` leaves in ``draft.extra["edr"]`` for the parts (no gradient)."""
+    """What ``EDROccupancy.select_anchors`` leaves in ``ctx.extra["edr"]`` for the parts (no gradient)."""
 
     anchor_weight: Tensor  # (N, A) ω_{n,n+1} / π_n (0 for padding anchors)
     reach: Tensor  # (N, A, K) Π_{s<t} A_{n,s}
@@ -108,8 +109,8 @@ class EDRBatch(PerAnchor):
                         self.mask[:, index], self.table, self.draft_sampling)
 
 
-def _edr_batch(draft: DraftOutput) -> EDRBatch:
-    batch = (draft.extra or {}).get("edr")
+def _edr_batch(ctx: StepContext) -> EDRBatch:
+    batch = ctx.extra.get("edr")
     if batch is None:
         raise UserError(
             "This EDR part needs EDROccupancy to choose the anchors: put EDROccupancy as the objective's "
@@ -200,8 +201,8 @@ class EDROccupancy(AnchorWeight):
             }
         return Anchors(anchors, keep), {"edr": edr, "metrics": metrics}
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        return _like(_edr_batch(draft).anchor_weight, draft)  # (N, A)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        return _like(_edr_batch(ctx).anchor_weight, draft)  # (N, A)
 
 
 class EDRReach(PositionWeight):
@@ -209,8 +210,8 @@ class EDRReach(PositionWeight):
     with ``EDROccupancy``, a_n b_{n,t} = sg(ω_{n,t} / π_n). Reads the statistics
     ``EDROccupancy`` computed."""
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        return _like(_edr_batch(draft).reach, draft)  # (N, A, K)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        return _like(_edr_batch(ctx).reach, draft)  # (N, A, K)
 
 
 class EDRCost(Loss):
@@ -219,8 +220,8 @@ class EDRCost(Loss):
     acceptance of the realised token, both with gradient, recomputed from the drafter's pass-2 logits with the
     distributions ``EDROccupancy`` was configured with. Its value is not the round count."""
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        edr = _edr_batch(draft)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        edr = _edr_batch(ctx)
         accept, cost = slot_statistics(draft.logits, edr.table, draft.anchors, edr.draft_sampling)
         out = cost + accept * _like(edr.advantage, draft)
         return torch.where(edr.mask, out, torch.zeros_like(out))  # (N, A, K)
@@ -265,6 +266,6 @@ class EDR(Objective):
         self.sampling, self.draft_sampling = sampling, draft_sampling
         self.max_anchors, self.chunk_size = max_anchors, chunk_size
 
-    def slot_mask(self, draft: DraftOutput) -> Tensor:
-        return _edr_batch(draft).mask  # out-of-vocabulary tokens still cost: not the drafter's ``valid``
+    def slot_mask(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        return _edr_batch(ctx).mask  # out-of-vocabulary tokens still cost: not the drafter's ``valid``
 

@@ -15,7 +15,7 @@ Per anchor n of a training batch:
    logged reward, not the advantages); advantage Â_g = (R_g - mean_g R) / (std_g R + 1e-6) per anchor.
 4. Loss per (anchor, g, supervised slot k): -min(ρ Â_g, clip(ρ, 1 - ε, 1 + ε) Â_g), ρ = q_θ(x̃_k) / q_old(x̃_k).
    One update per draw, so q_old = sg(q_θ): ρ = 1 in value and the gradient is -Â_g ∇log q_θ(x̃_k).
-   Plus β·KL(q_θ ‖ q_ref) per supervised slot, q_ref the frozen starting drafter (``draft.reference_logits``),
+   Plus β·KL(q_θ ‖ q_ref) per supervised slot, q_ref the frozen starting drafter (``ctx.reference_logits``),
    both at the draft temperature without top-k/top-p (a filtered KL is infinite where the supports differ).
 5. (num, den) = (Σ of the terms, number of supervised (anchor, g, slot) terms): the value is the mean surrogate
    plus β times the mean KL per slot. Its value is ~β·KL (advantages sum to 0 per anchor): watch
@@ -48,6 +48,7 @@ from torch import Tensor
 from lightning_spec.decoding.verify import acceptance_probability
 from lightning_spec.drafters.base import DraftOutput, seeded_rand
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.objective import Objective
 from lightning_spec.sampling import SamplingConfig
 
@@ -201,33 +202,33 @@ class GRPO(Objective):
             return (logits / self.draft_temperature).log_softmax(-1)
         return self.sampling.logprobs(logits).to(logits.dtype)
 
-    def uniforms(self, draft: DraftOutput) -> Tensor:
+    def uniforms(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         """(N, A, 2, G, K) float64 uniforms on the logits' device: [..., 0, :, :] draw the tokens, [..., 1, :, :]
         decide the acceptances."""
         n, a, k = draft.valid.shape
-        rows = draft.seeds  # (N,) the module's per-example anchor_seed
+        rows = ctx.seeds  # (N,) the module's per-example anchor_seed
         if rows is None or len(rows) != n:  # a batch without 'index': seeded by the row in this batch
             rows = torch.arange(n)
         seeds = anchor_draw_seeds(rows.cpu(), draft.anchors.cpu(), self.seed_salt)
         u = seeded_rand(seeds, 2 * self.group_size * k, dtype=torch.float64)  # (N·A, 2·G·K)
         return u.view(n, a, 2, self.group_size, k).to(draft.valid.device)
 
-    def sums(self, draft: DraftOutput) -> list[tuple[Tensor, Tensor]]:
+    def sums(self, draft: DraftOutput, ctx: StepContext) -> list[tuple[Tensor, Tensor]]:
         """[(num, den), (Σ reward, draws), (Σ KL, slots)]: the loss, then the two logged metrics' sums."""
-        if draft.target_logits is None:
+        if ctx.target_logits is None:
             raise ValueError("GRPO needs the target's logits per slot; train it through DraftModule (needs_target).")
-        mask = self.slot_mask(draft)  # (N, A, K)
+        mask = self.slot_mask(draft, ctx)  # (N, A, K)
         g = self.group_size
         logits = draft.logits if draft.logits.dtype == torch.float64 else draft.logits.float()  # (N, A, K, Vd)
         logq_all = self.draft_logprobs(logits)  # (N, A, K, Vd)
         with torch.no_grad():
             q = logq_all.exp()
-            u = self.uniforms(draft)  # (N, A, 2, G, K)
+            u = self.uniforms(draft, ctx)  # (N, A, 2, G, K)
             tokens = sample_tokens(q, u[:, :, 0])  # (N, A, G, K)
             if self.sampling.greedy:
-                p = draft.target_logits.argmax(-1)  # (N, A, K)
+                p = ctx.target_logits.argmax(-1)  # (N, A, K)
             else:
-                p = self.sampling.probs(draft.target_logits).to(q.dtype)  # (N, A, K, Vd)
+                p = self.sampling.probs(ctx.target_logits).to(q.dtype)  # (N, A, K, Vd)
             accepted = simulated_accept(tokens, p, q, u[:, :, 1], self.sampling.greedy, valid=mask)  # (N, A, G)
             rewards = accepted.to(logits.dtype) + float(self.bonus)
             advantages = group_advantages(rewards).to(logits.dtype)  # (N, A, G)
@@ -236,8 +237,8 @@ class GRPO(Objective):
         slots = mask[:, :, None, :].expand_as(surrogate)  # (N, A, G, K)
         num = torch.where(slots, surrogate, torch.zeros_like(surrogate)).sum()
         kl_sum = num.new_zeros(())
-        if self.kl_weight > 0 or draft.reference_logits is not None:
-            kl = self.reference_kl(draft, logits)  # (N, A, K)
+        if self.kl_weight > 0 or ctx.reference_logits is not None:
+            kl = self.reference_kl(ctx, logits)  # (N, A, K)
             kl_sum = torch.where(mask, kl, torch.zeros_like(kl)).sum()
             num = num + self.kl_weight * g * kl_sum  # the KL counts once per (anchor, g, slot) term
         den = (g * mask.sum()).to(num.dtype)
@@ -246,20 +247,20 @@ class GRPO(Objective):
         draws = (g * anchors.sum()).to(num.dtype)
         return [(num, den), (reward_sum.to(num.dtype), draws), (kl_sum.detach(), mask.sum().to(num.dtype))]
 
-    def reference_kl(self, draft: DraftOutput, logits: Tensor) -> Tensor:
+    def reference_kl(self, ctx: StepContext, logits: Tensor) -> Tensor:
         """KL(q_θ ‖ q_ref) per slot (N, A, K), both softmax(z / T) at the drafts' temperature, over Vd."""
-        if draft.reference_logits is None:
+        if ctx.reference_logits is None:
             raise UserError(
-                "GRPO's objective.kl_weight > 0 needs the starting drafter's logits (draft.reference_logits); train "
+                "GRPO's objective.kl_weight > 0 needs the starting drafter's logits (ctx.reference_logits); train "
                 "it through DraftModule with model.init_from set, or set objective.kl_weight: 0."
             )
         t = self.temperature
         logq = (logits / t).log_softmax(-1)  # (N, A, K, Vd)
-        logr = (draft.reference_logits.to(logits.dtype) / t).log_softmax(-1)
+        logr = (ctx.reference_logits.to(logits.dtype) / t).log_softmax(-1)
         return (logq.exp() * (logq - logr)).sum(-1)  # (N, A, K)
 
     # ------------------------------------------------------------------------------------------ reduction
-    def sequence_dens(self, draft: DraftOutput) -> list[Tensor | None]:
+    def sequence_dens(self, draft: DraftOutput, ctx: StepContext) -> list[Tensor | None]:
         return [None] * self.num_pairs
 
     @property

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.part import Part
 from lightning_spec.sampling import SamplingConfig
 
@@ -21,7 +22,7 @@ from lightning_spec.sampling import SamplingConfig
 class Loss(Part):
     """A per-slot loss. ``needs_target`` asks the module for target logits at every slot (``Part``)."""
 
-    def __call__(self, draft: DraftOutput) -> Tensor:  # (N, A, K)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:  # (N, A, K)
         raise NotImplementedError
 
 
@@ -34,16 +35,16 @@ def _draft_logprobs(draft: DraftOutput, temperature: float = 1.0) -> Tensor:
     return (_upcast(draft.logits) / (temperature or 1.0)).log_softmax(-1)  # (N, A, K, Vd)
 
 
-def _target_logprobs(draft: DraftOutput, sampling: SamplingConfig) -> Tensor:
-    if draft.target_logits is None:
+def _target_logprobs(ctx: StepContext, sampling: SamplingConfig) -> Tensor:
+    if ctx.target_logits is None:
         raise ValueError("This loss needs target logits; the module provides them when objective.needs_target.")
-    return sampling.logprobs(draft.target_logits)  # (N, A, K, Vd); -inf where filtered
+    return sampling.logprobs(ctx.target_logits)  # (N, A, K, Vd); -inf where filtered
 
 
 class CE(Loss):
     """Cross-entropy on the gold token, ℓ = -log q_{n,t}(x_t) (DFlash, Chen, Liang, Liu 2026, arXiv 2602.06036)."""
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         logq = _draft_logprobs(draft)
         return -logq.gather(-1, draft.labels[..., None])[..., 0]  # (N, A, K)
 
@@ -62,8 +63,8 @@ class KL(Loss):
     def __init__(self, sampling: SamplingConfig = SamplingConfig(temperature=1.0)) -> None:
         self.sampling = sampling
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        logp = _target_logprobs(draft, self.sampling)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        logp = _target_logprobs(ctx, self.sampling)
         logq = _draft_logprobs(draft, self.sampling.temperature)
         p = logp.exp()
         return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)  # (N, A, K)
@@ -78,16 +79,18 @@ class TV(Loss):
     def __init__(self, sampling: SamplingConfig = SamplingConfig(temperature=1.0)) -> None:
         self.sampling = sampling
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        p = _target_logprobs(draft, self.sampling).exp()
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        p = _target_logprobs(ctx, self.sampling).exp()
         q = _draft_logprobs(draft, self.sampling.temperature).exp()
         return (p - q).clamp_min(0).sum(-1)  # (N, A, K)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _target_and_draft(draft: DraftOutput, sampling: SamplingConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _target_and_draft(
+    draft: DraftOutput, ctx: StepContext, sampling: SamplingConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """log p, p (the target under ``sampling``) and log q, q (the draft at the same temperature): (N, A, K, Vd)."""
-    logp = _target_logprobs(draft, sampling)
+    logp = _target_logprobs(ctx, sampling)
     logq = _draft_logprobs(draft, sampling.temperature)
     return logp, logp.exp(), logq, logq.exp()
 
@@ -97,12 +100,12 @@ def acceptance(p: Tensor, q: Tensor) -> Tensor:
     return torch.minimum(p, q).sum(-1)
 
 
-def _gold_or_argmax(draft: DraftOutput, token: str) -> Tensor:
+def _gold_or_argmax(draft: DraftOutput, ctx: StepContext, token: str) -> Tensor:
     if token == "gold":
         return draft.labels
-    if draft.target_logits is None:
+    if ctx.target_logits is None:
         raise ValueError("token='target_argmax' needs target logits; the module provides them when needs_target.")
-    return draft.target_logits.argmax(-1)  # (N, A, K) y* = argmax p (the target's greedy token)
+    return ctx.target_logits.argmax(-1)  # (N, A, K) y* = argmax p (the target's greedy token)
 
 
 _TOKENS = ("target_argmax", "gold")
@@ -127,8 +130,8 @@ class ReverseKL(Loss):
         self.sampling = sampling
         self.log_floor = log_floor
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        logp, _, logq, q = _target_and_draft(draft, self.sampling)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        logp, _, logq, q = _target_and_draft(draft, ctx, self.sampling)
         return (q * (logq - logp.clamp_min(self.log_floor))).sum(-1)  # (N, A, K)
 
 
@@ -150,8 +153,8 @@ class JSD(Loss):
         self.sampling = sampling
         self.beta = beta
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        logp, p, logq, q = _target_and_draft(draft, self.sampling)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        logp, p, logq, q = _target_and_draft(draft, ctx, self.sampling)
         logm = torch.logaddexp(logp + math.log(self.beta), logq + math.log(1 - self.beta))
         kl_pm = torch.where(p > 0, p * (logp - logm), torch.zeros_like(p)).sum(-1)
         kl_qm = (q * (logq - logm)).sum(-1)
@@ -181,8 +184,8 @@ class LK(Loss):
         self.kappa = kappa
         self.scale = scale
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        logp, p, logq, q = _target_and_draft(draft, self.sampling)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        logp, p, logq, q = _target_and_draft(draft, ctx, self.sampling)
         alpha = acceptance(p, q)  # (N, A, K)
         lam = self.scale * torch.exp(-self.kappa * alpha.detach())
         kl = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)
@@ -204,8 +207,8 @@ class LKAlpha(Loss):
         self.sampling = sampling
         self.eps = eps
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        _, p, _, q = _target_and_draft(draft, self.sampling)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        _, p, _, q = _target_and_draft(draft, ctx, self.sampling)
         return -acceptance(p, q).clamp_min(self.eps).log()  # (N, A, K)
 
 
@@ -241,8 +244,8 @@ class BernoulliKL(Loss):
         log_1mx = torch.log1p(-logprob.exp().clamp(max=one)).clamp_min(self.log_floor)
         return log_x, log_1mx
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        logp, _, logq, _ = _target_and_draft(draft, self.sampling)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        logp, _, logq, _ = _target_and_draft(draft, ctx, self.sampling)
         gold = draft.labels[..., None]
         lp, l1p = self._logs(logp.gather(-1, gold)[..., 0])  # (N, A, K)
         lq, l1q = self._logs(logq.gather(-1, gold)[..., 0])
@@ -265,8 +268,8 @@ class TVMinusOne(Loss):
     def __init__(self, sampling: SamplingConfig = SamplingConfig(temperature=1.0)) -> None:
         self.sampling = sampling
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        _, p, _, q = _target_and_draft(draft, self.sampling)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        _, p, _, q = _target_and_draft(draft, ctx, self.sampling)
         return -acceptance(p, q)  # (N, A, K)
 
 
@@ -289,6 +292,6 @@ class NegProb(Loss):
     def needs_target(self) -> bool:
         return self.token == "target_argmax"
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         q = _draft_logprobs(draft).exp()
-        return -q.gather(-1, _gold_or_argmax(draft, self.token)[..., None])[..., 0]  # (N, A, K)
+        return -q.gather(-1, _gold_or_argmax(draft, ctx, self.token)[..., None])[..., 0]  # (N, A, K)

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.losses import CE, Loss, NegProb, TVMinusOne
 from lightning_spec.objectives.part import DraftFn, TargetInfo
 from lightning_spec.objectives.weights import (
@@ -64,9 +65,13 @@ class Objective:
     What the module reads, aggregated from the parts' declarations (``part.Part``):
         ``needs_target``: any part reads the target's logits per slot.
         ``select_anchors(batch, draft_fn, target) -> (anchors, extra) | None``: a part that chooses the anchors
-        itself (EDR) returns them; ``None`` lets the drafter sample them. ``extra`` lands in ``draft.extra`` for the
+        itself (EDR) returns them; ``None`` lets the drafter sample them. ``extra`` lands in ``ctx.extra`` for the
         parts to read; ``extra["metrics"]`` is returned in ``LossTerms.metrics``.
     And declared by the objective itself: ``needs_rollouts``, ``needs_reference`` (below).
+
+    Called as ``objective(draft, ctx, chunk=...)``: the drafter's ``DraftOutput`` and the module's ``StepContext``
+    (``context.py``), which every part, ``sums``, ``slot_mask`` and ``sequence_dens`` receive as they are, or
+    sliced to a chunk of anchors.
     """
 
     def __init__(
@@ -86,7 +91,7 @@ class Objective:
 
     #: trains on the rounds of on-policy rollouts (``DraftOPD``): the module refuses a fit without ``OnPolicyRollouts``
     needs_rollouts: bool = False
-    #: reads the frozen starting drafter's logits (``GRPO``'s KL, ``draft.reference_logits``): the module keeps a copy
+    #: reads the frozen starting drafter's logits (``GRPO``'s KL, ``ctx.reference_logits``): the module keeps a copy
     needs_reference: bool = False
 
     @property
@@ -95,7 +100,7 @@ class Objective:
 
     @property
     def needs_target(self) -> bool:
-        """Whether any part reads ``draft.target_logits`` (the OR over the parts' declarations)."""
+        """Whether any part reads ``ctx.target_logits`` (the OR over the parts' declarations)."""
         return any(part.needs_target for part in self.parts)
 
     def select_anchors(
@@ -108,18 +113,18 @@ class Objective:
             raise UserError("At most one part of an objective may choose the anchors (select_anchors).")
         return chosen[0] if chosen else None
 
-    def slot_mask(self, draft: DraftOutput) -> Tensor:
+    def slot_mask(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         """(N, A, K) bool: the slots that count. Default: the drafter's ``valid`` (supervised, in the draft vocab)."""
         return draft.valid
 
     # ------------------------------------------------------------------------------------------ reduction
-    def sums(self, draft: DraftOutput) -> list[tuple[Tensor, Tensor]]:
+    def sums(self, draft: DraftOutput, ctx: StepContext) -> list[tuple[Tensor, Tensor]]:
         """[(num, den)] of this objective on ``draft`` (one pair; a mixture has one per component). Both are
         sums over anchors, except the ``sequences`` normaliser, which ``__call__`` takes from the whole batch."""
-        mask = self.slot_mask(draft)  # (N, A, K)
+        mask = self.slot_mask(draft, ctx)  # (N, A, K)
         valid = mask.float()
-        ell = self.loss(draft)  # (N, A, K)
-        w = self.anchor_weight(draft)[..., None] * self.position_weight(draft) * valid  # (N, A, K)
+        ell = self.loss(draft, ctx)  # (N, A, K)
+        w = self.anchor_weight(draft, ctx)[..., None] * self.position_weight(draft, ctx) * valid  # (N, A, K)
         num = (w * torch.where(mask, ell, torch.zeros_like(ell))).sum()
         if self.normalize == "weight":
             den = w.detach().sum()
@@ -131,11 +136,11 @@ class Objective:
             den = valid.sum()
         return [(num, den.to(num.dtype))]
 
-    def sequence_dens(self, draft: DraftOutput) -> list[Tensor | None]:
+    def sequence_dens(self, draft: DraftOutput, ctx: StepContext) -> list[Tensor | None]:
         """The ``sequences`` normalisers of the whole batch, per pair (None for the other normalisers)."""
         if self.normalize != "sequences":
             return [None]
-        return [self.slot_mask(draft).flatten(1).any(-1).sum().float()]
+        return [self.slot_mask(draft, ctx).flatten(1).any(-1).sum().float()]
 
     @property
     def num_pairs(self) -> int:
@@ -146,28 +151,30 @@ class Objective:
         """The (num, den) the module reduces, from ``sums``' pairs (summed over chunks), and metrics to log."""
         return pairs[0][0], pairs[0][1], {}
 
-    def __call__(self, draft: DraftOutput, chunk: int | None = None) -> LossTerms:
-        """The loss terms of a batch; ``chunk`` anchors at a time when given.
+    def __call__(self, draft: DraftOutput, ctx: StepContext | None = None, chunk: int | None = None) -> LossTerms:
+        """The loss terms of a batch; ``chunk`` anchors at a time when given. ``ctx`` None: ``StepContext()``, an
+        objective called outside the module (no target side, no progress, no scratch).
 
         In chunks, each chunk's logits (draft and target) exist only while its terms are computed, and are
         recomputed in the backward pass (activation checkpointing): memory grows with ``chunk`` x K x Vd
         instead of A x K x Vd, for one more head forward per step. The result equals the unchunked one."""
+        ctx = ctx if ctx is not None else StepContext()
         if chunk is None or draft.num_anchors <= chunk:
-            pairs = self.sums(draft.materialize())
+            pairs = self.sums(draft.materialize(), ctx.materialize())
         else:
             pairs = None
             for lo in range(0, draft.num_anchors, chunk):
                 index = torch.arange(lo, min(lo + chunk, draft.num_anchors), device=draft.valid.device)
-                flat = checkpoint(self._chunk_sums, draft, index, use_reentrant=False)
+                flat = checkpoint(self._chunk_sums, draft, ctx, index, use_reentrant=False)
                 part = list(zip(flat[::2], flat[1::2]))
                 pairs = part if pairs is None else [(a + c, b + d) for (a, b), (c, d) in zip(pairs, part)]
-            whole = self.sequence_dens(draft)
+            whole = self.sequence_dens(draft, ctx)
             pairs = [(num, den if full is None else full.to(den.dtype)) for (num, den), full in zip(pairs, whole)]
         num, den, metrics = self.combine(pairs)
-        return LossTerms(num=num, den=den, metrics={**(draft.extra or {}).get("metrics", {}), **metrics})
+        return LossTerms(num=num, den=den, metrics={**ctx.extra.get("metrics", {}), **metrics})
 
-    def _chunk_sums(self, draft: DraftOutput, index: Tensor) -> tuple[Tensor, ...]:
-        return tuple(x for pair in self.sums(draft.chunk(index)) for x in pair)
+    def _chunk_sums(self, draft: DraftOutput, ctx: StepContext, index: Tensor) -> tuple[Tensor, ...]:
+        return tuple(x for pair in self.sums(draft.chunk(index), ctx.chunk(index)) for x in pair)
 
 
 # ------------------------------------------------------------------------------- ready-made loss/weight pairs
@@ -278,15 +285,15 @@ class Mixture(Objective):
             raise UserError("At most one component of a Mixture may choose the anchors (select_anchors).")
         return chosen[0] if chosen else None
 
-    def slot_mask(self, draft: DraftOutput) -> Tensor:
-        masks = [o.slot_mask(draft) for o in self.objectives]
+    def slot_mask(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        masks = [o.slot_mask(draft, ctx) for o in self.objectives]
         return torch.stack(masks).any(0)
 
-    def sums(self, draft: DraftOutput) -> list[tuple[Tensor, Tensor]]:
-        return [pair for o in self.objectives for pair in o.sums(draft)]
+    def sums(self, draft: DraftOutput, ctx: StepContext) -> list[tuple[Tensor, Tensor]]:
+        return [pair for o in self.objectives for pair in o.sums(draft, ctx)]
 
-    def sequence_dens(self, draft: DraftOutput) -> list[Tensor | None]:
-        return [d for o in self.objectives for d in o.sequence_dens(draft)]
+    def sequence_dens(self, draft: DraftOutput, ctx: StepContext) -> list[Tensor | None]:
+        return [d for o in self.objectives for d in o.sequence_dens(draft, ctx)]
 
     @property
     def num_pairs(self) -> int:

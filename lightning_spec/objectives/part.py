@@ -3,6 +3,11 @@
 ``Objective`` reads these declarations to tell the module what to provide; it never probes a part for
 attributes or methods (``Loss``, ``PositionWeight`` and ``AnchorWeight`` derive from this class). ``TargetInfo``
 and ``DraftFn`` are what a part that chooses its own anchors is given.
+
+A part is called as ``part(draft, ctx)``: ``draft`` the drafter's ``DraftOutput`` (its logits, labels, valid
+slots, aux heads), ``ctx`` the ``StepContext`` the module wrote (``context.py``: the target's logits per slot,
+the reference drafter's, ``extra`` from ``select_anchors``, the training progress, the examples' seeds). A part
+reads both and writes to neither.
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ class Part:
     """A part of ``Objective``'s template.
 
     Declarations (override where true):
-        needs_target: the part reads ``draft.target_logits``; the module attaches the target's side of every slot
+        needs_target: the part reads ``ctx.target_logits``; the module gives the target's side of every slot
             (a class attribute, or a property when it depends on the part's arguments).
         select_anchors: the part chooses the anchors itself (EDR's ``EDROccupancy``) and returns
-            ``(anchors, extra)``; the default returns None: the drafter samples them.
+            ``(anchors, extra)``; the default returns None: the drafter samples them. ``extra`` reaches the
+            parts as ``ctx.extra``.
     """
 
     needs_target: bool = False

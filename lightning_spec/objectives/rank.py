@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.drafters.specblock_rank import rank_labels  # the drafter owns the bucket boundaries
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.losses import Loss
 from lightning_spec.objectives.weights import _prefix_support
 
@@ -60,18 +61,18 @@ class RankOrdinal(Loss):
         self.cap = cap
         self.key = key
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         if self.key not in draft.aux:
             raise UserError(
                 f"loss RankOrdinal reads draft.aux[{self.key!r}], which this drafter does not give; use it with a "
                 "drafter that has a rank head (lightning_spec.drafters.SpecBlockDrafter) or drop it."
             )
-        if draft.target_logits is None:
+        if ctx.target_logits is None:
             raise ValueError("RankOrdinal needs target logits; the module provides them when needs_target.")
         z = draft.aux[self.key]
         z = z if z.dtype == torch.float64 else z.float()  # (N, A, K, C)
         with torch.no_grad():
-            t = rank_labels(draft.logits, draft.target_logits)  # (N, A, K)
+            t = rank_labels(draft.logits, ctx.target_logits)  # (N, A, K)
             p = z.argmax(-1)  # (N, A, K)
             m = _prefix_support(p == t, draft.valid)  # (N, A, K) up to the first rank mistake
             counted = m > 0

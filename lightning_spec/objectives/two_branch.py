@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.losses import Loss, _upcast
 
 
@@ -24,13 +25,13 @@ class TwoBranchCE(Loss):
     """ℓ_t = (1 - λ)·CE(final_t) + λ·CE(base_t), the base-anchor curriculum of Domino: λ decays linearly from
     ``start`` at the start of training to 0 once a share ``decay_ratio`` of training is done, then stays 0:
 
-        λ = start · max(0, 1 - progress / decay_ratio),   progress = ``draft.progress`` (0..1, the module sets it).
+        λ = start · max(0, 1 - progress / decay_ratio),   progress = ``ctx.progress`` (0..1, the module sets it).
 
     The final logits are ``draft.logits``; the base ones the drafter's head ``draft.aux[branch]`` (a
     ``DominoDrafter`` gives ``base_logits``). The position weight multiplies both terms, so with ``ExpDecay`` this is
     Domino's loss, both CEs with the DFlash decay, normalised by Σ weights (``normalize="weight"``); with
     ``AUFSupport`` it is AUF on Domino (the support from the final logits' argmax, what decoding proposes).
-    Without a known progress (``draft.progress`` None: an objective called outside the module) λ = ``start``.
+    Without a known progress (``ctx.progress`` None: an objective called outside the module) λ = ``start``.
 
     Args:
         start: λ at the start of training, in [0, 1] (1 released).
@@ -53,13 +54,13 @@ class TwoBranchCE(Loss):
         done = 0.0 if progress is None else float(progress)
         return self.start * max(0.0, 1.0 - done / self.decay_ratio)
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         if self.branch not in draft.aux:
             raise UserError(
                 f"loss TwoBranchCE needs the drafter's second branch draft.aux[{self.branch!r}], which this drafter "
                 f"does not give (it has {sorted(draft.aux) or 'none'}); use it with DominoDrafter or set loss.branch."
             )
-        lam = self.weight(draft.progress)
+        lam = self.weight(ctx.progress)
         final = _ce(draft.logits, draft.labels)  # (N, A, K)
         base = draft.aux[self.branch]
         if callable(base):  # a head not yet evaluated (the objective materialises or chunks it first)

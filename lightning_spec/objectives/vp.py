@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.weights import PositionWeight
 
 
@@ -31,7 +32,7 @@ class VPDecay(PositionWeight):
             raise UserError(f"position_weight.tau must be > 0, got {tau}.")
         self.tau = tau
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         device = draft.valid.device
         prefix = draft.aux.get("prefix_length")
         length = torch.zeros(draft.valid.shape[:2], device=device) if prefix is None else prefix.to(device)  # (N, A)

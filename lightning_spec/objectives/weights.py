@@ -9,6 +9,7 @@ from torch import Tensor
 
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.losses import _TOKENS, _draft_logprobs, _gold_or_argmax, _target_and_draft, acceptance
 from lightning_spec.objectives.part import Part
 from lightning_spec.sampling import SamplingConfig
@@ -16,16 +17,16 @@ from lightning_spec.sampling import SamplingConfig
 
 class PositionWeight(Part):
     """b_{n,t}: returns (N, A, K); the template multiplies it by the valid mask. ``needs_target`` asks the
-    module for target logits (``draft.target_logits``), as for losses (``Part``)."""
+    module for target logits (``ctx.target_logits``), as for losses (``Part``)."""
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         raise NotImplementedError
 
 
 class Uniform(PositionWeight):
     """b_t = 1 for every slot (plain CE, KL, TV and LK; EDR, arXiv 2610.10411, Table 1)."""
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         return torch.ones_like(draft.valid, dtype=torch.float32)  # (N, A, K)
 
 
@@ -43,7 +44,7 @@ class ExpDecay(PositionWeight):
             raise UserError(f"position_weight.gamma must be > 0, got {gamma}.")
         self.gamma = gamma  # larger gamma: later slots matter more
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         t = torch.arange(1, draft.block_size + 1, device=draft.logits.device, dtype=torch.float32)
         return torch.exp(-(t - 1) / self.gamma).expand(draft.valid.shape)  # (N, A, K)
 
@@ -82,7 +83,7 @@ class Geometric(PositionWeight):
             raise UserError(f"position_weight.rho must be in (0, 1], got {rho}.")
         self.rho = rho
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         t = torch.arange(1, draft.block_size + 1, device=draft.logits.device, dtype=torch.float32)
         return (self.rho ** (t - 1)).expand(draft.valid.shape)  # (N, A, K)
 
@@ -103,7 +104,7 @@ class AUFSupport(PositionWeight):
     """
 
     @torch.no_grad()
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         return _prefix_support(draft.logits.argmax(-1) == draft.labels, draft.valid)  # (N, A, K)
 
 
@@ -118,10 +119,10 @@ class ValidPrefix(PositionWeight):
     needs_target = True
 
     @torch.no_grad()
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        if draft.target_logits is None:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        if ctx.target_logits is None:
             raise ValueError("ValidPrefix needs target logits; the module provides them when needs_target.")
-        matched = draft.logits.argmax(-1) == draft.target_logits.argmax(-1)
+        matched = draft.logits.argmax(-1) == ctx.target_logits.argmax(-1)
         return _prefix_support(matched, draft.valid)  # (N, A, K)
 
 
@@ -144,7 +145,7 @@ class DPACE(PositionWeight):
         self.alpha = alpha
 
     @torch.no_grad()
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         q = _draft_logprobs(draft).exp().gather(-1, draft.labels[..., None])[..., 0]  # (N, A, K)
         smooth = ((1 - self.alpha) * q + self.alpha) * draft.valid
         survive = smooth.cumprod(-1)  # Π_{s≤m} q̃_s, 0 from the first invalid slot on
@@ -165,8 +166,8 @@ class E2EWeight(PositionWeight):
     def __init__(self, sampling: SamplingConfig = SamplingConfig(temperature=1.0)) -> None:
         self.sampling = sampling
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        _, p, _, q = _target_and_draft(draft, self.sampling)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        _, p, _, q = _target_and_draft(draft, ctx, self.sampling)
         return _chain(acceptance(p, q), draft.valid)  # (N, A, K)
 
 
@@ -205,8 +206,8 @@ class EALWeight(PositionWeight):
     def needs_target(self) -> bool:
         return self.token == "target_argmax"
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        q = _draft_logprobs(draft).exp().gather(-1, _gold_or_argmax(draft, self.token)[..., None])[..., 0]
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        q = _draft_logprobs(draft).exp().gather(-1, _gold_or_argmax(draft, ctx, self.token)[..., None])[..., 0]
         return _chain(q, draft.valid)  # (N, A, K)
 
 
@@ -227,22 +228,22 @@ class PositionProduct(PositionWeight):
     def needs_target(self) -> bool:
         return any(w.needs_target for w in self.weights)
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
-        out = self.weights[0](draft)
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
+        out = self.weights[0](draft, ctx)
         for w in self.weights[1:]:
-            out = out * w(draft)
+            out = out * w(draft, ctx)
         return out  # (N, A, K)
 
 
 class AnchorWeight(Part):
     """a_n: returns (N, A). ``needs_target`` and ``select_anchors`` as for the other parts (``Part``)."""
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         raise NotImplementedError
 
 
 class AnchorUniform(AnchorWeight):
     """a_n = 1 for every sampled anchor (every objective but EDR, whose a_n is ``EDROccupancy``)."""
 
-    def __call__(self, draft: DraftOutput) -> Tensor:
+    def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:
         return torch.ones(draft.valid.shape[:2], device=draft.logits.device)  # (N, A)

@@ -18,7 +18,7 @@ from lightning_spec.drafters import DFlashDrafter
 from lightning_spec.drafters.base import DraftOutput, DraftVocab
 from lightning_spec.loaders import collate
 from lightning_spec.module import DraftModule
-from lightning_spec.objectives import KL, DraftOPD, Objective
+from lightning_spec.objectives import KL, DraftOPD, Objective, StepContext
 from lightning_spec.objectives.draft_opd import k3, replay_rounds
 from lightning_spec.objectives.objective import TargetInfo
 from lightning_spec.sampling import SamplingConfig
@@ -102,9 +102,9 @@ def test_draft_opd_streams_by_hand():
         rejected_logp=torch.tensor([[[0.0, -1.5, -30.0], [0.0, 0.0, 0.0]]]),
         offset=torch.tensor([[[0, 1, 2], [-1, 0, 1]]]),
     )
-    draft = DraftOutput(logits, labels, valid, torch.zeros(n, a, dtype=torch.long), target_logits=target,
-                        extra={"rounds": rounds})
-    terms = DraftOPD()(draft)
+    draft = DraftOutput(logits, labels, valid, torch.zeros(n, a, dtype=torch.long))
+    ctx = StepContext(target_logits=target, extra={"rounds": rounds})
+    terms = DraftOPD()(draft, ctx)
     logq, logp = logits.log_softmax(-1), target.log_softmax(-1)
 
     def bern(t_a, t_k):
@@ -124,7 +124,7 @@ def test_draft_opd_streams_by_hand():
     assert logits.grad[0, 0, 2].abs().sum() > 0  # the rejected stream reaches slots past the correction
 
     # the k3 response variant and the rejected stream switched off
-    k3_terms = DraftOPD(response_loss="k3", rejected_weight=0.0)(draft)
+    k3_terms = DraftOPD(response_loss="k3", rejected_weight=0.0)(draft, ctx)
     lp = logp.gather(-1, labels[..., None])[..., 0]
     lq = logq.gather(-1, labels[..., None])[..., 0]
     mask = torch.tensor([[[1, 1, 0], [1, 1, 1]]], dtype=torch.bool)

@@ -27,7 +27,7 @@ from lightning_spec.checkpoint import save_drafter
 from lightning_spec.drafters import Anchors, D2SDDrafter, DFlashDrafter, DraftOutput
 from lightning_spec.drafters.base import seeded_rand
 from lightning_spec.drafters.d2sd import boundary_posterior, shared_prefix_tree
-from lightning_spec.objectives import CE, ExpDecay, Objective, VPDecay
+from lightning_spec.objectives import CE, ExpDecay, Objective, StepContext, VPDecay
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 K = 3
@@ -173,7 +173,7 @@ def test_vp_decay_and_the_vp_loss_by_hand():
     valid = torch.arange(1, 5) > prefix[..., None]  # (1, 2, 4) as D2SDDrafter gives it
     draft = DraftOutput(logits, labels, valid, torch.zeros(1, 2, dtype=torch.long), aux={"prefix_length": prefix})
     tau = 2.0
-    weights = VPDecay(tau)(draft)
+    weights = VPDecay(tau)(draft, StepContext())
     e = math.exp
     torch.testing.assert_close(weights[0, 0], torch.tensor([1, e(-1 / tau), e(-2 / tau), e(-3 / tau)]))
     torch.testing.assert_close(weights[0, 1], torch.tensor([0, 0, 1, e(-1 / tau)]))
@@ -187,7 +187,8 @@ def test_vp_decay_and_the_vp_loss_by_hand():
     terms = Objective(CE(), VPDecay(tau))(draft)
     assert float(terms.value) == pytest.approx(num / den, rel=1e-6)
     plain = DraftOutput(logits, labels, torch.ones_like(valid), torch.zeros(1, 2, dtype=torch.long))
-    assert torch.equal(VPDecay(tau)(plain), ExpDecay(tau)(plain))  # no known prefix: the DFlash decay
+    none = StepContext()
+    assert torch.equal(VPDecay(tau)(plain, none), ExpDecay(tau)(plain, none))  # no known prefix: the DFlash decay
 
 
 def test_the_vp_loss_trains(diverse_target, prompts):

@@ -17,7 +17,7 @@ from lightning_spec import SamplingConfig, load_target
 from lightning_spec.drafters import Anchors, DFlashDrafter, DFlyDrafter, DominoDrafter, DraftOutput
 from lightning_spec.drafters.block import previous_tokens
 from lightning_spec.module import DraftModule
-from lightning_spec.objectives import CE, AUFSupport, ExpDecay, Objective, TwoBranchCE
+from lightning_spec.objectives import CE, AUFSupport, ExpDecay, Objective, StepContext, TwoBranchCE
 
 T1, GREEDY = SamplingConfig(temperature=1.0), SamplingConfig()
 
@@ -222,21 +222,21 @@ def test_the_base_weight_decays_linearly_to_zero():
     assert TwoBranchCE(start=1.0, decay_ratio=2.0).weight(1.0) == pytest.approx(0.5)  # still positive at the end
 
 
-def two_branch_output(logits, base, labels, progress):
-    return DraftOutput(logits, labels, torch.ones_like(labels, dtype=torch.bool), aux={"base_logits": base},
-                       progress=progress)
+def two_branch_output(logits, base, labels):
+    return DraftOutput(logits, labels, torch.ones_like(labels, dtype=torch.bool), aux={"base_logits": base})
 
 
 def test_two_branch_ce_by_hand_and_its_gradient():
     g = torch.Generator().manual_seed(0)
     logits, base = torch.randn(2, 3, 4, 11, generator=g), torch.randn(2, 3, 4, 11, generator=g)
     labels = torch.randint(0, 11, (2, 3, 4), generator=g)
-    ell = TwoBranchCE(start=1.0, decay_ratio=0.8)(two_branch_output(logits, base, labels, 0.2))  # λ = 0.75
+    ell = TwoBranchCE(start=1.0, decay_ratio=0.8)(two_branch_output(logits, base, labels),
+                                                  StepContext(progress=0.2))  # λ = 0.75
     ce = lambda x: F.cross_entropy(x.reshape(-1, 11), labels.reshape(-1), reduction="none").view(2, 3, 4)
     torch.testing.assert_close(ell, 0.25 * ce(logits) + 0.75 * ce(base))
 
     part = TwoBranchCE(start=0.6)
-    fn = lambda a, b: part(two_branch_output(a, b, labels[:1, :1], 0.1))
+    fn = lambda a, b: part(two_branch_output(a, b, labels[:1, :1]), StepContext(progress=0.1))
     args = (logits[:1, :1].double().requires_grad_(), base[:1, :1].double().requires_grad_())
     assert torch.autograd.gradcheck(fn, args)
 
@@ -273,12 +273,13 @@ def test_domino_objective_in_chunks_equals_the_whole(target64, weight):
     stirred(module.drafter)
     module.training_progress = lambda: 0.3  # λ = 0.4: both branches carry gradient
     batch = module.seeded(batch_of(target64), salt=0)
+    assert module.draft_and_context(batch, use_cache=False)[1].progress == 0.3  # what the part reads
     results = []
     for loss_chunk in (None, 2):
         module.hparams.loss_chunk = loss_chunk
         module.drafter.zero_grad()
         draft, terms = module.draft_step(batch, use_cache=False)
-        assert draft.progress == 0.3 and draft.num_anchors > 2
+        assert draft.num_anchors > 2
         terms.num.backward()
         grads = {k: p.grad.clone() for k, p in module.drafter.named_parameters() if p.grad is not None}
         results.append((terms.num.detach(), terms.den, grads))
@@ -292,6 +293,6 @@ def test_domino_objective_in_chunks_equals_the_whole(target64, weight):
     draft.materialize()
     ce = Objective(CE(), position)
     final = ce(draft).value
-    draft.logits = draft.aux["base_logits"]
-    if weight == "decay":  # AUF's support is taken from the final logits, which the swap above replaced
-        torch.testing.assert_close(terms.value, 0.6 * final + 0.4 * ce(draft).value)
+    base = DraftOutput(draft.aux["base_logits"], draft.labels, draft.valid, draft.anchors)
+    if weight == "decay":  # AUF's support is taken from the final logits, which the base branch's are not
+        torch.testing.assert_close(terms.value, 0.6 * final + 0.4 * ce(base).value)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from helpers.decoding import MAX_NEW, argmax_reference, random_prompts
-from helpers.drafters import record_draft_lengths, with_target
+from helpers.drafters import record_draft_lengths, target_context
 from helpers.sampling import PROMPT, assert_matches, empirical, exact_joint
 
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
@@ -32,7 +32,7 @@ from lightning_spec.drafters.dspark import (
     sequential_temperature_scaling,
 )
 from lightning_spec.evaluation.offline import offline_report
-from lightning_spec.objectives import CE, TV, ConfidenceBCE, ExpDecay, Mixture, Objective
+from lightning_spec.objectives import CE, TV, ConfidenceBCE, ExpDecay, Mixture, Objective, StepContext
 
 ROOT = Path(__file__).resolve().parents[2]
 K = 4
@@ -227,7 +227,8 @@ def cutting_drafter(diverse_target):
     objective = dspark_objective()
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     for _ in range(40):
-        terms = objective(with_target(run(drafter, diverse_target, batch), drafter, diverse_target, batch))
+        draft = run(drafter, diverse_target, batch)
+        terms = objective(draft, target_context(draft, drafter, diverse_target, batch))
         opt.zero_grad()
         (terms.num / terms.den).backward()
         opt.step()
@@ -299,8 +300,9 @@ def test_confidence_bce_by_hand_without_gradient_through_the_target():
     target = torch.randn(2, 3, K, 7, dtype=torch.float64)
     z = torch.randn(2, 3, K, dtype=torch.float64, requires_grad=True)
     draft = DraftOutput(logits, torch.zeros(2, 3, K, dtype=torch.long), torch.ones(2, 3, K, dtype=torch.bool),
-                        torch.zeros(2, 3, dtype=torch.long), target_logits=target, aux={"confidence": z})
-    loss = ConfidenceBCE()(draft)
+                        torch.zeros(2, 3, dtype=torch.long), aux={"confidence": z})
+    ctx = StepContext(target_logits=target)
+    loss = ConfidenceBCE()(draft, ctx)
     c_star = 1 - 0.5 * (logits.softmax(-1) - target.softmax(-1)).abs().sum(-1)  # Eq. 8
     c = torch.sigmoid(z)
     by_hand = -(c_star * c.log() + (1 - c_star) * (1 - c).log())  # Eq. 11
@@ -309,11 +311,10 @@ def test_confidence_bce_by_hand_without_gradient_through_the_target():
     assert logits.grad is None  # sg(c*): the confidence loss never moves the draft distribution
     torch.testing.assert_close(z.grad, (c - c_star).detach())
     assert torch.autograd.gradcheck(lambda x: ConfidenceBCE()(
-        DraftOutput(logits.detach(), draft.labels, draft.valid, draft.anchors, target_logits=target,
-                    aux={"confidence": x})), (z.detach().clone().requires_grad_(),))
-    draft.aux = {}
+        DraftOutput(logits.detach(), draft.labels, draft.valid, draft.anchors, aux={"confidence": x}), ctx),
+        (z.detach().clone().requires_grad_(),))
     with pytest.raises(ValueError, match="ConfidenceBCE"):
-        ConfidenceBCE()(draft)
+        ConfidenceBCE()(DraftOutput(logits, draft.labels, draft.valid, draft.anchors), ctx)
 
 
 def test_the_overlay_objective_is_dspark_loss_and_chunks_exactly(diverse_target):
@@ -322,10 +323,11 @@ def test_the_overlay_objective_is_dspark_loss_and_chunks_exactly(diverse_target)
     objective = build(spec["model"]["objective"])
     drafter = dspark(diverse_target, draft_vocab=50)
     batch = random_batch(diverse_target, n=3)
-    draft = with_target(run(drafter, diverse_target, batch), drafter, diverse_target, batch)
-    terms = objective(draft)
+    draft = run(drafter, diverse_target, batch)
+    ctx = target_context(draft, drafter, diverse_target, batch)
+    terms = objective(draft, ctx)
     # by hand: Σ w_k v (0.1 CE + 0.9 ‖p - q‖₁ + BCE) / Σ w_k v, w = exp(-k/4) with k = 0..K-1 (DeepSpec's decay)
-    logq, p = draft.logits.log_softmax(-1), draft.target_logits.softmax(-1)
+    logq, p = draft.logits.log_softmax(-1), ctx.target_logits.softmax(-1)
     ce = -logq.gather(-1, draft.labels[..., None])[..., 0]
     l1 = (p - logq.exp()).abs().sum(-1)
     c_star = 1 - 0.5 * l1
@@ -338,8 +340,8 @@ def test_the_overlay_objective_is_dspark_loss_and_chunks_exactly(diverse_target)
     grads = []
     for chunk in (None, 5):
         drafter.zero_grad()
-        out = with_target(run(drafter, diverse_target, batch), drafter, diverse_target, batch)
-        t = objective(out, chunk=chunk)
+        out = run(drafter, diverse_target, batch)
+        t = objective(out, target_context(out, drafter, diverse_target, batch), chunk=chunk)
         (t.num / t.den).backward()
         grads.append([p.grad.clone() for p in drafter.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1])

@@ -26,7 +26,16 @@ from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter
 from lightning_spec.checkpoint import save_drafter
 from lightning_spec.drafters import Anchors, DraftOutput, SpecBlockDrafter
 from lightning_spec.drafters.specblock_rank import rank_features, rank_labels, rank_tree
-from lightning_spec.objectives import KL, Geometric, Mixture, Objective, PositionProduct, RankOrdinal, ValidPrefix
+from lightning_spec.objectives import (
+    KL,
+    Geometric,
+    Mixture,
+    Objective,
+    PositionProduct,
+    RankOrdinal,
+    StepContext,
+    ValidPrefix,
+)
 from lightning_spec.objectives.rank import ordinal_targets
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
@@ -167,8 +176,9 @@ def test_the_rank_loss_by_hand():
     z[0, 2] = torch.tensor([[0, 0, 5.0, 0], [0, 5, 0, 0], [5, 0, 0, 0], [5, 0, 0, 0]])  # p: 2,1,.. -> miss at 1
     valid = torch.ones(n, a, k, dtype=torch.bool)
     draft = DraftOutput(draft_logits, torch.zeros(n, a, k, dtype=torch.long), valid,
-                        torch.zeros(n, a, dtype=torch.long), target_logits=target_logits, aux={"rank": z})
-    got = RankOrdinal(cap=2.0)(draft)
+                        torch.zeros(n, a, dtype=torch.long), aux={"rank": z})
+    ctx = StepContext(target_logits=target_logits)
+    got = RankOrdinal(cap=2.0)(draft, ctx)
     t = [[0, 1, 2, 3], [0, 0, 1, 0], [2, 0, 0, 0]]
     p = [[0, 1, 3, 0], [0, 0, 0, 0], [2, 1, 0, 0]]
     counted = [[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 0, 0]]  # up to and including the first rank mistake
@@ -191,9 +201,8 @@ def test_the_rank_loss_by_hand():
     torch.testing.assert_close(got, want)
     assert got[0, 0, 2] > 0 and got[0, 0, 3] == 0 and got[0, 2, 1] > 0 and got[0, 2, 2] == 0
     # an invalid slot ends the prefix
-    valid[0, 1, 1] = False
-    draft.valid = valid
-    cut = RankOrdinal(cap=2.0)(draft)
+    valid[0, 1, 1] = False  # the same tensor as draft.valid
+    cut = RankOrdinal(cap=2.0)(draft, ctx)
     assert cut[0, 1, 1:].eq(0).all() and cut[0, 1, 0] > 0
 
 
@@ -211,10 +220,9 @@ def test_settings_are_checked_in_one_sentence(diverse_target):
     with pytest.raises(ValueError, match="loss.cap must be > 0"):
         RankOrdinal(cap=0)
     plain = DraftOutput(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, dtype=torch.long),
-                        torch.ones(1, 1, 2, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long),
-                        target_logits=torch.zeros(1, 1, 2, 4))
+                        torch.ones(1, 1, 2, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="SpecBlockDrafter"):
-        RankOrdinal()(plain)
+        RankOrdinal()(plain, StepContext(target_logits=torch.zeros(1, 1, 2, 4)))
     d = sb(diverse_target)
     with pytest.raises(ValueError, match="needs the prefill's token ids"):
         d.begin(torch.zeros(1, 2, len(d.target_layers) * diverse_target.hidden_size))
@@ -246,10 +254,11 @@ def test_the_specblock_loss_trains_the_drafter_and_the_rank_head(diverse_target,
     for _ in range(12):
         draft = d(batch, feats)
         pos = (draft.anchors[..., None] + torch.arange(K)).clamp(max=ids.shape[1] - 1)  # (N, A, K) the shift
-        draft.target_hidden = last.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last.shape[-1])).view(
-            *pos.shape, -1)
-        draft.target_head = lambda h: d.vocab.logits(h, diverse_target.lm_head)
-        terms = objective(draft)
+        ctx = StepContext(
+            target_hidden=last.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last.shape[-1])).view(*pos.shape, -1),
+            target_head=lambda h: d.vocab.logits(h, diverse_target.lm_head),
+        )
+        terms = objective(draft, ctx)
         opt.zero_grad()
         (terms.num / terms.den).backward()
         assert d.rank_head.up.weight.grad.abs().sum() > 0 and d.query.grad.abs().sum() > 0
@@ -276,8 +285,7 @@ def test_the_specblock_loss_trains_the_drafter_and_the_rank_head(diverse_target,
     head_opt = torch.optim.AdamW(d.rank_head.parameters(), lr=1e-2)
     for _ in range(40):
         draft = d(batch, feats, anchors)
-        draft.target_logits = target_logits
-        terms = Objective(RankOrdinal())(draft)
+        terms = Objective(RankOrdinal())(draft, StepContext(target_logits=target_logits))
         head_opt.zero_grad()
         (terms.num / terms.den).backward()
         head_opt.step()

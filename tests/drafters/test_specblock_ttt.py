@@ -240,11 +240,12 @@ def test_the_module_reads_the_targets_logits_at_each_blocks_own_positions(divers
     module = DraftModule(drafter, Objective(KL(), PositionProduct([Geometric(0.8), ValidPrefix()])),
                          target=diverse_target).train()
     batch = {**a_batch(diverse_target, s=20), "anchor_seed": torch.tensor([0, 1])}
-    draft, terms = module.draft_step(batch, use_cache=False)
+    draft, ctx = module.draft_and_context(batch, use_cache=False)
+    terms = module.objective(draft, ctx)
     last = diverse_target(batch["input_ids"], logits=False).last_hidden
     pos = (draft.anchors[..., None] + torch.arange(KB)).clamp(max=19)  # (N, A*B, K)
     want = drafter.head(last.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last.shape[-1])).view(*pos.shape, -1))
-    torch.testing.assert_close(draft.target_logits, want)
+    torch.testing.assert_close(ctx.target_logits, want)
     assert draft.valid.shape == (2, 5 * B, KB)
     terms.num.backward()
     assert drafter.query.grad.abs().sum() > 0 and drafter.condition_norm.weight.grad.abs().sum() > 0

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import yaml
 from helpers.benchmarks import run_benchmark
 from helpers.decoding import argmax_reference, random_prompts
-from helpers.drafters import record_draft_lengths, with_target
+from helpers.drafters import record_draft_lengths, target_context
 from helpers.fits import fit_checkpoint, quiet_trainer
 from helpers.offline import enumerate_rounds
 from helpers.overlays import QUICKSTART, ROOT, config_files, meant_config, printed_config, printed_of, restated
@@ -29,7 +29,7 @@ from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import Anchors, DFlashDrafter, DraftOutput
 from lightning_spec.evaluation.offline import offline_report
 from lightning_spec.module import DraftModule
-from lightning_spec.objectives import AdaFlashLoss, ExpDecay, LengthMSE, Mixture, Objective
+from lightning_spec.objectives import AdaFlashLoss, ExpDecay, LengthMSE, Mixture, Objective, StepContext
 from lightning_spec.objectives.adaflash import greedy_accepted_length
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
@@ -91,25 +91,25 @@ def test_adaflash_loss_by_hand():
     logits = torch.randn(n, a, k, v, dtype=torch.float64, requires_grad=True)
     target = torch.randn(n, a, k, v, dtype=torch.float64) * 2
     valid = torch.ones(n, a, k, dtype=torch.bool)
-    draft = DraftOutput(logits, torch.zeros(n, a, k, dtype=torch.long), valid, torch.zeros(n, a, dtype=torch.long),
-                        target_logits=target)
+    draft = DraftOutput(logits, torch.zeros(n, a, k, dtype=torch.long), valid, torch.zeros(n, a, dtype=torch.long))
+    ctx = StepContext(target_logits=target)
     assert AdaFlashLoss.needs_target
     ce = F.cross_entropy(logits.reshape(-1, v), target.argmax(-1).reshape(-1), reduction="none").view(n, a, k)
-    torch.testing.assert_close(AdaFlashLoss(alpha=1.0)(draft), ce)  # α = 1: CE on argmax p (at T = 1 always)
-    torch.testing.assert_close(AdaFlashLoss(alpha=1.0, temperature=3.0)(draft), ce)
+    torch.testing.assert_close(AdaFlashLoss(alpha=1.0)(draft, ctx), ce)  # α = 1: CE on argmax p (at T = 1 always)
+    torch.testing.assert_close(AdaFlashLoss(alpha=1.0, temperature=3.0)(draft, ctx), ce)
     for t in (1.0, 2.0):
         q, p = (logits / t).softmax(-1), (target / t).softmax(-1)
         rkl = t**2 * (q * (q.log() - p.log())).sum(-1)  # T²·KL(q^T ‖ p^T), reverse
         close = dict(rtol=1e-5, atol=1e-6)  # p is formed in float32 (SamplingConfig), as for every loss
-        torch.testing.assert_close(AdaFlashLoss(alpha=0.0, temperature=t)(draft), rkl, **close)
-        torch.testing.assert_close(AdaFlashLoss(alpha=0.8, temperature=t)(draft), 0.8 * ce + 0.2 * rkl, **close)
+        torch.testing.assert_close(AdaFlashLoss(alpha=0.0, temperature=t)(draft, ctx), rkl, **close)
+        torch.testing.assert_close(AdaFlashLoss(alpha=0.8, temperature=t)(draft, ctx), 0.8 * ce + 0.2 * rkl, **close)
     assert not torch.allclose(rkl, t**2 * (p * (p.log() - q.log())).sum(-1))  # not the forward KL
 
     # the clip: min(T²·KL, c) per slot; a clipped slot passes no gradient through that term
     rkl = (logits.softmax(-1) * (logits.log_softmax(-1) - target.log_softmax(-1))).sum(-1)
     middle = rkl.detach().flatten().sort().values[11:13]
     clip = float(middle.mean())  # half of the slots above it, none at it
-    loss = AdaFlashLoss(alpha=0.0, rkl_clip=clip)(draft)
+    loss = AdaFlashLoss(alpha=0.0, rkl_clip=clip)(draft, ctx)
     torch.testing.assert_close(loss, rkl.clamp(max=clip), rtol=1e-5, atol=1e-6)
     (grad,) = torch.autograd.grad(loss.sum(), logits)
     clipped = rkl.detach() > clip
@@ -146,7 +146,7 @@ def test_length_label_is_the_greedy_accepted_length_by_hand():
     assert greedy_accepted_length(matched, valid).tolist() == [lengths]
     assert not LengthMSE.needs_target
 
-    loss = LengthMSE()(draft)  # (1, A, K)
+    loss = LengthMSE()(draft, StepContext())  # (1, A, K)
     y = [min((ell + 1) / k, 1.0) for ell in lengths]  # clamp((ℓ + lookahead) / K, 0, 1): 0.75, 1, 0.5, 0.5, 0.25
     first = [0, 0, 0, 0, 1, None]  # the first valid slot holds the anchor's loss
     want = torch.zeros(1, a, k, dtype=torch.float64)
@@ -154,14 +154,14 @@ def test_length_label_is_the_greedy_accepted_length_by_hand():
         if slot is not None:
             want[0, i, slot] = (pred[0, i].item() - y[i]) ** 2
     torch.testing.assert_close(loss.detach(), want)
-    no_lookahead = LengthMSE(lookahead=0)(draft).detach().sum(-1)[0, :5]
+    no_lookahead = LengthMSE(lookahead=0)(draft, StepContext()).detach().sum(-1)[0, :5]
     torch.testing.assert_close(no_lookahead, (pred[0, :5].detach() - torch.tensor(lengths[:5]) / k) ** 2)
     # in its objective: the mean over the anchors that have a valid slot
     terms = Objective(LengthMSE(), normalize="anchors")(draft)
     assert float(terms.den) == 5
     torch.testing.assert_close(terms.value, want.sum() / 5)
     with pytest.raises(ValueError, match=r"draft.aux\['length'\]"):
-        LengthMSE()(DraftOutput(logits, labels, valid, torch.zeros(1, a, dtype=torch.long)))
+        LengthMSE()(DraftOutput(logits, labels, valid, torch.zeros(1, a, dtype=torch.long)), StepContext())
 
 
 def test_length_mse_trains_the_head_only_and_the_draft_loss_never_reaches_it(diverse_target, make_block_drafter):
@@ -172,8 +172,8 @@ def test_length_mse_trains_the_head_only_and_the_draft_loss_never_reaches_it(div
 
     def grads(objective) -> dict:
         drafter.zero_grad(set_to_none=True)
-        draft = with_target(run(drafter, diverse_target, batch, anchors), drafter, diverse_target, batch)
-        terms = objective(draft)
+        draft = run(drafter, diverse_target, batch, anchors)
+        terms = objective(draft, target_context(draft, drafter, diverse_target, batch))
         (terms.num / terms.den).backward()
         return {name: p.grad for name, p in drafter.named_parameters()}
 

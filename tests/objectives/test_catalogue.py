@@ -30,6 +30,7 @@ from lightning_spec.objectives import (
     Objective,
     PositionProduct,
     ReverseKL,
+    StepContext,
     TVMinusOne,
     Uniform,
     ValidPrefix,
@@ -42,17 +43,17 @@ N, A, K, VD = 2, 2, 3, 5
 VALID = [[[True, True, True], [True, False, True]], [[True, True, False], [False, False, False]]]
 
 
-def make_draft(seed: int = 0, dtype=torch.float32, scale: float = 1.5) -> DraftOutput:
+def make_draft(seed: int = 0, dtype=torch.float32, scale: float = 1.5) -> tuple[DraftOutput, StepContext]:
     g = torch.Generator().manual_seed(seed)
     valid = torch.tensor(VALID)
     labels = torch.randint(0, VD, (N, A, K), generator=g).masked_fill(~valid, 0)
-    return DraftOutput(
+    draft = DraftOutput(
         logits=(torch.randn(N, A, K, VD, generator=g, dtype=dtype) * scale).requires_grad_(True),
         labels=labels,
         valid=valid,
         anchors=torch.tensor([[3, 7], [1, 5]]),
-        target_logits=torch.randn(N, A, K, VD, generator=g, dtype=dtype) * scale,
     )
+    return draft, StepContext(target_logits=torch.randn(N, A, K, VD, generator=g, dtype=dtype) * scale)
 
 
 def slots():
@@ -69,14 +70,14 @@ def softmax64(row, temperature=1.0, top_k=0):
     return [x / sum(e) for x in e]
 
 
-def pq(d, n, a, t, temperature=1.0, top_k=0):
-    p = softmax64(d.target_logits[n, a, t].tolist(), temperature, top_k)
+def pq(d, ctx, n, a, t, temperature=1.0, top_k=0):
+    p = softmax64(ctx.target_logits[n, a, t].tolist(), temperature, top_k)
     q = softmax64(d.logits[n, a, t].tolist(), temperature)
     return p, q
 
 
-def bf_alpha(d, n, a, t, **kw):
-    p, q = pq(d, n, a, t, **kw)
+def bf_alpha(d, ctx, n, a, t, **kw):
+    p, q = pq(d, ctx, n, a, t, **kw)
     return sum(min(x, y) for x, y in zip(p, q))
 
 
@@ -84,26 +85,26 @@ def bf_kl(p, q):
     return sum(x * math.log(x / y) for x, y in zip(p, q) if x > 0)
 
 
-def bf_rkl(d, n, a, t, top_k=0, floor=-20.0):
-    p, q = pq(d, n, a, t, top_k=top_k)
+def bf_rkl(d, ctx, n, a, t, top_k=0, floor=-20.0):
+    p, q = pq(d, ctx, n, a, t, top_k=top_k)
     return sum(y * (math.log(y) - max(math.log(x) if x > 0 else -math.inf, floor)) for x, y in zip(p, q))
 
 
-def bf_jsd(d, n, a, t, beta=0.5):
-    p, q = pq(d, n, a, t)
+def bf_jsd(d, ctx, n, a, t, beta=0.5):
+    p, q = pq(d, ctx, n, a, t)
     m = [beta * x + (1 - beta) * y for x, y in zip(p, q)]
     return beta * bf_kl(p, m) + (1 - beta) * bf_kl(q, m)
 
 
-def bf_lk(d, n, a, t, kappa=1.0, scale=1.0):
-    p, q = pq(d, n, a, t)
+def bf_lk(d, ctx, n, a, t, kappa=1.0, scale=1.0):
+    p, q = pq(d, ctx, n, a, t)
     alpha = sum(min(x, y) for x, y in zip(p, q))
     lam = scale * math.exp(-kappa * alpha)
     return lam * bf_kl(p, q) + (1 - lam) * (1 - alpha)
 
 
-def bf_bernoulli(d, n, a, t, floor=-10.0, clip=10.0):
-    p, q = pq(d, n, a, t)
+def bf_bernoulli(d, ctx, n, a, t, floor=-10.0, clip=10.0):
+    p, q = pq(d, ctx, n, a, t)
     y = int(d.labels[n, a, t])
 
     def logs(x):
@@ -117,10 +118,10 @@ def bf_bernoulli(d, n, a, t, floor=-10.0, clip=10.0):
     return max(-clip, min(clip, loss))
 
 
-def per_slot(fn, d, **kw) -> torch.Tensor:
+def per_slot(fn, d, ctx, **kw) -> torch.Tensor:
     out = torch.zeros(N, A, K, dtype=torch.float64)
     for n, a, t in slots():
-        out[n, a, t] = fn(d, n, a, t, **kw)
+        out[n, a, t] = fn(d, ctx, n, a, t, **kw)
     return out
 
 
@@ -144,36 +145,37 @@ def close(got, want, tol=1e-5):
 
 
 def test_reverse_kl():
-    d = make_draft()
-    close(ReverseKL()(d), per_slot(bf_rkl, d))
+    d, ctx = make_draft()
+    close(ReverseKL()(d, ctx), per_slot(bf_rkl, d, ctx))
     # a top-2 target puts p = 0 where q has mass: finite through the log-floor
-    got = ReverseKL(SamplingConfig(temperature=1.0, top_k=2))(d)
-    close(got, per_slot(bf_rkl, d, top_k=2))
+    got = ReverseKL(SamplingConfig(temperature=1.0, top_k=2))(d, ctx)
+    close(got, per_slot(bf_rkl, d, ctx, top_k=2))
     got.sum().backward()
     assert torch.isfinite(d.logits.grad).all()
 
 
 def test_jsd():
-    d = make_draft()
-    close(JSD()(d), per_slot(bf_jsd, d))
-    close(JSD(beta=0.2)(d), per_slot(bf_jsd, d, beta=0.2))
-    assert (JSD()(d) <= math.log(2) + 1e-6).all()
+    d, ctx = make_draft()
+    close(JSD()(d, ctx), per_slot(bf_jsd, d, ctx))
+    close(JSD(beta=0.2)(d, ctx), per_slot(bf_jsd, d, ctx, beta=0.2))
+    assert (JSD()(d, ctx) <= math.log(2) + 1e-6).all()
     with pytest.raises(ValueError, match="beta"):
         JSD(beta=1.0)
 
 
 def test_lk_lambda():
-    d = make_draft()
-    close(LK()(d), per_slot(bf_lk, d))
-    close(LK(kappa=3.0, scale=0.5)(d), per_slot(bf_lk, d, kappa=3.0, scale=0.5))
+    d, ctx = make_draft()
+    close(LK()(d, ctx), per_slot(bf_lk, d, ctx))
+    close(LK(kappa=3.0, scale=0.5)(d, ctx), per_slot(bf_lk, d, ctx, kappa=3.0, scale=0.5))
 
 
 def test_lk_alpha_and_tv_minus_one():
-    d = make_draft()
-    close(LKAlpha()(d), per_slot(lambda *s: -math.log(bf_alpha(*s)), d))
-    close(TVMinusOne()(d), per_slot(lambda *s: -bf_alpha(*s), d))
-    close(TVMinusOne()(d), TV()(d).double() - 1)
-    close(TVMinusOne(SamplingConfig(temperature=0.5))(d), per_slot(lambda *s: -bf_alpha(*s, temperature=0.5), d))
+    d, ctx = make_draft()
+    close(LKAlpha()(d, ctx), per_slot(lambda *s: -math.log(bf_alpha(*s)), d, ctx))
+    close(TVMinusOne()(d, ctx), per_slot(lambda *s: -bf_alpha(*s), d, ctx))
+    close(TVMinusOne()(d, ctx), TV()(d, ctx).double() - 1)
+    close(TVMinusOne(SamplingConfig(temperature=0.5))(d, ctx),
+          per_slot(lambda *s: -bf_alpha(*s, temperature=0.5), d, ctx))
 
 
 def test_bernoulli_kl_by_hand_and_brute_force():
@@ -183,25 +185,26 @@ def test_bernoulli_kl_by_hand_and_brute_force():
         labels=torch.zeros(1, 1, 1, dtype=torch.long),
         valid=torch.ones(1, 1, 1, dtype=torch.bool),
         anchors=torch.zeros(1, 1, dtype=torch.long),
-        target_logits=torch.zeros(1, 1, 1, 2),
     )
-    assert float(BernoulliKL()(d)) == pytest.approx(0.1438410362, rel=1e-6)
-    d = make_draft()
-    close(BernoulliKL()(d), per_slot(bf_bernoulli, d))
+    assert float(BernoulliKL()(d, StepContext(target_logits=torch.zeros(1, 1, 1, 2)))) == pytest.approx(
+        0.1438410362, rel=1e-6
+    )
+    d, ctx = make_draft()
+    close(BernoulliKL()(d, ctx), per_slot(bf_bernoulli, d, ctx))
     # extreme logits: the log-probability clamps (≥ -10) and the ±10 clip keep it finite, gradient too
-    x = make_draft(scale=40.0)
-    got = BernoulliKL()(x)
-    close(got, per_slot(bf_bernoulli, x), tol=1e-4)
+    x, x_ctx = make_draft(scale=40.0)
+    got = BernoulliKL()(x, x_ctx)
+    close(got, per_slot(bf_bernoulli, x, x_ctx), tol=1e-4)
     assert got.abs().max() <= 10
     got.sum().backward()
     assert torch.isfinite(x.logits.grad).all()
 
 
 def test_neg_prob_gold_and_target_argmax():
-    d = make_draft()
+    d, ctx = make_draft()
     q = d.logits.detach().double().softmax(-1)
-    close(NegProb("gold")(d), -q.gather(-1, d.labels[..., None])[..., 0])
-    close(NegProb()(d), -q.gather(-1, d.target_logits.argmax(-1)[..., None])[..., 0])
+    close(NegProb("gold")(d, ctx), -q.gather(-1, d.labels[..., None])[..., 0])
+    close(NegProb()(d, ctx), -q.gather(-1, ctx.target_logits.argmax(-1)[..., None])[..., 0])
     assert NegProb().needs_target and not NegProb("gold").needs_target
 
 
@@ -209,14 +212,15 @@ def test_neg_prob_gold_and_target_argmax():
 
 
 def test_geometric_slot_convention():
-    w = Geometric(0.8)(make_draft())
+    w = Geometric(0.8)(*make_draft())
     torch.testing.assert_close(w, torch.tensor([1.0, 0.8, 0.64]).expand(N, A, K))  # first prediction: 0.8^0
     with pytest.raises(ValueError, match="rho"):
         Geometric(0.0)
 
 
 def one_hot_draft(draft_argmax, gold, target_argmax, valid, probs=None):
-    """A (1, B, K) draft whose argmaxes are given; ``probs`` sets q(gold) exactly (two-token vocabulary)."""
+    """A (1, B, K) draft whose argmaxes are given, and its target; ``probs`` sets q(gold) exactly (two-token
+    vocabulary)."""
     b, k = len(draft_argmax), len(draft_argmax[0])
     v = 2 if probs is not None else 6
     if probs is not None:
@@ -224,13 +228,14 @@ def one_hot_draft(draft_argmax, gold, target_argmax, valid, probs=None):
         logits = torch.stack([p.log(), (1 - p).log()], -1)[None]  # q(0) = probs
     else:
         logits = torch.full((1, b, k, v), -3.0).scatter(-1, torch.tensor(draft_argmax)[None, ..., None], 3.0)
-    return DraftOutput(
+    draft = DraftOutput(
         logits=logits.requires_grad_(True),
         labels=torch.tensor(gold)[None],
         valid=torch.tensor(valid)[None],
         anchors=torch.zeros(1, b, dtype=torch.long),
-        target_logits=torch.full((1, b, k, v), -3.0).scatter(-1, torch.tensor(target_argmax)[None, ..., None], 3.0),
     )
+    target = torch.full((1, b, k, v), -3.0).scatter(-1, torch.tensor(target_argmax)[None, ..., None], 3.0)
+    return draft, StepContext(target_logits=target)
 
 
 def test_auf_support_by_hand():
@@ -240,7 +245,7 @@ def test_auf_support_by_hand():
         target_argmax=[[0, 0, 0, 0]] * 4,  # irrelevant for AUF
         valid=[[True] * 4, [True] * 4, [True] * 4, [True, True, False, True]],
     )
-    w = AUFSupport()(d)
+    w = AUFSupport()(*d)
     want = [
         [1, 1, 1, 1],  # no failure: every valid slot
         [1, 1, 0, 0],  # the second slot fails: it counts, the later ones do not
@@ -258,35 +263,34 @@ def test_valid_prefix_uses_the_target_argmax():
         target_argmax=[[1, 2, 3], [1, 5, 3]],
         valid=[[True] * 3, [True] * 3],
     )
-    w = ValidPrefix()(d)
+    w = ValidPrefix()(*d)
     torch.testing.assert_close(w, torch.tensor([[[1.0, 1, 1], [1, 1, 0]]]))
     assert not w.requires_grad and ValidPrefix.needs_target
-    torch.testing.assert_close(AUFSupport()(d), torch.tensor([[[1.0, 0, 0], [1, 1, 1]]]))
+    torch.testing.assert_close(AUFSupport()(*d), torch.tensor([[[1.0, 0, 0], [1, 1, 1]]]))
 
 
 def test_dpace_by_hand():
     # q(gold) = 0.6, 0.5, 0.4, α = 0.5: q̃ = 0.8, 0.75, 0.7; survival 0.8, 0.6, 0.42; suffix sums 1.82, 1.02, 0.42
     d = one_hot_draft([[0, 0, 0], [0, 0, 0]], [[0, 0, 0], [0, 0, 0]], [[0, 0, 0]] * 2,
                       [[True] * 3, [True, False, True]], probs=[[0.6, 0.5, 0.4], [0.6, 0.5, 0.4]])
-    w = DPACE(0.5)(d)
+    w = DPACE(0.5)(*d)
     torch.testing.assert_close(w[0], torch.tensor([[1.82, 1.02, 0.42], [0.8, 0.0, 0.0]], dtype=torch.float64))
     assert not w.requires_grad
-    torch.testing.assert_close(DPACE(1.0)(d)[0, 0], torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(DPACE(1.0)(*d)[0, 0], torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64))
 
 
 def test_cumulative_weights_match_brute_force_products():
-    d = make_draft()
-    close(E2EWeight()(d), chain_products(d, lambda *s: bf_alpha(d, *s)))
-    close(WTVWeight(0.7)(d), chain_products(d, lambda *s: bf_alpha(d, *s, temperature=0.7)))
+    d, ctx = make_draft()
+    close(E2EWeight()(d, ctx), chain_products(d, lambda *s: bf_alpha(d, ctx, *s)))
+    close(WTVWeight(0.7)(d, ctx), chain_products(d, lambda *s: bf_alpha(d, ctx, *s, temperature=0.7)))
     q = d.logits.detach().double().softmax(-1)
-    y = d.target_logits.argmax(-1)
-    close(EALWeight()(d), chain_products(d, lambda n, a, t: float(q[n, a, t, y[n, a, t]])))
-    assert E2EWeight()(d).requires_grad and EALWeight()(d).requires_grad  # no stop-gradient
+    y = ctx.target_logits.argmax(-1)
+    close(EALWeight()(d, ctx), chain_products(d, lambda n, a, t: float(q[n, a, t, y[n, a, t]])))
+    assert E2EWeight()(d, ctx).requires_grad and EALWeight()(d, ctx).requires_grad  # no stop-gradient
 
 
 def test_position_product():
-    d = make_draft()
-    got = PositionProduct([ExpDecay(2.0), Geometric(0.5)])(d)
+    got = PositionProduct([ExpDecay(2.0), Geometric(0.5)])(*make_draft())
     want = torch.tensor([math.exp(-t / 2) * 0.5**t for t in range(K)])
     torch.testing.assert_close(got, want.expand(N, A, K))
     assert PositionProduct([Uniform(), ValidPrefix()]).needs_target
@@ -313,14 +317,16 @@ def expected_length_objective(d, factor):
 
 
 def test_e2e_wtv_eal_are_minus_expected_accepted_length():
-    d = make_draft()
-    assert float(E2E()(d).value) == pytest.approx(expected_length_objective(d, lambda *s: bf_alpha(d, *s)), rel=1e-5)
-    assert float(WTV(0.5)(d).value) == pytest.approx(
-        expected_length_objective(d, lambda *s: bf_alpha(d, *s, temperature=0.5)), rel=1e-5
+    d, ctx = make_draft()
+    assert float(E2E()(d, ctx).value) == pytest.approx(
+        expected_length_objective(d, lambda *s: bf_alpha(d, ctx, *s)), rel=1e-5
+    )
+    assert float(WTV(0.5)(d, ctx).value) == pytest.approx(
+        expected_length_objective(d, lambda *s: bf_alpha(d, ctx, *s, temperature=0.5)), rel=1e-5
     )
     q = d.logits.detach().double().softmax(-1)
-    y = d.target_logits.argmax(-1)
-    assert float(EAL()(d).value) == pytest.approx(
+    y = ctx.target_logits.argmax(-1)
+    assert float(EAL()(d, ctx).value) == pytest.approx(
         expected_length_objective(d, lambda n, a, t: float(q[n, a, t, y[n, a, t]])), rel=1e-5
     )
     assert E2E().needs_target and WTV().needs_target and EAL().needs_target and not EAL("gold").needs_target
@@ -331,7 +337,7 @@ def test_e2e_wtv_eal_are_minus_expected_accepted_length():
 
 def test_normalisers_by_hand():
     """The four Z on VALID: Σ a·b, anchors with a valid slot, valid slots, sequences with a valid slot."""
-    d = make_draft()
+    d, _ = make_draft()
     e = math.exp
     weight = (1 + e(-1) + e(-2)) + (1 + e(-2)) + (1 + e(-1))  # ExpDecay(1): valid slots of (0,0), (0,1), (1,0)
     assert float(Objective(CE(), ExpDecay(1.0), normalize="weight")(d).den) == pytest.approx(weight)
@@ -359,10 +365,10 @@ def test_needs_target_is_the_or_over_parts():
 
 
 def test_mixture_with_a_common_normaliser_is_exact():
-    d = make_draft()
+    d, ctx = make_draft()
     ce, tv = Objective(CE(), ExpDecay(4.0)), Objective(TV(), ExpDecay(4.0))
-    mix = Mixture([ce, tv], [0.1, 1.8])(d)
-    a, b = ce(d), tv(d)
+    mix = Mixture([ce, tv], [0.1, 1.8])(d, ctx)
+    a, b = ce(d, ctx), tv(d, ctx)
     assert float(mix.den) == float(a.den) == float(b.den)
     assert float(mix.num.detach()) == pytest.approx(0.1 * float(a.num.detach()) + 1.8 * float(b.num.detach()), rel=1e-6)
     assert float(mix.value) == pytest.approx(0.1 * float(a.value) + 1.8 * float(b.value), rel=1e-6)
@@ -370,15 +376,15 @@ def test_mixture_with_a_common_normaliser_is_exact():
 
 
 def test_mixture_with_different_normalisers_is_the_weighted_sum_of_values():
-    d = make_draft()
+    d, ctx = make_draft()
     a, b = Objective(CE(), normalize="slots"), E2E()
-    mix = Mixture([a, b], [0.5, 2.0])(d)
-    ta, tb = a(d), b(d)
+    mix = Mixture([a, b], [0.5, 2.0])(d, ctx)
+    ta, tb = a(d, ctx), b(d, ctx)
     assert float(mix.den) == float(ta.den)
     assert float(mix.value) == pytest.approx(0.5 * float(ta.value) + 2.0 * float(tb.value), rel=1e-6)
     (g,) = torch.autograd.grad(mix.num, d.logits)
-    d2 = make_draft()
-    want = 0.5 * a(d2).num + 2.0 * float(ta.den / tb.den) * b(d2).num
+    d2, ctx2 = make_draft()
+    want = 0.5 * a(d2, ctx2).num + 2.0 * float(ta.den / tb.den) * b(d2, ctx2).num
     (g2,) = torch.autograd.grad(want, d2.logits)
     torch.testing.assert_close(g, g2)
     with pytest.raises(ValueError, match="same length"):

@@ -10,7 +10,7 @@ import torch
 from helpers.rounds import generations
 
 from lightning_spec.drafters import Anchors, DraftOutput, DraftVocab
-from lightning_spec.objectives import CE, EDR, EDROccupancy, EDRReach, Objective, TargetInfo
+from lightning_spec.objectives import CE, EDR, EDROccupancy, EDRReach, Objective, StepContext, TargetInfo
 from lightning_spec.objectives.edr import inclusion_probabilities, systematic_sample
 from lightning_spec.rounds import chain, chain_dp, slot_statistics, target_table
 from lightning_spec.sampling import SamplingConfig
@@ -169,8 +169,7 @@ def test_td_surrogate_gradient_is_the_gradient_of_expected_rounds(sampling, draf
     objective = EDR(sampling=sampling, draft_sampling=draft_sampling, max_anchors=64, chunk_size=5)
     chosen, extra = objective.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
     draft = draft_fn(chosen)
-    draft.extra = extra
-    terms = objective(draft)
+    terms = objective(draft, StepContext(extra=extra))
     (grad_td,) = torch.autograd.grad(terms.num, q_logits)
 
     # exact expected rounds through a differentiable recursion, A and c from the same distributions
@@ -212,8 +211,7 @@ def test_greedy_drafting_statistics_and_no_gradient():
     draft_fn = toy_draft_fn(q_logits, ids)
     chosen, extra = weighted.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
     draft = draft_fn(chosen)
-    draft.extra = extra
-    terms = weighted(draft)
+    terms = weighted(draft, StepContext(extra=extra))
     assert torch.isfinite(terms.num) and terms.num.requires_grad
     occ = extra["edr"].anchor_weight[..., None] * extra["edr"].reach
     assert set(occ.unique().tolist()) <= {0.0, 1.0}  # greedy: every slot is visited or not
@@ -255,8 +253,7 @@ def edr_terms(objective, ids, mask, target, q_logits):
     chosen, extra = objective.select_anchors({"input_ids": ids, "loss_mask": mask}, draft_fn, target)
     anchors, keep = chosen.positions, chosen.keep
     draft = draft_fn(chosen)
-    draft.extra = extra
-    terms = objective(draft)
+    terms = objective(draft, StepContext(extra=extra))
     (grad,) = torch.autograd.grad(terms.num, q_logits)
     return anchors, keep, terms, grad
 

@@ -33,6 +33,7 @@ from lightning_spec.objectives import (
     NegProb,
     Objective,
     ReverseKL,
+    StepContext,
     TVMinusOne,
     ValidPrefix,
 )
@@ -49,20 +50,20 @@ T1 = SamplingConfig(temperature=1.0)
 class TableAnchorWeight(AnchorWeight):
     """a_n from ANCHOR_TABLE: anchor weights must scale every slot of their anchor."""
 
-    def __call__(self, draft):
+    def __call__(self, draft, ctx):
         return torch.tensor(ANCHOR_TABLE, dtype=draft.logits.dtype)
 
 
-def make_draft(seed: int = 3, grad: bool = False) -> DraftOutput:
+def make_draft(seed: int = 3, grad: bool = False) -> tuple[DraftOutput, StepContext]:
     g = torch.Generator().manual_seed(seed)
     valid = torch.tensor(VALID)
-    return DraftOutput(
+    draft = DraftOutput(
         logits=(torch.randn(N, A, K, V, generator=g, dtype=torch.float64) * 1.5).requires_grad_(grad),
         labels=torch.randint(0, V, (N, A, K), generator=g).masked_fill(~valid, 0),
         valid=valid,
         anchors=torch.tensor([[3, 7], [1, 5]]),
-        target_logits=torch.randn(N, A, K, V, generator=g, dtype=torch.float64) * 1.5,
     )
+    return draft, StepContext(target_logits=torch.randn(N, A, K, V, generator=g, dtype=torch.float64) * 1.5)
 
 
 def slots():
@@ -215,9 +216,11 @@ def weight_prefix_support(reference: str):  # AUF (gold) / valid prefix (target 
     return weight
 
 
-def brute_force_value(x: list, base: list, d: DraftOutput, loss, weight, anchor_table, normalize: str) -> float:
+def brute_force_value(
+    x: list, base: list, d: DraftOutput, ctx: StepContext, loss, weight, anchor_table, normalize: str
+) -> float:
     """Σ_n a_n Σ_t b_{n,t} ℓ_{n,t} / Z over valid slots; Z (no gradient) from the base point."""
-    target, labels = d.target_logits.tolist(), d.labels.tolist()
+    target, labels = ctx.target_logits.tolist(), d.labels.tolist()
     num = 0.0
     z_weight = 0.0
     for n in range(N):
@@ -251,12 +254,11 @@ def finite_differences(f, x0: torch.Tensor, h: float = 1e-6) -> torch.Tensor:
     return grad
 
 
-def compare(objective, d: DraftOutput, value) -> None:
+def compare(objective, d: DraftOutput, ctx: StepContext, value) -> None:
     """The objective's num / den against ``value`` (the brute force of the same draft): value, and gradient
     against the brute force's finite differences."""
     x = d.logits.clone().requires_grad_(True)
-    d.logits = x
-    terms = objective(d)
+    terms = objective(DraftOutput(x, d.labels, d.valid, d.anchors), ctx)
     assert not terms.den.requires_grad
     got = terms.num / terms.den
     # 1e-7, not 1e-12: the fixed position weights (ExpDecay, Geometric) are float32 tensors in the package
@@ -268,9 +270,10 @@ def compare(objective, d: DraftOutput, value) -> None:
 
 
 def check(objective, bf_loss, bf_weight, anchor_table, normalize: str) -> None:
-    d = make_draft()
+    d, ctx = make_draft()
     base = d.logits.tolist()
-    compare(objective, d, lambda x: brute_force_value(x, base, d, bf_loss, bf_weight, anchor_table, normalize))
+    compare(objective, d, ctx,
+            lambda x: brute_force_value(x, base, d, ctx, bf_loss, bf_weight, anchor_table, normalize))
 
 
 # ------------------------------------------------------------------------------------ the checks
@@ -352,15 +355,16 @@ def test_mixture_gradient_matches_the_brute_force(normalize):
     """DSpark's 0.1·CE + 1.8·TV with the decay on both: the value and gradient of Σ_i w_i value_i."""
     parts = [(CE(), loss_ce, 0.1), (TV(), loss_tv, 1.8)]
     mixture = Mixture([Objective(loss, ExpDecay(4.0), normalize=normalize) for loss, _, _ in parts], [0.1, 1.8])
-    d = make_draft()
+    d, ctx = make_draft()
     base = d.logits.tolist()
 
     def value(x):
         return sum(
-            w * brute_force_value(x, base, d, bf, weight_exp_decay(4.0), UNIFORM, normalize) for _, bf, w in parts
+            w * brute_force_value(x, base, d, ctx, bf, weight_exp_decay(4.0), UNIFORM, normalize)
+            for _, bf, w in parts
         )
 
-    compare(mixture, d, value)
+    compare(mixture, d, ctx, value)
 
 
 # ------------------------------------------------------------------------------ self-consistency checks
@@ -369,12 +373,11 @@ def test_mixture_gradient_matches_the_brute_force(normalize):
 
 
 def num_of(objective):
-    base = make_draft()
+    base, ctx = make_draft()
 
     def f(logits):
-        d = DraftOutput(logits=logits, labels=base.labels, valid=base.valid, anchors=base.anchors,
-                        target_logits=base.target_logits)
-        return objective(d).num
+        d = DraftOutput(logits=logits, labels=base.labels, valid=base.valid, anchors=base.anchors)
+        return objective(d, ctx).num
 
     return f, base.logits.detach().clone().requires_grad_(True)
 
@@ -402,14 +405,14 @@ def test_lk_gradient_treats_lambda_as_a_constant():
     current point (finite differences of LK itself would also move λ, so gradcheck it through the frozen form)."""
     kappa = 3.0
     f, x = num_of(Objective(LK(kappa=kappa)))
-    base = make_draft()
+    base, ctx = make_draft()
     with torch.no_grad():  # LK, KL and TV all default to temperature 1; α = Σ min(p, q) as LK computes it
-        p = SamplingConfig(temperature=1.0).probs(base.target_logits)
+        p = SamplingConfig(temperature=1.0).probs(ctx.target_logits)
         lam0 = torch.exp(-kappa * torch.minimum(p, x.softmax(-1)).sum(-1))
 
     def frozen(logits):
-        d = DraftOutput(logits, base.labels, base.valid, base.anchors, target_logits=base.target_logits)
-        ell = lam0 * KL()(d) + (1 - lam0) * TV()(d)
+        d = DraftOutput(logits, base.labels, base.valid, base.anchors)
+        ell = lam0 * KL()(d, ctx) + (1 - lam0) * TV()(d, ctx)
         return (ell * base.valid).sum()
 
     (g_lk,) = torch.autograd.grad(f(x), x)
@@ -422,10 +425,10 @@ def test_mask_weights_carry_no_gradient():
     """AUF, valid-prefix and D-PACE weights are constants: the objective's gradient is CE's gradient times
     the (detached) weights."""
     for weight in (AUFSupport(), ValidPrefix(), DPACE()):
-        d = make_draft(seed=1, grad=True)
-        w = weight(d)
+        d, ctx = make_draft(seed=1, grad=True)
+        w = weight(d, ctx)
         assert not w.requires_grad
-        (g,) = torch.autograd.grad(Objective(CE(), weight)(d).num, d.logits)
-        d2 = make_draft(seed=1, grad=True)
-        (want,) = torch.autograd.grad((CE()(d2) * w * d2.valid).sum(), d2.logits)
+        (g,) = torch.autograd.grad(Objective(CE(), weight)(d, ctx).num, d.logits)
+        d2, ctx2 = make_draft(seed=1, grad=True)
+        (want,) = torch.autograd.grad((CE()(d2, ctx2) * w * d2.valid).sum(), d2.logits)
         torch.testing.assert_close(g, want)

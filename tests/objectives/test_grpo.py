@@ -17,7 +17,7 @@ from lightning_spec.decoding.verify import rejection_accept
 from lightning_spec.drafters import DFlashDrafter
 from lightning_spec.drafters.base import DraftOutput
 from lightning_spec.module import DraftModule
-from lightning_spec.objectives import GRPO
+from lightning_spec.objectives import GRPO, StepContext
 from lightning_spec.objectives.grpo import (
     clipped_surrogate,
     group_advantages,
@@ -122,23 +122,23 @@ def make_draft(n=2, a=3, k=3, vd=5, seed=0, dtype=torch.float64, sharp=2.0):
         valid[1, 2] = False  # a padding anchor
     anchors = torch.arange(a).repeat(n, 1) * 4 + 1
     labels = torch.zeros(n, a, k, dtype=torch.long)
-    draft = DraftOutput(logits, labels, valid, anchors, target_logits=target, reference_logits=logits.detach().clone())
-    return draft, logits
+    draft = DraftOutput(logits, labels, valid, anchors)
+    return draft, StepContext(target_logits=target, reference_logits=logits.detach().clone()), logits
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_gradient_is_minus_the_advantage_times_the_score(temperature):
     """With ρ = 1 and the reference equal to the drafter, ∇ logits = -Σ Â_g (onehot(x̃) - q) / den over valid slots."""
     obj = GRPO(SamplingConfig(temperature=temperature), group_size=6, kl_weight=0.05)
-    draft, logits = make_draft()
-    terms = obj(draft)
+    draft, ctx, logits = make_draft()
+    terms = obj(draft, ctx)
     (terms.num / terms.den).backward()
 
     with torch.no_grad():
         q = logits.softmax(-1)  # T = 1 in both modes (draft_temperature 1 when greedy)
-        u = obj.uniforms(draft)
+        u = obj.uniforms(draft, ctx)
         tokens = sample_tokens(q, u[:, :, 0])  # (N, A, G, K)
-        p = draft.target_logits.argmax(-1) if temperature == 0 else draft.target_logits.softmax(-1)
+        p = ctx.target_logits.argmax(-1) if temperature == 0 else ctx.target_logits.softmax(-1)
         rewards = simulated_accept(tokens, p, q, u[:, :, 1], temperature == 0, valid=draft.valid)
         adv = group_advantages(rewards.double())  # (N, A, G)
         onehot = torch.nn.functional.one_hot(tokens, q.shape[-1]).double()  # (N, A, G, K, Vd)
@@ -155,35 +155,34 @@ def test_gradient_is_minus_the_advantage_times_the_score(temperature):
 
 
 def test_kl_term_is_zero_at_the_reference_and_kl_otherwise():
-    draft, logits = make_draft()
-    zero = GRPO(kl_weight=0.0)(draft)
-    with_kl = GRPO(kl_weight=0.5)(draft)
+    draft, ctx, logits = make_draft()
+    zero = GRPO(kl_weight=0.0)(draft, ctx)
+    with_kl = GRPO(kl_weight=0.5)(draft, ctx)
     assert float(with_kl.metrics["grpo_kl"]) == 0.0
     assert torch.allclose(with_kl.num, zero.num)  # KL(q ‖ q) = 0
     (g_kl,) = torch.autograd.grad(with_kl.num, logits)
     (g0,) = torch.autograd.grad(zero.num, logits)
     assert torch.allclose(g_kl, g0)  # and its gradient vanishes there
 
-    draft, logits = make_draft()
-    draft.reference_logits = torch.zeros_like(logits)  # a uniform reference
-    terms = GRPO(kl_weight=0.5)(draft)
+    draft, ctx, logits = make_draft()
+    ctx = StepContext(target_logits=ctx.target_logits, reference_logits=torch.zeros_like(logits))  # uniform reference
+    terms = GRPO(kl_weight=0.5)(draft, ctx)
     logq = logits.detach().log_softmax(-1)
     kl = (logq.exp() * (logq + torch.log(torch.tensor(5.0, dtype=logq.dtype)))).sum(-1)  # KL(q ‖ uniform)
     assert torch.isclose(terms.metrics["grpo_kl"], kl[draft.valid].mean())
-    base = GRPO(kl_weight=0.0)(draft)
+    base = GRPO(kl_weight=0.0)(draft, ctx)
     assert torch.isclose(terms.value - base.value, 0.5 * kl[draft.valid].mean())
     with pytest.raises(ValueError, match="reference_logits"):
-        draft.reference_logits = None
-        GRPO(kl_weight=0.5)(draft)
+        GRPO(kl_weight=0.5)(draft, StepContext(target_logits=ctx.target_logits))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_grpo_steps_raise_the_expected_accepted_length(temperature):
     """A few GRPO steps on free logits raise the exact expected accepted length of the drafter: greedy,
     Σ_k Π_{j≤k} q_j(argmax p_j) (EAL's quantity, drafts drawn at T = 1); under sampling Σ_k Π_{j≤k} α_j."""
-    draft, logits = make_draft(n=1, a=2, k=3, vd=5, sharp=3.0)
+    draft, ctx, logits = make_draft(n=1, a=2, k=3, vd=5, sharp=3.0)
     draft.valid[:] = True
-    p = draft.target_logits.softmax(-1)
+    p = ctx.target_logits.softmax(-1)
 
     def expected_length(z):
         q = z.softmax(-1)
@@ -197,9 +196,9 @@ def test_grpo_steps_raise_the_expected_accepted_length(temperature):
     opt = torch.optim.SGD([logits], lr=2.0)
     for step in range(30):
         obj = GRPO(SamplingConfig(temperature=temperature), group_size=8, kl_weight=0.0, seed_salt=step)
-        draft.reference_logits = logits.detach().clone()
+        ctx = StepContext(target_logits=ctx.target_logits, reference_logits=logits.detach().clone())
         opt.zero_grad()
-        terms = obj(draft)
+        terms = obj(draft, ctx)
         (terms.num / terms.den).backward()
         opt.step()
     assert expected_length(logits.detach()) > start + 0.8  # measured +1.5 and +1.05; shuffled rewards: ±0.01
@@ -208,11 +207,12 @@ def test_grpo_steps_raise_the_expected_accepted_length(temperature):
 def test_chunks_give_the_same_value_metrics_and_gradient():
     for temperature in (0.0, 1.0):
         obj = GRPO(SamplingConfig(temperature=temperature), group_size=4, kl_weight=0.1)
-        draft, logits = make_draft()
-        draft.reference_logits = draft.reference_logits + 0.3 * torch.randn_like(logits)
-        whole = obj(draft)
+        draft, ctx, logits = make_draft()
+        ctx = StepContext(target_logits=ctx.target_logits,
+                          reference_logits=ctx.reference_logits + 0.3 * torch.randn_like(logits))
+        whole = obj(draft, ctx)
         (g_whole,) = torch.autograd.grad(whole.num, logits)
-        chunked = obj(draft, chunk=1)
+        chunked = obj(draft, ctx, chunk=1)
         (g_chunk,) = torch.autograd.grad(chunked.num, logits)
         assert torch.allclose(whole.num, chunked.num) and torch.equal(whole.den, chunked.den)
         for name in ("grpo_reward_mean", "grpo_kl"):
@@ -221,20 +221,18 @@ def test_chunks_give_the_same_value_metrics_and_gradient():
 
 
 def test_draws_follow_the_examples_anchor_seed_not_the_batch():
-    """The module puts the batch's anchor_seed on the draft (``draft.seeds``); a row's draws are the same alone or
-    next to another row, and another seed draws others."""
+    """The module gives the batch's anchor_seed in the step's context (``ctx.seeds``); a row's draws are the same
+    alone or next to another row, and another seed draws others."""
     obj = GRPO(group_size=4)
-    draft, _ = make_draft()
-    draft.seeds = torch.tensor([11, 22])
-    both = obj.uniforms(draft)
-    alone, _ = make_draft(n=1)
-    alone.anchors, alone.seeds = draft.anchors[1:], torch.tensor([22])
-    assert torch.equal(obj.uniforms(alone)[0], both[1])
-    other, _ = make_draft(n=1)
-    other.anchors, other.seeds = draft.anchors[1:], torch.tensor([23])
-    assert not torch.equal(obj.uniforms(other)[0], both[1])
+    draft, _, _ = make_draft()
+    ctx = StepContext(seeds=torch.tensor([11, 22]))
+    both = obj.uniforms(draft, ctx)
+    row, _, _ = make_draft(n=1)
+    alone = DraftOutput(row.logits, row.labels, row.valid, draft.anchors[1:])
+    assert torch.equal(obj.uniforms(alone, StepContext(seeds=torch.tensor([22])))[0], both[1])
+    assert not torch.equal(obj.uniforms(alone, StepContext(seeds=torch.tensor([23])))[0], both[1])
     assert not torch.equal(both[0, 0], both[0, 1])  # anchors of one row draw apart
-    assert torch.equal(draft.chunk(torch.tensor([0])).seeds, draft.seeds)  # per example: whole in every chunk
+    assert torch.equal(ctx.chunk(torch.tensor([0])).seeds, ctx.seeds)  # per example: whole in every chunk
 
 
 def test_user_errors_name_the_field():

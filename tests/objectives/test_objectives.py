@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from lightning_spec.drafters import DraftOutput
-from lightning_spec.objectives import CE, KL, TV, AnchorUniform, AnchorWeight, ExpDecay, Objective, Uniform
+from lightning_spec.objectives import (
+    CE,
+    KL,
+    TV,
+    AnchorUniform,
+    AnchorWeight,
+    ExpDecay,
+    Objective,
+    StepContext,
+    Uniform,
+)
 from lightning_spec.objectives.objective import NORMALIZE
 from lightning_spec.sampling import SamplingConfig
 
@@ -15,17 +25,17 @@ N, A, K, VD = 2, 2, 3, 4
 VALID = [[[True, True, False], [False, False, False]], [[True, True, True], [True, False, False]]]
 
 
-def make_draft(seed: int = 0) -> DraftOutput:
+def make_draft(seed: int = 0) -> tuple[DraftOutput, StepContext]:
     g = torch.Generator().manual_seed(seed)
     valid = torch.tensor(VALID)
     labels = torch.randint(0, VD, (N, A, K), generator=g).masked_fill(~valid, 0)
-    return DraftOutput(
+    draft = DraftOutput(
         logits=(torch.randn(N, A, K, VD, generator=g) * 2).requires_grad_(True),
         labels=labels,
         valid=valid,
         anchors=torch.tensor([[3, 0], [1, 5]]),
-        target_logits=torch.randn(N, A, K, VD, generator=g) * 2,
     )
+    return draft, StepContext(target_logits=torch.randn(N, A, K, VD, generator=g) * 2)
 
 
 def slots():
@@ -42,26 +52,26 @@ def softmax64(row, temperature: float = 1.0, top_k: int = 0) -> list[float]:
     return [x / sum(e) for x in e]
 
 
-def bf_ce(d, n, a, t) -> float:
+def bf_ce(d, ctx, n, a, t) -> float:
     return -math.log(softmax64(d.logits[n, a, t].tolist())[int(d.labels[n, a, t])])
 
 
-def bf_kl(d, n, a, t, temperature=1.0, top_k=0) -> float:
-    p = softmax64(d.target_logits[n, a, t].tolist(), temperature, top_k)
+def bf_kl(d, ctx, n, a, t, temperature=1.0, top_k=0) -> float:
+    p = softmax64(ctx.target_logits[n, a, t].tolist(), temperature, top_k)
     q = softmax64(d.logits[n, a, t].tolist(), temperature)
     return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q) if pi > 0)
 
 
-def bf_tv(d, n, a, t, temperature=1.0) -> float:
-    p = softmax64(d.target_logits[n, a, t].tolist(), temperature)
+def bf_tv(d, ctx, n, a, t, temperature=1.0) -> float:
+    p = softmax64(ctx.target_logits[n, a, t].tolist(), temperature)
     q = softmax64(d.logits[n, a, t].tolist(), temperature)
     return 1 - sum(min(pi, qi) for pi, qi in zip(p, q))  # TV = 1 - α, a different formula from the package's
 
 
-def per_slot(fn, d, **kw) -> torch.Tensor:
+def per_slot(fn, d, ctx, **kw) -> torch.Tensor:
     out = torch.zeros(N, A, K, dtype=torch.float64)
     for n, a, t in slots():
-        out[n, a, t] = fn(d, n, a, t, **kw)
+        out[n, a, t] = fn(d, ctx, n, a, t, **kw)
     return out
 
 
@@ -69,62 +79,62 @@ def per_slot(fn, d, **kw) -> torch.Tensor:
 
 
 def test_ce_matches_brute_force():
-    d = make_draft()
-    torch.testing.assert_close(CE()(d).double(), per_slot(bf_ce, d), rtol=1e-5, atol=1e-6)
+    d, ctx = make_draft()
+    torch.testing.assert_close(CE()(d, ctx).double(), per_slot(bf_ce, d, ctx), rtol=1e-5, atol=1e-6)
     assert not CE.needs_target
 
 
 def test_kl_matches_brute_force():
-    d = make_draft()
-    torch.testing.assert_close(KL()(d).double(), per_slot(bf_kl, d), rtol=1e-5, atol=1e-6)
-    hot = KL(SamplingConfig(temperature=0.5))(d).double()
-    torch.testing.assert_close(hot, per_slot(bf_kl, d, temperature=0.5), rtol=1e-5, atol=1e-6)
-    assert KL.needs_target and (KL()(d) >= -1e-6).all()
+    d, ctx = make_draft()
+    torch.testing.assert_close(KL()(d, ctx).double(), per_slot(bf_kl, d, ctx), rtol=1e-5, atol=1e-6)
+    hot = KL(SamplingConfig(temperature=0.5))(d, ctx).double()
+    torch.testing.assert_close(hot, per_slot(bf_kl, d, ctx, temperature=0.5), rtol=1e-5, atol=1e-6)
+    assert KL.needs_target and (KL()(d, ctx) >= -1e-6).all()
 
 
 def test_kl_with_top_k_target_is_finite_with_finite_gradients():
-    d = make_draft()
-    got = KL(SamplingConfig(temperature=1.0, top_k=2))(d)
-    torch.testing.assert_close(got.double(), per_slot(bf_kl, d, top_k=2), rtol=1e-5, atol=1e-6)
+    d, ctx = make_draft()
+    got = KL(SamplingConfig(temperature=1.0, top_k=2))(d, ctx)
+    torch.testing.assert_close(got.double(), per_slot(bf_kl, d, ctx, top_k=2), rtol=1e-5, atol=1e-6)
     got.sum().backward()
     assert torch.isfinite(d.logits.grad).all()
 
 
 def test_kl_at_temperature_zero_is_ce_on_the_target_argmax():
-    d = make_draft()
-    argmax = d.target_logits.argmax(-1)
+    d, ctx = make_draft()
+    argmax = ctx.target_logits.argmax(-1)
     want = -d.logits.detach().double().log_softmax(-1).gather(-1, argmax[..., None])[..., 0]
-    torch.testing.assert_close(KL(SamplingConfig())(d).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(KL(SamplingConfig())(d, ctx).double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_tv_matches_brute_force():
-    d = make_draft()
-    got = TV()(d).double()
-    torch.testing.assert_close(got, per_slot(bf_tv, d), rtol=1e-5, atol=1e-6)
+    d, ctx = make_draft()
+    got = TV()(d, ctx).double()
+    torch.testing.assert_close(got, per_slot(bf_tv, d, ctx), rtol=1e-5, atol=1e-6)
     assert ((got >= 0) & (got <= 1)).all()
-    torch.testing.assert_close(TV(SamplingConfig(temperature=2.0))(d).double(), per_slot(bf_tv, d, temperature=2.0))
+    torch.testing.assert_close(TV(SamplingConfig(temperature=2.0))(d, ctx).double(),
+                               per_slot(bf_tv, d, ctx, temperature=2.0))
 
 
 def test_losses_needing_target_logits_say_so():
-    d = make_draft()
-    d.target_logits = None
+    d, _ = make_draft()
     for loss in (KL(), TV()):
         with pytest.raises(ValueError, match="target logits"):
-            loss(d)
+            loss(d, StepContext())
 
 
 # ----------------------------------------------------------------------------------------------- weights
 
 
 def test_uniform_and_anchor_uniform():
-    d = make_draft()
-    assert Uniform()(d).shape == (N, A, K) and (Uniform()(d) == 1).all()
-    assert AnchorUniform()(d).shape == (N, A) and (AnchorUniform()(d) == 1).all()
+    d, ctx = make_draft()
+    assert Uniform()(d, ctx).shape == (N, A, K) and (Uniform()(d, ctx) == 1).all()
+    assert AnchorUniform()(d, ctx).shape == (N, A) and (AnchorUniform()(d, ctx) == 1).all()
 
 
 @pytest.mark.parametrize("gamma", [1.0, 4.0, 7.0])
 def test_exp_decay_slot_convention(gamma):
-    w = ExpDecay(gamma)(make_draft())
+    w = ExpDecay(gamma)(*make_draft())
     assert w.shape == (N, A, K)
     # slot t = 1 (the first prediction after the anchor) has weight 1, t = 2 exp(-1/γ), t = 3 exp(-2/γ)
     want = torch.tensor([1.0, math.exp(-1 / gamma), math.exp(-2 / gamma)])
@@ -142,7 +152,7 @@ def test_exp_decay_rejects_nonpositive_gamma():
 class TableAnchorWeight(AnchorWeight):
     """a_n from a fixed table: checks that anchor weights broadcast over the slots of their anchor."""
 
-    def __call__(self, draft):
+    def __call__(self, draft, ctx):
         return torch.tensor([[2.0, 0.5], [1.0, 3.0]])
 
 
@@ -163,13 +173,13 @@ def brute_force_objective(d, ell, a_w, b_w, normalize):
 @pytest.mark.parametrize("normalize", NORMALIZE)
 @pytest.mark.parametrize("loss_name", ["CE", "KL", "TV"])
 def test_objective_matches_brute_force(normalize, loss_name):
-    d = make_draft()
+    d, ctx = make_draft()
     loss, bf = {"CE": (CE(), bf_ce), "KL": (KL(), bf_kl), "TV": (TV(), bf_tv)}[loss_name]
     gamma = 2.0
     b_w = [math.exp(-(t - 1) / gamma) for t in (1, 2, 3)]
     table = [[2.0, 0.5], [1.0, 3.0]]
-    terms = Objective(loss, ExpDecay(gamma), TableAnchorWeight(), normalize=normalize)(d)
-    num, den = brute_force_objective(d, per_slot(bf, d), table, b_w, normalize)
+    terms = Objective(loss, ExpDecay(gamma), TableAnchorWeight(), normalize=normalize)(d, ctx)
+    num, den = brute_force_objective(d, per_slot(bf, d, ctx), table, b_w, normalize)
     assert float(terms.num.detach()) == pytest.approx(num, rel=1e-5)
     assert float(terms.den) == pytest.approx(den, rel=1e-6)
     assert float(terms.value) == pytest.approx(num / den, rel=1e-5)
@@ -178,7 +188,7 @@ def test_objective_matches_brute_force(normalize, loss_name):
 
 def test_objective_normalisers_by_hand():
     """The three Z of the docstring on the VALID pattern, counted by hand."""
-    d = make_draft()
+    d, ctx = make_draft()
     e = math.exp
     gamma = 2.0
     weight = (1 + e(-0.5)) + (1 + e(-0.5) + e(-1)) + 1  # valid slots of anchors (0,0), (1,0), (1,1)
@@ -188,17 +198,17 @@ def test_objective_normalisers_by_hand():
     # defaults: CE, uniform weights, Z = Σ weights = number of valid slots
     default = Objective()(d)
     assert float(default.den) == 6
-    want = sum(bf_ce(d, n, a, t) for n, a, t in slots() if VALID[n][a][t])
+    want = sum(bf_ce(d, ctx, n, a, t) for n, a, t in slots() if VALID[n][a][t])
     assert float(default.num.detach()) == pytest.approx(want, rel=1e-5)
 
 
 def test_invalid_slots_get_no_loss_and_no_gradient():
-    d = make_draft()
+    d, ctx = make_draft()
     with torch.no_grad():  # a huge loss on every invalid slot: it must not leak into the value or the gradient
         d.logits[~d.valid] = torch.tensor([-50.0, 50.0, -50.0, 50.0])
         d.labels[~d.valid] = 0
-    base = Objective(KL())(make_draft())
-    terms = Objective(KL())(d)
+    base = Objective(KL())(*make_draft())
+    terms = Objective(KL())(d, ctx)
     assert float(terms.num.detach()) == pytest.approx(float(base.num.detach()), rel=1e-6)
     terms.num.backward()
     assert (d.logits.grad[~d.valid] == 0).all()
