@@ -38,8 +38,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +52,6 @@ from lightning_spec.drafters import Drafter
 from lightning_spec.errors import UserError
 from lightning_spec.evaluation.benchmark import DecodeReport
 from lightning_spec.evaluation.offline import replay_tree_rounds
-from lightning_spec.evaluation.online import Adaptation
 from lightning_spec.objectives import CE, Objective
 from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
@@ -186,6 +186,39 @@ def _prompt_list(input_ids: Any) -> list[int]:
     if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # a tokenizer's BatchEncoding
         input_ids = input_ids["input_ids"]
     return torch.as_tensor(input_ids).reshape(-1).tolist()
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """The settings of a ``CostAwareAdapter`` (``adaptation.py``): the ``--adapt_*`` flags every drafter's adapting
+    copy runs with, and the adapter's other knobs at their defaults.
+
+    Args:
+        scopes: the update scopes to choose among, from ``head``, ``last``, ``all``; a scope with no parameters
+            for the drafter is skipped (``CostAwareAdapter.skipped``).
+        lr: the update's learning rate.
+        steps: optimizer steps per update.
+        horizon_tokens: H, the tokens still to decode over which an update's gain counts.
+        exploration: c of the UCB bonus, in MAL units.
+        force: apply this arm after every window whatever the rule (``none``: never adapt); still measured.
+        optimizer: ``adamw`` or ``sgd``; one per scope, its state kept across windows.
+        weight_decay: AdamW weight decay.
+        max_grad_norm: clip the update's gradient norm (None: no clipping).
+        ema: weight of the newest observation in the running estimates (gain, cost, MAL, seconds per round).
+        score_chunk: anchors per drafter forward when scoring a window (memory, not results).
+    """
+
+    scopes: Sequence[str] = ("head", "last", "all")
+    lr: float = 1e-4
+    steps: int = 2
+    horizon_tokens: float = 4096
+    exploration: float = 0.1
+    force: str | None = None
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    ema: float = 0.3
+    score_chunk: int = 64
 
 
 def check_settings(settings: Adaptation) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
+from lightning_spec.evaluation.adaptation import Adaptation
 from lightning_spec.evaluation.inputs import (
     TargetLoad,
     calibration_prompts,
@@ -34,9 +35,9 @@ from lightning_spec.evaluation.inputs import (
 )
 from lightning_spec.evaluation.offline import OfflineReport, offline_report
 from lightning_spec.evaluation.online import (
-    Adaptation,
     DrafterDecoding,
     OnlineRun,
+    adapting_arm,
     choose_decodings,
     online_result,
 )
@@ -178,7 +179,7 @@ def run_online(entries: list[Entry], target: str | None, how: TargetLoad, option
                                      options.progress)
     arms = list(decodings)
     if adaptation is not None:  # a second, adapting copy of every drafter
-        arms += [adaptation.decoding(d, load_drafter(d.checkpoint, target=model), model, options.seed)
+        arms += [adapting_arm(adaptation, d, load_drafter(d.checkpoint, target=model), model, options.seed)
                  for d in decodings]
     run = OnlineRun(model, arms, prompts, options.sampling, options.max_new_tokens, options.seed, options.progress)
     return online_result(run, run.run(), bootstrap, spec, options.sources)

@@ -17,7 +17,6 @@ Three parts, each usable alone:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -31,7 +30,7 @@ from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from lightning_spec.evaluation.adaptation import CostAwareAdapter
+    from lightning_spec.evaluation.adaptation import Adaptation, CostAwareAdapter
     from lightning_spec.target import Target
 
 WARM_UP_TOKENS = 8  # tokens of the warm-up decode (first calls pay one-off costs that are not decoding speed)
@@ -171,44 +170,13 @@ class AdaptingDecoding:
         return {"adaptation": [s.adapter.summary() for s in seeds]}
 
 
-@dataclass(frozen=True)
-class Adaptation:
-    """The settings of a ``CostAwareAdapter`` (``adaptation.py``): the ``--adapt_*`` flags every drafter's adapting
-    copy runs with, and the adapter's other knobs at their defaults.
+def adapting_arm(settings: Adaptation, of: DrafterDecoding, copy: Any, target: Target, seed: int) -> AdaptingDecoding:
+    """The adapting arm ``<name>+adapt`` of ``of``: ``copy``, a second load of its checkpoint, adapting under
+    ``settings`` (the ``--adapt_*`` flags)."""
+    from lightning_spec.evaluation.adaptation import CostAwareAdapter
 
-    Args:
-        scopes: the update scopes to choose among, from ``head``, ``last``, ``all``; a scope with no parameters
-            for the drafter is skipped (``CostAwareAdapter.skipped``).
-        lr: the update's learning rate.
-        steps: optimizer steps per update.
-        horizon_tokens: H, the tokens still to decode over which an update's gain counts.
-        exploration: c of the UCB bonus, in MAL units.
-        force: apply this arm after every window whatever the rule (``none``: never adapt); still measured.
-        optimizer: ``adamw`` or ``sgd``; one per scope, its state kept across windows.
-        weight_decay: AdamW weight decay.
-        max_grad_norm: clip the update's gradient norm (None: no clipping).
-        ema: weight of the newest observation in the running estimates (gain, cost, MAL, seconds per round).
-        score_chunk: anchors per drafter forward when scoring a window (memory, not results).
-    """
-
-    scopes: Sequence[str] = ("head", "last", "all")
-    lr: float = 1e-4
-    steps: int = 2
-    horizon_tokens: float = 4096
-    exploration: float = 0.1
-    force: str | None = None
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    ema: float = 0.3
-    score_chunk: int = 64
-
-    def decoding(self, of: DrafterDecoding, copy: Any, target: Target, seed: int) -> AdaptingDecoding:
-        """The adapting arm ``<name>+adapt`` of ``of``: ``copy``, a second load of its checkpoint, adapting."""
-        from lightning_spec.evaluation.adaptation import CostAwareAdapter
-
-        adapter = CostAwareAdapter(copy, target, self, tree=of.tree, seed=seed)
-        return AdaptingDecoding(f"{of.name}+adapt", of.checkpoint, adapter)
+    adapter = CostAwareAdapter(copy, target, settings, tree=of.tree, seed=seed)
+    return AdaptingDecoding(f"{of.name}+adapt", of.checkpoint, adapter)
 
 
 def choose_decodings(decodings: list[DrafterDecoding], target: Target, calibration: list[list[int]],

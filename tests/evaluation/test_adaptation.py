@@ -14,13 +14,13 @@ from helpers.offline import saved_drafters
 from lightning_spec import generate
 from lightning_spec.drafters import Eagle3Drafter, MedusaDrafter, SpecBlockDrafter
 from lightning_spec.evaluation.adaptation import (
+    Adaptation,
     ArmStats,
     CostAwareAdapter,
     decide,
     expected_saving,
     scope_parameters,
 )
-from lightning_spec.evaluation.online import Adaptation
 
 
 def prompts(vocab: int, n: int, length: int = 10) -> list[list[int]]:
