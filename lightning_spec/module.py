@@ -47,7 +47,7 @@ from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.schedule import TrainingClock
 from lightning_spec.target import TargetOptions, load_target, resolve_dtype
-from lightning_spec.tracking import checkpoint_record
+from lightning_spec.tracking import checkpoint_record, log_comparison, mlflow_loggers
 
 
 def anchor_seeds(run_seed: int, salt: int, index: Tensor) -> Tensor:
@@ -432,6 +432,28 @@ class DraftModule(L.LightningModule):
         self._quiet = warnings.catch_warnings()
         self._quiet.__enter__()
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+        if self.trainer.is_global_zero and mlflow_loggers(self.trainer.loggers):
+            log_comparison(self.trainer.loggers, *self.comparison())
+
+    def comparison(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """What this fit's run is compared by in MLflow (``tracking.COMPARISON_COLUMNS``): the drafter's family,
+        objective, K and draft vocabulary, the target and its weights' fingerprint, the size of the training
+        data; and that data as the run's dataset input (None outside a ``SpecDataModule``)."""
+        vocab = self.drafter.draft_vocab_size
+        params = {"family": self.drafter.family or type(self.drafter).__name__, "objective": self.objective.label,
+                  "K": self.drafter.block_size, "draft_vocab": vocab if vocab is not None else "full",
+                  "target": self.target_spec, "target_fingerprint": self.target.fingerprint}
+        dm = self.trainer.datamodule
+        if not isinstance(dm, SpecDataModule):
+            return params, None
+        sources, rows = ", ".join(s.name for s in dm.train_sources), len(dm.train_dataset)
+        params["train_examples"] = rows
+        return params, {"name": sources[:200], "digest": dm.fingerprint, "source": sources, "rows": rows}
+
+    def on_train_end(self) -> None:
+        """The optimizer steps reached, as the run's ``steps`` (a time budget may stop a fit before max_steps)."""
+        for logger in self.trainer.loggers:
+            logger.log_metrics({"steps": float(self.global_step)}, step=self.global_step)
 
     def teardown(self, stage: str) -> None:
         quiet, self._quiet = self._quiet, None

@@ -15,15 +15,18 @@ the sweep's study tracker (``sweeps/tracker.py``) opens its store here too.
 - ``SaveConfigToTracker``: the resolved YAML as the run's ``config.yaml``, and the ``error`` tag of a failed fit.
 - ``checkpoint_record`` (into every checkpoint), ``run_summary`` (printed when ``fit`` ends), ``log_runs``
   (``evaluate --mlflow``).
-- ``log_drafter``: when ``fit`` ends, the trained drafter as the run's artifact ``drafter/``: the folder vLLM serves
-  where the family exports (``lightning-spec export``'s speculators layout), else the drafter's own folder
-  (``save_drafter``), each with a ``README.md`` card saying what it is and how to load or serve it.
+- ``log_drafter``: when ``fit`` ends, the trained drafter as the run's logged model (MLflow's Models column): the
+  folder vLLM serves where the family exports (``lightning-spec export``'s speculators layout), else the drafter's
+  own folder (``save_drafter``), each with a ``README.md`` card saying what it is and how to load or serve it.
+- ``ensure_experiment``, ``log_comparison``, ``runs_link``: one experiment per target, opened on its runs table with
+  the columns that compare drafters (docs/sweeps.md, "Comparing drafters in MLflow").
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import re
 import tempfile
@@ -40,10 +43,26 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_spec.errors import UserError
 
 MLFLOW_RUN_KEY = "mlflow_run_id"  # checkpoint key: the MLflow run that wrote it (continued by `fit --ckpt_path`)
+# One experiment per target: ``{target}`` in an experiment name is the run's target (``experiment_name``). A name
+# without it (a user's own) is taken as written.
+DEFAULT_EXPERIMENT = "lightning_spec: {target}"
+SWEEP_EXPERIMENT = "lightning_spec: {target}, sweep {study}"  # its parent run and trials ("/" nests in the UI)
 DEFAULT_LOGGER = {  # trainer.logger of every fit unless the YAML says otherwise
     "class_path": "lightning.pytorch.loggers.MLFlowLogger",
-    "init_args": {"experiment_name": "lightning_spec", "tracking_uri": "sqlite:///mlflow.db", "log_model": False},
+    "init_args": {"experiment_name": DEFAULT_EXPERIMENT, "tracking_uri": "sqlite:///mlflow.db", "log_model": False},
 }
+# MLflow's UI opens an experiment on its runs table (not its GenAI traces overview) for this experiment kind ...
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# ... and, from ``?viewStateShareKey=drafters``, with the columns that compare drafters (a view MLflow keeps in
+# the experiment tag ``mlflow.sharedViewState.drafters``). MLflow 3.17 follows its GenAI / Model training switch
+# over the experiment kind, so the link also says ``workflowType=machine_learning`` (``runs_link``).
+VIEW_KEY = "drafters"
+COMPARISON_COLUMNS = [  # MLflow column ids: what a drafter researcher sorts by (``DraftModule.comparison_params``)
+    "params.`family`", "params.`objective`", "params.`K`", "params.`draft_vocab`", "params.`target`",
+    "params.`train_examples`", "metrics.`steps`", "metrics.`val/mal`", "metrics.`val/temp1/mal`",
+    "metrics.`val/offline_mal`", "metrics.`val/speedup`", "metrics.`val/auto/speedup`", "tags.`decoding_auto`",
+    "attributes.`Dataset`", "attributes.`Models`",
+]
 
 # scheme://user:password@host: the password is whatever runs up to the last "@" before the host's "/".
 _CREDENTIALS = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)[^\s/]+(?=@)")
@@ -101,19 +120,43 @@ def open_store(uri: str, field: str = "tracking_uri") -> Any:
         return MlflowClient(tracking_uri=uri)
 
 
+def experiment_name(template: str, target: str | None, study: str | None = None) -> str:
+    """The experiment a run of ``target`` logs to: ``template`` with ``{target}`` filled (a local folder by its
+    name) and, for a sweep, ``{study}``; a template that names neither is taken as written."""
+    label = Path(target).name if target and os.path.isdir(target) else (target or "unknown target")
+    name = template.replace("{target}", label)
+    return name.replace("{study}", study) if study is not None else name
+
+
+def comparison_view() -> str:
+    """The runs table MLflow shows from ``?viewStateShareKey=drafters``: the comparison columns in their order (the
+    run's dataset narrow), best MAL first."""
+    order = ["attributes.`Run Name`", *COMPARISON_COLUMNS]
+    return json.dumps({"selectedColumns": COMPARISON_COLUMNS, "columnOrder": order,
+                       "columnWidths": {"attributes.`Dataset`": 180}, "orderByKey": "metrics.`val/mal`",
+                       "orderByAsc": False})
+
+
 def ensure_experiment(client: Any, name: str, artifact_location: str | None = None) -> str:
-    """The id of experiment ``name``, created if missing (by whichever process gets there first)."""
+    """The id of experiment ``name``, created if missing (by whichever process gets there first), tagged as model
+    development (its runs open first) with the comparison view; an existing experiment keeps a kind set by hand."""
     from mlflow.exceptions import MlflowException
 
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-        return client.get_experiment_by_name(name).experiment_id  # another process created it meanwhile
+    if experiment is None:
+        try:
+            client.create_experiment(name, artifact_location=artifact_location)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        experiment = client.get_experiment_by_name(name)  # ours, or the one another process created meanwhile
+    experiment_id, tags = experiment.experiment_id, experiment.tags
+    if EXPERIMENT_KIND[0] not in tags:
+        client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+    view = comparison_view()
+    if tags.get(f"mlflow.sharedViewState.{VIEW_KEY}") != view:
+        client.set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}", view)
+    return experiment_id
 
 
 # ------------------------------------------------------------------------------------------------ fit runs
@@ -149,15 +192,18 @@ def checkpoint_run_id(path: str) -> str | None:
     return ckpt.get(MLFLOW_RUN_KEY) if isinstance(ckpt, dict) else None
 
 
-def prepare_loggers(logger_config: Any, resume_run: str | None, run_name: str | None) -> None:
+def prepare_loggers(
+    logger_config: Any, resume_run: str | None, run_name: str | None, target: str | None = None
+) -> None:
     """Fill the MLFlowLogger entries of a parsed ``trainer.logger`` before the CLI builds them.
 
     The store, and the experiment of a new run, are created now (under ``store_lock``). ``resume_run`` (the run
     a ``--ckpt_path`` checkpoint was written by) becomes the logger's ``run_id`` when the store holds it, so a
     resumed training is one run with its metrics before and after; ``run_name`` (the experiment file's name)
     names a new run: MLflow's own random names repeat here, because they come from Python's RNG, which
-    ``seed_everything`` has just reset. What the user set is kept. Runs on every rank, so all ranks build the
-    same loggers."""
+    ``seed_everything`` has just reset; ``{target}`` in the experiment name becomes ``target`` (one experiment per
+    target, ``experiment_name``). What the user set is kept. Runs on every rank, so all ranks build the same
+    loggers."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -180,6 +226,8 @@ def prepare_loggers(logger_config: Any, resume_run: str | None, run_name: str | 
                 except MlflowException:
                     rank_zero_warn(f"--ckpt_path was written by MLflow run {resume_run}, which is not in the "
                                    f"tracking store {mask_uri(uri)}; logging the resumed training to a new run.")
+            if init.get("experiment_name"):
+                init["experiment_name"] = experiment_name(init["experiment_name"], target)
             if init.get("run_id") is None:  # the logger will create a run, in this experiment
                 name = init.get("experiment_name") or "lightning_logs"
                 ensure_experiment(client, name, init.get("artifact_location"))
@@ -232,6 +280,14 @@ class SaveConfigToTracker(SaveConfigCallback):
                     logger.experiment.set_tag(run_id, "error", error_text(exception))
 
 
+def runs_link(uri: str, experiment_id: str) -> str:
+    """The page that compares the experiment's drafters: its runs table with the comparison columns. On a tracking
+    server its URL; on a local store the page ``mlflow ui`` serves (its default port, 5000)."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    query = f"workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+    return mask_uri(f"{base}/#/experiments/{experiment_id}/runs?{query}")
+
+
 def ui_hint(uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
     """How to look at runs of the store ``uri``: the ``mlflow ui`` command, or the server's page."""
     if uri.startswith(("http://", "https://")):
@@ -251,6 +307,7 @@ def run_summary(loggers: Iterable[Logger]) -> list[str]:
         name = client.get_experiment(experiment_id).name
         lines.append(f"MLflow run: {run_id} (experiment {name!r}, id {experiment_id})")
         lines.append(f"see it: {ui_hint(client.tracking_uri, experiment_id, run_id)}")
+        lines.append(f"compare the experiment's drafters: {runs_link(client.tracking_uri, experiment_id)}")
     return lines
 
 
@@ -276,13 +333,37 @@ def log_runs(tracking_uri: str, experiment_name: str, runs: list[dict[str, Any]]
     return run_ids
 
 
-# ------------------------------------------------------------------------------------------ the drafter artifact
-DRAFTER_ARTIFACT = "drafter"  # the artifact path of a fit's trained drafter in its MLflow run
+# ------------------------------------------------------------------------------------------- what runs compare
+def log_comparison(loggers: Iterable[Logger], params: dict[str, Any], data: dict[str, Any] | None) -> None:
+    """Record, on each MLflow run of a fit, what drafters are compared by (``COMPARISON_COLUMNS``): ``params``
+    under their stable names, and the training ``data`` as the run's dataset input (MLflow's Dataset column:
+    ``name``, ``digest``, ``source``, ``rows``). Rank 0; a resumed run already holds them (same values)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    for logger in mlflow_loggers(loggers):
+        logger.log_hyperparams(params)
+        if data is None:
+            continue
+        dataset = Dataset(name=data["name"], digest=data["digest"], source_type="local",
+                          source=json.dumps({"uri": data["source"]}), profile=json.dumps({"num_rows": data["rows"]}))
+        context = InputTag("mlflow.data.context", "training")
+        logger.experiment.log_inputs(logger.run_id, datasets=[DatasetInput(dataset, tags=[context])])
+
+
+def tag_runs(loggers: Iterable[Logger], key: str, value: str) -> None:
+    """Set the tag ``key`` on each MLflow run of a fit (e.g. ``decoding_auto``, decoding auto's pick). Rank 0."""
+    for logger in mlflow_loggers(loggers):
+        logger.experiment.set_tag(logger.run_id, key, value)
+
+
+# --------------------------------------------------------------------------------------- the drafter as a model
+DRAFTER_TAG = "drafter_model"  # run tag: the models:/ URI of the run's logged drafter (what to download and serve)
 
 
 def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Any, target_spec: str) -> list[str]:
-    """Log the drafter of ``ckpt`` (a finished fit's last checkpoint) to each MLflow run as the artifact
-    ``drafter/`` with a card; returns the lines ``fit`` prints about it. Rank 0 only (the caller's)."""
+    """Log the drafter of ``ckpt`` (a finished fit's last checkpoint) to each MLflow run as its logged model, a
+    folder with a card (one copy: the run itself holds no second one); returns the lines ``fit`` prints about it.
+    Rank 0 only (the caller's)."""
     from lightning_spec.checkpoint import load_drafter, save_drafter
     from lightning_spec.export import codec_for, export_drafter
 
@@ -292,7 +373,7 @@ def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Any, target_spec: 
     drafter = load_drafter(ckpt, target=target)  # from the file, not the module: whole even if FSDP sharded it
     family, k = type(drafter).__name__, drafter.block_size
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / DRAFTER_ARTIFACT
+        folder = Path(tmp) / "drafter"
         try:
             export_drafter(drafter, folder, "speculators", target_spec, parent={"path": str(ckpt)})
             codec = codec_for(drafter, "speculators")
@@ -308,7 +389,24 @@ def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Any, target_spec: 
                 f"- checkpoint: `{ckpt}`\n- layout: {layout}\n- use: {use}\n"
                 f"- target weights fingerprint: {drafter.target.fingerprint}\n")
         (folder / "README.md").write_text(card)
-        for logger in runs:
-            logger.experiment.log_artifacts(logger.run_id, str(folder), DRAFTER_ARTIFACT)
-            logger.experiment.set_tag(logger.run_id, "drafter_layout", layout)
-    return [f"drafter: MLflow artifact '{DRAFTER_ARTIFACT}/' of the run, {layout}"]
+        name = f"{drafter.family or family}-K{k}"
+        uris = [_log_model(logger, folder, name, {"family": drafter.family or family, "K": str(k), "layout": layout,
+                                                  "target": target_spec}) for logger in runs]
+    return [f"drafter: MLflow logged model '{name}' of the run ({uris[0]}), {layout}"]
+
+
+def _log_model(logger: MLFlowLogger, folder: Path, name: str, params: dict[str, str]) -> str:
+    """``folder`` as a logged model of the logger's run (its output at the last step); returns its models:/ URI."""
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+
+    client, run_id = logger.experiment, logger.run_id
+    model = client.create_logged_model(logger.experiment_id, name=name, source_run_id=run_id, params=params,
+                                       model_type="drafter")
+    client.log_model_artifacts(model.model_id, str(folder))
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    step = max((m.step for m in client.get_metric_history(run_id, "steps")), default=0)
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
+    uri = f"models:/{model.model_id}"
+    client.set_tag(run_id, "drafter_layout", params["layout"])
+    client.set_tag(run_id, DRAFTER_TAG, uri)
+    return uri

@@ -118,7 +118,7 @@ def test_fit_tiny_logs_an_mlflow_run(in_tmp, capsys):
     assert exit_code(["fit", "-c", str(TINY)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("lightning_spec")
+    experiment = client.get_experiment_by_name("lightning_spec: tiny-random")
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1
     run = runs[0]
@@ -132,26 +132,61 @@ def test_fit_tiny_logs_an_mlflow_run(in_tmp, capsys):
     mal_steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/mal")]
     assert mal_steps == [0, 3, 6]  # before training, then every val_check_interval=3 of max_steps=6
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 6
-    assert {"config.yaml", "drafter"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
-    # the drafter itself, not only its curves: the tiny fit's DFlashDrafter is not the served DFlash layout, so its
-    # own folder with a card saying why it is not exported; it loads back as the checkpoint's drafter
-    files = {a.path for a in client.list_artifacts(run.info.run_id, "drafter")}
-    assert files == {"drafter/README.md", "drafter/drafter.json", "drafter/drafter.pt"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml"}  # the drafter once, below
+    # the drafter itself, not only its curves, as the run's logged model (MLflow's Models column): the tiny fit's
+    # DFlashDrafter is not the served DFlash layout, so its own folder with a card saying why it is not exported
+    (model,) = client.search_logged_models(experiment_ids=[experiment.experiment_id])
+    assert model.source_run_id == run.info.run_id and model.name == "dflash-K4" and model.status == "READY"
+    assert run.data.tags["drafter_model"] == f"models:/{model.model_id}"
+    assert [o.model_id for o in run.outputs.model_outputs] == [model.model_id]
+    files = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
+    assert files == {"README.md", "drafter.json", "drafter.pt"}
     assert run.data.tags["drafter_layout"].startswith("lightning_spec")
-    card = Path(client.download_artifacts(run.info.run_id, "drafter/README.md", str(in_tmp))).read_text()
+    folder = mlflow.artifacts.download_artifacts(f"models:/{model.model_id}", dst_path=str(in_tmp / "served"))
+    card = (Path(folder) / "README.md").read_text()
     assert "not exported for serving" in card and "qk_norm" in card
+    assert load_drafter(folder).block_size == 4  # what a user downloads loads
     # the checkpoint holds a drafter that loads for its target by name
     (last,) = in_tmp.rglob("last.ckpt")
     drafter = load_drafter(last)
     assert drafter.block_size == 4 and drafter.target.vocab_size == 320
     # fit ends with where the checkpoint is and how to see the run, after the MAL table (printed at train end)
-    assert out[-4:] == [
+    assert out[-5:] == [
         f"checkpoint: {last.relative_to(in_tmp)}",
-        "drafter: MLflow artifact 'drafter/' of the run, lightning_spec (drafter.json + drafter.pt)",
-        f"MLflow run: {run.info.run_id} (experiment 'lightning_spec', id {experiment.experiment_id})",
+        f"drafter: MLflow logged model 'dflash-K4' of the run (models:/{model.model_id}), lightning_spec "
+        "(drafter.json + drafter.pt)",
+        f"MLflow run: {run.info.run_id} (experiment 'lightning_spec: tiny-random', id {experiment.experiment_id})",
         "see it: mlflow ui --backend-store-uri sqlite:///mlflow.db",
+        f"compare the experiment's drafters: http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs"
+        "?workflowType=machine_learning&viewStateShareKey=drafters",
     ]
-    assert any(line.startswith("└") for line in out[:-4])  # the table's last border came before
+    assert any(line.startswith("└") for line in out[:-5])  # the table's last border came before
+
+
+def test_a_fit_records_what_drafters_are_compared_by(in_tmp):
+    """One experiment per target, opened on its runs with the comparison view; every run carries the columns that
+    compare drafters and its training data as its dataset input (issue 35)."""
+    import json
+
+    import mlflow
+
+    from lightning_spec.tracking import COMPARISON_COLUMNS, EXPERIMENT_KIND
+
+    assert exit_code(["fit", "-c", str(TINY), "--trainer.max_steps=2", "--trainer.val_check_interval=2"]) == 0
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("lightning_spec: tiny-random")
+    assert experiment.tags[EXPERIMENT_KIND[0]] == EXPERIMENT_KIND[1]
+    view = json.loads(experiment.tags["mlflow.sharedViewState.drafters"])
+    assert view["selectedColumns"] == COMPARISON_COLUMNS and view["orderByKey"] == "metrics.`val/mal`"
+    (run,) = client.search_runs([experiment.experiment_id])
+    params = run.data.params
+    compared = (params["family"], params["objective"], params["K"], params["draft_vocab"])
+    assert compared == ("dflash", "KL + ExpDecay", "4", "full")
+    assert params["target"] == "tiny-random" and len(params["target_fingerprint"]) > 8
+    assert int(params["train_examples"]) > 0 and run.data.metrics["steps"] == 2
+    (data,) = run.inputs.dataset_inputs
+    assert data.dataset.digest and json.loads(data.dataset.profile)["num_rows"] == int(params["train_examples"])
+    assert [(t.key, t.value) for t in data.tags] == [("mlflow.data.context", "training")]
 
 
 def test_fits_from_two_folders_in_one_process_log_to_their_own_stores(in_tmp, monkeypatch):
@@ -167,7 +202,7 @@ def test_fits_from_two_folders_in_one_process_log_to_their_own_stores(in_tmp, mo
         monkeypatch.chdir(in_tmp / name)
         assert exit_code(["fit", "-c", str(TINY), *quick]) == 0
         client = MlflowClient(tracking_uri=f"sqlite:///{in_tmp / name / 'mlflow.db'}")
-        experiment = client.get_experiment_by_name("lightning_spec")
+        experiment = client.get_experiment_by_name("lightning_spec: tiny-random")
         assert experiment is not None and len(client.search_runs([experiment.experiment_id])) == 1, name
 
 

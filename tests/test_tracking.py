@@ -134,3 +134,42 @@ def test_a_diverging_fit_is_a_failed_run_tagged_with_the_sentence(in_tmp, capsys
     assert line.startswith("lightning-spec: error: train/loss is not finite (nan) at step 1: ")
     _, (run,) = runs(f"sqlite:///{in_tmp / 'mlflow.db'}")
     assert run.info.status == "FAILED" and "lightning-spec: error: " + run.data.tags["error"] == line
+
+
+# ------------------------------------------------------------------------------ the view users compare drafters in
+def test_one_experiment_per_target_unless_the_user_names_one(tmp_path):
+    from lightning_spec.tracking import DEFAULT_EXPERIMENT, SWEEP_EXPERIMENT, experiment_name
+
+    assert experiment_name(DEFAULT_EXPERIMENT, "smollm2-135m-instruct") == "lightning_spec: smollm2-135m-instruct"
+    assert experiment_name(DEFAULT_EXPERIMENT, str(tmp_path)) == f"lightning_spec: {tmp_path.name}"  # a local folder
+    assert experiment_name(SWEEP_EXPERIMENT, "tiny-random", study="s1") == "lightning_spec: tiny-random, sweep s1"
+    assert experiment_name("my experiment", "tiny-random") == "my experiment"  # the user's name wins
+
+
+def test_an_experiment_opens_on_its_runs_with_the_comparison_view(tmp_path):
+    import json
+
+    from lightning_spec.tracking import COMPARISON_COLUMNS, EXPERIMENT_KIND, ensure_experiment, open_store, runs_link
+
+    client = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    first = ensure_experiment(client, "lightning_spec: tiny-random")
+    assert ensure_experiment(client, "lightning_spec: tiny-random") == first  # found, not made twice
+    tags = client.get_experiment(first).tags
+    assert tags[EXPERIMENT_KIND[0]] == "custom_model_development"
+    view = json.loads(tags["mlflow.sharedViewState.drafters"])
+    assert view["selectedColumns"] == COMPARISON_COLUMNS and view["orderByAsc"] is False
+    mine = client.create_experiment("mine", tags={EXPERIMENT_KIND[0]: "finetuning"})
+    ensure_experiment(client, "mine")
+    assert client.get_experiment(mine).tags[EXPERIMENT_KIND[0]] == "finetuning"  # a kind set by hand is kept
+    assert runs_link("sqlite:///mlflow.db", first) == (f"http://127.0.0.1:5000/#/experiments/{first}/runs"
+                                                       "?workflowType=machine_learning&viewStateShareKey=drafters")
+    assert runs_link("https://u:secret@mlflow.example.com/", "7").startswith("https://u:***@mlflow.example.com/#/")
+
+
+def test_an_objective_is_labelled_by_its_parts_that_are_not_the_default():
+    from lightning_spec.objectives import CE, E2E, KL, AnchorUniform, ExpDecay, Mixture, Objective, Uniform
+
+    assert Objective(KL(), ExpDecay(2.0)).label == "KL + ExpDecay"
+    assert Objective(CE(), Uniform(), AnchorUniform()).label == "CE"
+    assert E2E().label == "E2E"
+    assert Mixture([Objective(CE()), E2E()], [0.1, 0.9]).label == "0.1·CE + 0.9·E2E"

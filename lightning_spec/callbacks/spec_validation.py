@@ -24,6 +24,7 @@ from lightning_spec.errors import UserError
 from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums
 from lightning_spec.sampling import SamplingConfig
+from lightning_spec.tracking import tag_runs
 
 
 class SpecDecodeValidation(EvaluationCallback):
@@ -222,6 +223,8 @@ class SpecDecodeValidation(EvaluationCallback):
         sampling = self.sampling[0]
         calibration = [p["prompt_ids"] for p in self._prompts(trainer, calibration=True)]
         self.choice = choose_decoding(module.target, module.drafter, calibration, sampling, self.max_new_tokens)
+        if trainer.is_global_zero:  # the pick, as a column runs are compared by (rank 0's machine)
+            tag_runs(trainer.loggers, "decoding_auto", self.choice.setting.label)
         report = decode_prompts(module.target, self.choice.drafter, mine, sampling, self.max_new_tokens,
                                 tree=self.choice.tree)
         out = self._reduce(trainer, report, domains, "val/auto")

@@ -99,6 +99,16 @@ class Objective:
         return self.loss, self.position_weight, self.anchor_weight
 
     @property
+    def label(self) -> str:
+        """A short name runs are compared by (MLflow's ``objective`` column): a ready-made objective's class
+        (``E2E``, ``EDR``), else its parts that are not the default, e.g. ``KL + ExpDecay``."""
+        if type(self) is not Objective:
+            return type(self).__name__
+        defaults = (Uniform, AnchorUniform)
+        names = [type(self.loss).__name__] + [type(p).__name__ for p in self.parts[1:] if not isinstance(p, defaults)]
+        return " + ".join(names)
+
+    @property
     def needs_target(self) -> bool:
         """Whether any part reads ``ctx.target_logits`` (the OR over the parts' declarations)."""
         return any(part.needs_target for part in self.parts)
@@ -270,6 +280,10 @@ class Mixture(Objective):
     @property
     def parts(self) -> tuple[Any, ...]:
         return tuple(self.objectives)
+
+    @property
+    def label(self) -> str:
+        return " + ".join(f"{w:g}·{o.label}" for o, w in zip(self.objectives, self.weights))
 
     @property
     def needs_rollouts(self) -> bool:  # any component's needs are the mixture's

@@ -41,7 +41,7 @@ from lightning_spec.sweeps.space import (
 )
 from lightning_spec.sweeps.tracker import Tracker
 from lightning_spec.sweeps.workers import counts
-from lightning_spec.tracking import absolute_sqlite_uri, mask_uri
+from lightning_spec.tracking import SWEEP_EXPERIMENT, absolute_sqlite_uri, experiment_name, mask_uri, runs_link
 
 CONFIG_ATTR = "sweep_config"  # study user attr: what a joining worker must agree with
 
@@ -94,7 +94,8 @@ class Sweep:
             trainer.max_steps); a value replaces what the key held, as editing the YAML would.
         storage: the Optuna RDB URL: sqlite:///optuna.db, or postgresql://user:pw@host/db for many workers.
         tracking_uri: MLflow tracking URI of the parent and child runs.
-        experiment_name: MLflow experiment of the parent and child runs.
+        experiment_name: MLflow experiment of the parent and child runs; ``{target}`` and ``{study}`` are the base's
+            target and the study's name (one experiment per study).
         seed: sampler seed; a trial is drawn with seed + the number of trials already in the study (the same
             command draws the same trials again; two workers never draw alike).
         heartbeat_interval: seconds between a running trial's heartbeats; null = off (then only dead workers of
@@ -117,7 +118,7 @@ class Sweep:
     overrides: dict | None = None
     storage: str = "sqlite:///optuna.db"
     tracking_uri: str = "sqlite:///mlflow.db"
-    experiment_name: str = "lightning_spec"
+    experiment_name: str = SWEEP_EXPERIMENT
     seed: int = 0
     heartbeat_interval: int | None = 60
     grace_period: int | None = None
@@ -134,9 +135,9 @@ class Sweep:
         trials = self.trials(space)
         if not Path(self.base).is_file():
             raise UserError(f"base={self.base!r} is not a file (a path relative to the working folder, like fit -c).")
-        study = self.study()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         search = checked_search(self.base, space, self.metric)
+        study = self.study(search)
         if self.dry_run:
             print_plan(self.base, space.overrides, space.params, trials.grid, trials.sampler, trials.n_trials)
             return None
@@ -160,10 +161,13 @@ class Sweep:
             n_trials = math.prod(len(v) for v in grid.values()) if grid is not None else None
         return TrialPlan(self.sampler, self.pruner, self.seed, n_trials, self.timeout, grid)
 
-    def study(self) -> StudyOptions:
-        """The study's place (a relative SQLite path made absolute: every worker must open the same file)."""
+    def study(self, search: Search) -> StudyOptions:
+        """The study's place (a relative SQLite path made absolute: every worker must open the same file), and its
+        MLflow experiment: ``{target}`` and ``{study}`` filled with the base's target and the study's name."""
+        target = search.overrides.get("model.target", (search.base_config.get("model") or {}).get("target"))
+        experiment = experiment_name(self.experiment_name, target, study=self.study_name)
         return StudyOptions(self.study_name, absolute_sqlite_uri(self.storage), self.direction, self.tracking_uri,
-                            self.experiment_name, self.heartbeat_interval, self.grace_period)
+                            experiment, self.heartbeat_interval, self.grace_period)
 
     def identity(self, space: SearchSpace) -> dict[str, Any]:
         """What a joining worker must agree with (recorded on the study; a grid's seed orders it: every worker
@@ -197,6 +201,8 @@ class Sweep:
                 trials.n_trials is None or sum(counts(t) for t in done) >= trials.n_trials)
             tracker.summarize(parent, study, self.metric, finished)
         progress(standing(study, trials.n_trials, self.metric) + ("" if finished else " (other workers still running)"))
+        progress(f"compare the trials: {runs_link(tracker.uri, tracker.experiment_id)} (experiment "
+                 f"{options.experiment_name!r})")
         return study
 
 

@@ -20,7 +20,7 @@ from optuna.trial import FrozenTrial, TrialState
 from lightning_spec.errors import UserError
 from lightning_spec.sweeps.plots import comparison_plots
 from lightning_spec.sweeps.workers import counts
-from lightning_spec.tracking import DRAFTER_ARTIFACT, absolute_sqlite_uri, mask_uri, open_store
+from lightning_spec.tracking import DRAFTER_TAG, absolute_sqlite_uri, ensure_experiment, mask_uri, open_store
 
 PARENT_ATTR = "mlflow_parent_run_id"  # study user attr: the MLflow parent run of the study
 STATUS = {"complete": "FINISHED", "pruned": "KILLED", "failed": "FAILED", "interrupted": "KILLED"}
@@ -40,11 +40,7 @@ class Tracker:
         study lock: two workers must not both create it)."""
         from mlflow.entities import Param
 
-        experiment = self.client.get_experiment_by_name(self.experiment_name)
-        if experiment is None:
-            self.experiment_id = self.client.create_experiment(self.experiment_name)
-        else:
-            self.experiment_id = experiment.experiment_id
+        self.experiment_id = ensure_experiment(self.client, self.experiment_name)  # tagged: it opens on its runs
         parent = study.user_attrs.get(PARENT_ATTR)
         if parent is not None:
             try:
@@ -119,8 +115,9 @@ class Tracker:
             if best.user_attrs.get("mlflow_run_id"):
                 best_run = best.user_attrs["mlflow_run_id"]
                 self.client.set_tag(parent, "best_run_id", best_run)
-                if self.client.list_artifacts(best_run, DRAFTER_ARTIFACT):  # the best trial's drafter (log_drafter)
-                    self.client.set_tag(parent, "best_drafter", f"runs:/{best_run}/{DRAFTER_ARTIFACT}")
+                drafter = self.client.get_run(best_run).data.tags.get(DRAFTER_TAG)  # its logged model (log_drafter)
+                if drafter is not None:
+                    self.client.set_tag(parent, "best_drafter", drafter)
             if best.user_attrs.get("checkpoint"):
                 self.client.set_tag(parent, "best_checkpoint", best.user_attrs["checkpoint"])
             done = sum(counts(t) for t in trials)

@@ -138,7 +138,7 @@ def mlflow_runs(cwd: Path) -> tuple[object, list]:
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
-    return client, client.search_runs([client.get_experiment_by_name("lightning_spec").experiment_id])
+    return client, client.search_runs([client.get_experiment_by_name("lightning_spec: tiny-random").experiment_id])
 
 
 def metric_history(cwd: Path, key: str) -> list[tuple[int, float]]:

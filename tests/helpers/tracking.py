@@ -1,8 +1,9 @@
 """The runs an MLflow store holds, read back by the tests of what fits and sweeps log."""
 
 
-def runs(tracking_uri: str, experiment: str = "lightning_spec") -> tuple:
-    """(client, runs) of ``experiment`` in the store at ``tracking_uri`` (no runs when it has no such experiment)."""
+def runs(tracking_uri: str, experiment: str = "lightning_spec: tiny-random") -> tuple:
+    """(client, runs) of ``experiment`` in the store at ``tracking_uri`` (no runs when it has no such experiment); a
+    fit of the tiny target logs to its target's experiment."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)

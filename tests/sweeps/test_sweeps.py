@@ -61,8 +61,11 @@ def sweep_yaml(tmp: Path, name: str = "sweep.yaml", **changes) -> Path:
     return path
 
 
-def mlflow_runs(tracking_uri: str, experiment: str = "lightning_spec") -> list:
+def mlflow_runs(tracking_uri: str, study: str) -> list:
+    """(client, runs) of the study's experiment: one per study, of the base's target (``Sweep.experiment_name``)."""
     import mlflow
+
+    experiment = f"lightning_spec: tiny-random, sweep {study}"
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment)
@@ -244,7 +247,7 @@ def test_tiny_sweep_lands_in_optuna_and_mlflow(tmp_path, monkeypatch):
         assert "val/mal/chat" in by_block[k].user_attrs["metrics"]
         assert by_block[k].intermediate_values  # reported at the validation of step 2
 
-    client, runs = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client, runs = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "three")
     (parent,) = [r for r in runs if r.info.run_name == "three"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(runs) == 4 and len(children) == 3
@@ -265,8 +268,9 @@ def test_tiny_sweep_lands_in_optuna_and_mlflow(tmp_path, monkeypatch):
     assert [int(r.data.tags["optuna.trial_number"]) for r in tagged] == [study.best_trial.number]
     assert parent.data.tags["best_trial"] == str(study.best_trial.number)
     (best,) = tagged  # the best trial's drafter is marked on the parent: what the sweep says to load or serve
-    assert parent.data.tags["best_drafter"] == f"runs:/{best.info.run_id}/drafter"
-    assert "drafter/drafter.pt" in {a.path for a in client.list_artifacts(best.info.run_id, "drafter")}
+    assert parent.data.tags["best_drafter"] == best.data.tags["drafter_model"]  # its logged model's models:/ URI
+    model_id = best.data.tags["drafter_model"].removeprefix("models:/")
+    assert "drafter.pt" in {a.path for a in client.list_logged_model_artifacts(model_id)}
     plots = {a.path for a in client.list_artifacts(parent.info.run_id, "plots")}
     assert plots == {"plots/metric_vs_block_size.png", "plots/per_domain.png", "plots/optimization_history.png"}
     assert {"base.yaml", "sweep.json", "trials.json"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
@@ -375,7 +379,7 @@ def test_an_interrupted_or_killed_sweep_resumes_without_repeating_finished_trial
         assert rerun.user_attrs["requeued_from"] in (stopped, killed)
     assert len(after) == 6
 
-    client, runs = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client, runs = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "resume")
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert parent.info.status == "FINISHED"
     states = sorted(r.data.tags["state"] for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id)
@@ -412,7 +416,7 @@ def test_two_workers_share_a_postgres_study(tmp_path, postgres):
         workers = {t.user_attrs["worker"]["pid"] for t in trials}
         print(f"trials per worker: {[sum(t.user_attrs['worker']['pid'] == w for t in trials) for w in workers]}")
 
-        _, runs = mlflow_runs(tracking)
+        _, runs = mlflow_runs(tracking, name)
         (parent,) = [r for r in runs if r.info.run_name == name]
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
         assert sorted(int(r.data.tags["optuna.trial_number"]) for r in children) == [0, 1, 2, 3]
