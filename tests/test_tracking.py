@@ -53,7 +53,7 @@ def test_saved_config_and_error_tag_mask_credentials(tmp_path):
     trainer = SimpleNamespace(loggers=[logger], is_global_zero=True)
     callback.save_config(trainer, None, "fit")
     callback.on_exception(trainer, None, UserError(f"storage postgresql://me:{SECRET}@db/x cannot be reached."))
-    client, (run,) = runs(uri)
+    client, (run,) = runs(uri, "lightning_spec")
     saved = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)))
     assert saved.read_text() == "tracking_uri: postgresql://me:***@db/mlflow\n"
     assert run.data.tags["error"] == "storage postgresql://me:***@db/x cannot be reached."
