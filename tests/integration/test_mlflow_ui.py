@@ -130,3 +130,22 @@ def test_a_sweeps_experiment_shows_its_trials_by_the_same_columns(store, ui):
     for column in ("family", "objective", "K", "val/mal"):
         assert column in headers, (column, headers)
     assert "tiny" in text  # the parent run, named after the study
+
+
+def test_a_sweeps_comparison_plot_shows_on_its_parent_run(store, ui):
+    """The parent run's plots (``sweeps/plots.py``) render in the UI's artifact view, not only as files."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}")
+    sweep = experiment_id(store, "lightning_spec: tiny-random, sweep tiny")
+    (parent,) = [r for r in client.search_runs([sweep]) if "mlflow.parentRunId" not in r.data.tags]
+    page_url = (f"{ui}/#/experiments/{sweep}/runs/{parent.info.run_id}/artifacts/plots/metric_vs_block_size.png"
+                "?workflowType=machine_learning")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        page = browser.new_page(viewport={"width": 1600, "height": 900})
+        page.goto(page_url, wait_until="load", timeout=90_000)
+        page.wait_for_function("[...document.images].some(i => i.src.startsWith('blob:') && i.naturalWidth > 0)",
+                               timeout=60_000)  # the PNG fetched from the run's artifacts and decoded
+        browser.close()
+
