@@ -39,8 +39,7 @@ class SGLangEagle3Codec(Eagle3Codec):
             "speculative_num_steps": d.block_size,
             "verifier": verifier,
         })
-        tensors = self.tensors(d)
-        tensors.pop("embed_tokens.weight")  # SGLang shares the target's embedding
+        tensors = self.tensors(d)  # no embed_tokens: SGLang shares the target's embedding too
         tensors["hot_token_id"] = d.vocab.ids.long()
         return config, tensors, {}
 

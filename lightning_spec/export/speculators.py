@@ -7,6 +7,9 @@ and ``model.safetensors``. Conventions this module maps, EAGLE-3's and DFlash's 
 vLLM (``make serve-check``), DSpark's and MTP's against the speculators library's own modules
 (tests/export/test_export.py):
 
+* The target's embedding is not shipped for EAGLE-3 and DFlash: they borrow it unchanged, and vLLM 0.32 shares the
+  target's when the draft checkpoint has none (``has_own_embed_tokens``; 113 MB of fp32 for SmolLM2, most of the
+  folder). DSpark ships its own table, whose ``mask_token_id`` row is learned (below).
 * Feature layers. Ours are 0-indexed layer outputs (HF ``hidden_states[l + 1]``); speculators / vLLM number an aux
   hidden state by the layer it enters (vLLM records the residual stream *before* layer i), so id = ours + 1.
 * Draft vocabulary. ``d2t`` (Vd,) int64 offsets, target id = i + d2t[i]; ``t2d`` (V,) bool.
@@ -91,7 +94,7 @@ class Eagle3Codec:
         out = {theirs: state[ours] for ours, theirs in self.layer_names().items()}
         head = d.lm_head if d.own_head else d.vocab.head_weight(d.target.lm_head)
         out.update({"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"], "lm_head.weight": head,
-                    "embed_tokens.weight": d.target.embed_tokens.weight, **vocab_tensors(d)})
+                    **vocab_tensors(d)})  # no embed_tokens: the target's, which vLLM shares when the folder has none
         return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
 
     def write(self, d: Eagle3Drafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
@@ -175,7 +178,7 @@ class DFlashCodec:
         out = {theirs: state[ours] for ours, theirs in self.layer_names(d.num_layers).items()}
         out.update({"fc.weight": state["fc.weight"], "hidden_norm.weight": state["ctx_norm.weight"],
                     "norm.weight": state["norm.weight"], "lm_head.weight": d.vocab.head_weight(d.target.lm_head),
-                    "embed_tokens.weight": d.target.embed_tokens.weight, **vocab_tensors(d)})
+                    **vocab_tensors(d)})  # no embed_tokens: the target's, which vLLM shares when the folder has none
         return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
 
     def config(self, d: DFlashDrafter, verifier: str) -> dict[str, Any]:
@@ -260,7 +263,7 @@ class DSparkCodec(DFlashCodec):
         out["confidence_head.proj.weight"] = d.confidence.weight.detach()  # over [h; W1[x]]
         out["confidence_head.proj.bias"] = d.confidence.bias.detach()
         # vLLM's DSpark embeds the masks with the table's row of mask_token_id: that row is the learned vector
-        embed = out["embed_tokens.weight"].detach().clone()
+        embed = d.target.embed_tokens.weight.detach().clone()  # its own table: the mask row differs from the target's
         embed[d.mask_token_id] = d.mask_embedding.detach()[0]
         out["embed_tokens.weight"] = embed
         return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}

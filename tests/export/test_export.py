@@ -389,7 +389,7 @@ def test_export_command_writes_a_folder_from_a_fit_checkpoint(diverse_target, tm
 
 def test_a_tied_target_full_vocabulary_head_exports(tmp_path):
     """A full-vocabulary EAGLE-3 head on a target with tied embeddings (SmolLM2's) is the embedding tensor itself:
-    safetensors refused to write it twice."""
+    the head is written, the embedding is not (vLLM shares the target's when the folder has none)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_spec.target import Target
@@ -402,7 +402,7 @@ def test_a_tied_target_full_vocabulary_head_exports(tmp_path):
     drafter.bind(target)
     folder = export_drafter(drafter, tmp_path / "tied", "speculators")
     tensors = load_file(str(folder / "model.safetensors"))
-    assert torch.equal(tensors["lm_head.weight"], tensors["embed_tokens.weight"])
+    assert torch.equal(tensors["lm_head.weight"], target.embed_tokens.weight) and "embed_tokens.weight" not in tensors
     loaded = load_drafter(folder, target=target)
     assert decode_all(target, loaded, [[1, 2, 3]]) == decode_all(target, drafter, [[1, 2, 3]])
 
@@ -447,3 +447,15 @@ def test_the_quickstart_drafter_exports_and_loads_back(tmp_path, monkeypatch, ti
         got = generate(tiny_target, prompt, 16, drafter=served)
         assert got.tokens == want.tokens == generate(tiny_target, prompt, 16).tokens
         assert got.accept_lengths == want.accept_lengths
+
+
+@pytest.mark.parametrize("family,ships_embedding", [("eagle3", False), ("dflash", False), ("dspark", True)])
+def test_the_served_folder_repeats_the_targets_embedding_only_where_it_differs(family, ships_embedding, tmp_path,
+                                                                             trained_exportable):
+    """EAGLE-3 and DFlash borrow the target's embedding unchanged, so the folder leaves it out (vLLM 0.32 shares the
+    target's when the draft checkpoint has none: ``has_own_embed_tokens``); DSpark ships its own table, whose mask
+    row is learned."""
+    drafter = trained_exportable(family)
+    tensors = load_file(str(export_drafter(drafter, tmp_path / family, "speculators") / "model.safetensors"))
+    assert ("embed_tokens.weight" in tensors) is ships_embedding
+
