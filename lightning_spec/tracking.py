@@ -46,6 +46,7 @@ MLFLOW_RUN_KEY = "mlflow_run_id"  # checkpoint key: the MLflow run that wrote it
 # One experiment per target: ``{target}`` in an experiment name is the run's target (``experiment_name``). A name
 # without it (a user's own) is taken as written.
 DEFAULT_EXPERIMENT = "lightning_spec: {target}"
+EVALUATE_EXPERIMENT = "lightning_spec: {target}, evaluate"  # `evaluate --mlflow`: one run per arm
 SWEEP_EXPERIMENT = "lightning_spec: {target}, sweep {study}"  # its parent run and trials ("/" nests in the UI)
 DEFAULT_LOGGER = {  # trainer.logger of every fit unless the YAML says otherwise
     "class_path": "lightning.pytorch.loggers.MLFlowLogger",

@@ -45,6 +45,7 @@ from lightning_spec.evaluation.paired import Bootstrap, Comparison, compare_repo
 from lightning_spec.evaluation.report import common_tree, log_mlflow, print_results, tree_dict, write_json
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.target import TargetOptions
+from lightning_spec.tracking import EVALUATE_EXPERIMENT
 
 
 def arm_names(drafters: list[str], names: list[str] | None) -> list[str]:
@@ -214,7 +215,7 @@ class Evaluate:
         output: the JSON file to write (null: none).
         mlflow: log one MLflow run per arm.
         tracking_uri: MLflow tracking URI.
-        experiment_name: MLflow experiment.
+        experiment_name: MLflow experiment; ``{target}`` is the evaluated target (one experiment per target).
         target_dtype: float32 (CPU default), bfloat16 (GPUs), or auto: bf16 where the device multiplies it natively.
         device: where the target and drafters run.
         progress: show progress bars.
@@ -262,7 +263,7 @@ class Evaluate:
     output: str | None = "evaluation.json"
     mlflow: bool = False
     tracking_uri: str = "sqlite:///mlflow.db"
-    experiment_name: str = "lightning_spec_evaluate"
+    experiment_name: str = EVALUATE_EXPERIMENT
     target_dtype: str = "float32"
     device: str = "cpu"
     progress: bool = True

@@ -127,7 +127,7 @@ def log_mlflow(result: dict[str, Any], comparison: Comparison, tracking_uri: str
     """One MLflow run per arm: params (mode, target, sampling, checkpoints), metrics ``<mode>/mal``,
     ``<mode>/mal/<domain>``, ``<mode>/accept_rate/t<k>``, ``<mode>/delta_mal`` (+ ``_lo``/``_hi``), online
     also ``online/tokens_per_s`` and ``online/speedup``. Returns the run ids."""
-    from lightning_spec.tracking import log_runs
+    from lightning_spec import tracking
 
     mode = result["mode"]
     runs = []
@@ -157,7 +157,7 @@ def log_mlflow(result: dict[str, Any], comparison: Comparison, tracking_uri: str
                 "lightning_spec.baseline": comparison.baseline,
                 "lightning_spec.checkpoints": json.dumps(arm["checkpoints"])}
         runs.append({"name": f"{mode}-{a.name}", "tags": tags, "params": params, "metrics": metrics})
-    return log_runs(tracking_uri, experiment_name, runs)
+    return tracking.log_runs(tracking_uri, tracking.experiment_name(experiment_name, result["target"]), runs)
 
 
 def write_json(result: dict[str, Any], output: str) -> None:

@@ -348,7 +348,8 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("lightning_spec_evaluate").experiment_id])
+    experiment = client.get_experiment_by_name(f"lightning_spec: {result['target']}, evaluate")  # one per target
+    runs = client.search_runs([experiment.experiment_id])
     decoding = {r.data.tags["lightning_spec.arm"]: r.data.params["decoding"] for r in runs}
     assert decoding == {"chain": "chain", "tree": "tree 6/3"}
     assert all(r.data.metrics["online/speedup_lo"] <= r.data.metrics["online/speedup"] for r in runs)

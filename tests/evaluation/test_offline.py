@@ -350,7 +350,8 @@ def test_evaluate_offline_cli_writes_json_and_mlflow(in_tmp, tiny_target, rollou
     rc = offline_rounds(tiny_target, load_drafter(c, target=tiny_target), rollouts)
     assert result["arms"]["other"]["rounds"] == pytest.approx(((ra + rc) / 2).tolist(), rel=1e-6)
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("lightning_spec_evaluate").experiment_id])
+    experiment = client.get_experiment_by_name(f"lightning_spec: {result['target']}, evaluate")  # one per target
+    runs = client.search_runs([experiment.experiment_id])
     assert sorted(r.data.tags["lightning_spec.arm"] for r in runs) == ["base", "other"]
     assert all(r.data.params["decoding"] == "chain" for r in runs)  # a tree arm says "tree N/K"
     assert all("offline/mal" in r.data.metrics for r in runs)
