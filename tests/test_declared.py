@@ -89,6 +89,18 @@ def _chain(node: ast.expr) -> list[str]:
     return names[::-1]
 
 
+def stored(node: ast.AST) -> list[ast.expr]:
+    """The attributes and subscripts ``node`` stores into (plain, augmented, annotated, tuple targets: a, x.y = ...)."""
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    else:
+        return []
+    return [t for target in targets for t in ast.walk(target)
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and isinstance(t.ctx, ast.Store)]
+
+
 def findings(source: str) -> list[tuple[int, str]]:
     """(line, what) of every probe and every attribute set on another object in ``source``."""
     found = []
@@ -99,21 +111,14 @@ def findings(source: str) -> list[tuple[int, str]]:
                 found.append((node.lineno, f"{func.id}()"))
             elif _chain(func) == ["inspect", "signature"]:
                 found.append((node.lineno, "inspect.signature()"))
-        targets = []
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        for target in targets:
-            for t in ast.walk(target):  # tuple targets too: a, dm.x = ...
-                if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store):
-                    owner = _chain(t.value)
-                    if owner and owner != ["self"] and OTHERS & set(owner):
-                        found.append((t.lineno, f"sets {'.'.join(owner)}.{t.attr}"))
-                elif isinstance(t, ast.Subscript) and isinstance(t.ctx, ast.Store):
-                    owner = _chain(t.value)  # dm.train_dataset[:] = ...: another object's contents, in place
-                    if len(owner) > 1 and OTHERS & set(owner[:-1]) and owner[:-1] != ["self"]:
-                        found.append((t.lineno, f"sets {'.'.join(owner)}[...]"))
+        for t in stored(node):
+            owner = _chain(t.value)
+            if isinstance(t, ast.Attribute):
+                if owner and owner != ["self"] and OTHERS & set(owner):
+                    found.append((t.lineno, f"sets {'.'.join(owner)}.{t.attr}"))
+            elif len(owner) > 1 and OTHERS & set(owner[:-1]) and owner[:-1] != ["self"]:
+                # dm.train_dataset[:] = ...: another object's contents, in place
+                found.append((t.lineno, f"sets {'.'.join(owner)}[...]"))
     return sorted(set(found))
 
 
@@ -200,17 +205,10 @@ def owned_writes(source: str) -> list[tuple[int, str]]:
                           and any(cls in ast.unparse(a.annotation) for cls in OWNED.values())}
     found = []
     for node in ast.walk(tree):
-        targets = []
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        for target in targets:
-            for t in ast.walk(target):  # tuple targets too: a, draft.x = ...
-                if isinstance(t, (ast.Attribute, ast.Subscript)) and isinstance(t.ctx, ast.Store):
-                    chain = _chain(t.value if isinstance(t, ast.Subscript) else t)
-                    if len(chain) > 1 and chain[0] in names:
-                        found.append((t.lineno, f"writes {'.'.join(chain)}"))
+        for t in stored(node):
+            chain = _chain(t.value if isinstance(t, ast.Subscript) else t)
+            if len(chain) > 1 and chain[0] in names:
+                found.append((t.lineno, f"writes {'.'.join(chain)}"))
     return sorted(set(found))
 
 
