@@ -9,3 +9,8 @@ def runs(tracking_uri: str, experiment: str = "lightning_spec: tiny-random") -> 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     return client, (client.search_runs([exp.experiment_id]) if exp is not None else [])
+
+
+def sweep_runs(tracking_uri: str, study: str) -> tuple:
+    """(client, runs) of a sweep's experiment: one per study, of the base's target (``Sweep.experiment_name``)."""
+    return runs(tracking_uri, f"lightning_spec: tiny-random, sweep {study}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.cli import exit_code, last_error_line
-from helpers.tracking import runs
+from helpers.tracking import sweep_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -58,7 +58,7 @@ def test_credentials_never_leave_a_sweep_or_its_fit_in_clear(tmp_path, postgres)
             "postgres@", "postgres:***@")
         assert f"see it: mlflow ui --backend-store-uri {masked}" in done.stdout  # the trial's fit summary
 
-        client, found = runs(tracking)
+        client, found = sweep_runs(tracking, name)
         assert len(found) == 2  # the study's parent run and its trial
         for run in found:
             assert SECRET not in json.dumps([run.data.params, run.data.tags])

@@ -18,6 +18,7 @@ import torch
 import yaml
 from filelock import FileLock
 from helpers.cli import exit_code
+from helpers.tracking import sweep_runs
 
 from lightning_spec.sweeps import (
     TrialReporter,
@@ -59,17 +60,6 @@ def sweep_yaml(tmp: Path, name: str = "sweep.yaml", **changes) -> Path:
     path = tmp / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
-
-
-def mlflow_runs(tracking_uri: str, study: str) -> list:
-    """(client, runs) of the study's experiment: one per study, of the base's target (``Sweep.experiment_name``)."""
-    import mlflow
-
-    experiment = f"lightning_spec: tiny-random, sweep {study}"
-
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    return client, client.search_runs([exp.experiment_id]) if exp is not None else []
 
 
 # ------------------------------------------------------------------------------------ every YAML parses
@@ -247,7 +237,7 @@ def test_tiny_sweep_lands_in_optuna_and_mlflow(tmp_path, monkeypatch):
         assert "val/mal/chat" in by_block[k].user_attrs["metrics"]
         assert by_block[k].intermediate_values  # reported at the validation of step 2
 
-    client, runs = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "three")
+    client, runs = sweep_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "three")
     (parent,) = [r for r in runs if r.info.run_name == "three"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(runs) == 4 and len(children) == 3
@@ -379,7 +369,7 @@ def test_an_interrupted_or_killed_sweep_resumes_without_repeating_finished_trial
         assert rerun.user_attrs["requeued_from"] in (stopped, killed)
     assert len(after) == 6
 
-    client, runs = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "resume")
+    client, runs = sweep_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "resume")
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert parent.info.status == "FINISHED"
     states = sorted(r.data.tags["state"] for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id)
@@ -416,7 +406,7 @@ def test_two_workers_share_a_postgres_study(tmp_path, postgres):
         workers = {t.user_attrs["worker"]["pid"] for t in trials}
         print(f"trials per worker: {[sum(t.user_attrs['worker']['pid'] == w for t in trials) for w in workers]}")
 
-        _, runs = mlflow_runs(tracking, name)
+        _, runs = sweep_runs(tracking, name)
         (parent,) = [r for r in runs if r.info.run_name == name]
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
         assert sorted(int(r.data.tags["optuna.trial_number"]) for r in children) == [0, 1, 2, 3]
