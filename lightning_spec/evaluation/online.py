@@ -285,7 +285,7 @@ def online_statistics(timings: OnlineTimings, names: list[str], keys: list[str],
 
     An arm's checkpoints (seeds) decode their own tokens: tokens and rounds are averaged per prompt. The speedup's
     interval is paired: tokens/s of every arm and of plain decoding are recomputed on the same bootstrap resamples
-    of the prompts (the MAL bootstrap's ratio of sums, with seconds for rounds)."""
+    of all the prompts together (the MAL bootstrap's ratio of sums, with seconds for rounds)."""
     tok, rnd, sec = timings.tokens, timings.rounds, timings.seconds
     arm_list = list(dict.fromkeys(names))
     idx = {name: [j + 1 for j, n in enumerate(names) if n == name] for name in arm_list}
@@ -299,7 +299,8 @@ def online_statistics(timings: OnlineTimings, names: list[str], keys: list[str],
     plain_tps = tok[0].sum() / max(sec[0].sum(), 1e-9)
     per_arm_tok = np.stack([tok[0]] + [tok[idx[name]].mean(0) for name in arm_list])  # (1 + A, R)
     per_arm_sec = np.stack([sec[0]] + [sec[idx[name]].mean(0) for name in arm_list])
-    tps_boot = bootstrap_mal(per_arm_tok, per_arm_sec, keys, domains, bootstrap.n_resamples, bootstrap.seed)
+    # all prompts resampled together, as the MAL intervals (by domain, a domain of one prompt would be a point)
+    tps_boot = bootstrap_mal(per_arm_tok, per_arm_sec, keys, None, bootstrap.n_resamples, bootstrap.seed)
     speedup_boot = tps_boot[:, 1:] / tps_boot[:, :1]  # (B, A)
     arms = {}
     for a, name in enumerate(arm_list):

@@ -49,6 +49,20 @@ def test_statistics_of_a_fixed_record_are_the_hand_computed_figures():
     assert cmp.prompts == 4 and cmp.n_resamples == 50 and cmp.confidence == 0.9
 
 
+def test_the_speedup_interval_resamples_all_prompts_together_as_mal_does():
+    """One prompt per domain, the arm twice as fast as plain on one and as fast on the other: the speedup's interval
+    resamples the prompts together (as the MAL intervals do), so it spans the two; stratified by domain every
+    resample would redraw each domain's one prompt and the interval would collapse to a point."""
+    timings = OnlineTimings.zeros([2], 2)
+    timings.tokens[:] = 10
+    timings.rounds[:] = [[10, 10], [5, 5]]
+    timings.seconds[:] = [[1.0, 1.0], [0.5, 1.0]]  # speedup 2 on x, 1 on y; 20 / 15 s over 20 / 2 s overall
+    stats = online_statistics(timings, ["a"], ["p0", "p1"], ["x", "y"], Bootstrap(n_resamples=200, seed=0))
+    arm = stats.arms["a"]
+    assert arm["speedup"] == pytest.approx(4 / 3)
+    assert arm["speedup_ci"] == pytest.approx([1.0, 2.0])  # both prompts drawn twice happens in 1 of 4 resamples
+
+
 def test_seeds_of_one_arm_are_averaged_per_prompt():
     """Two checkpoints named alike are one arm: tokens and rounds averaged per prompt, each checkpoint's MAL kept."""
     stats = online_statistics(fixed_record(), ["a", "a"], [p["id"] for p in PROMPTS], [p["domain"] for p in PROMPTS],
