@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+
 from objective_memory import cpu_name  # this folder is on sys.path when the script runs
 
 

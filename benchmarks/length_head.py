@@ -28,8 +28,8 @@ import time
 from collections import Counter
 
 import torch
-from decode_speed import mt_bench_prompts  # benchmarks/ is on sys.path when a script here runs
 
+from decode_speed import mt_bench_prompts  # benchmarks/ is on sys.path when a script here runs
 from lightning_spec import SamplingConfig, generate, load_drafter, load_target
 
 

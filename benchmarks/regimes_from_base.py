@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
 from learning_curve import LS, ROOT, Settings, evaluation_rollouts, run  # this folder is on sys.path when it runs
 from objective_memory import cpu_name
-
 from testbed import TINY as TESTBED_TINY
 
 BASE_RECIPES = {  # the base's own training recipe: what its SFT twin continues

@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 
 import torch
-from decode_speed import mt_bench_prompts  # benchmarks/ is on sys.path when a script here runs
 
+from decode_speed import mt_bench_prompts  # benchmarks/ is on sys.path when a script here runs
 from lightning_spec import SamplingConfig, generate, load_drafter, load_target, offline_rounds
 from lightning_spec.assets import resolve_target_folder
 from lightning_spec.export import codec_for, export_drafter

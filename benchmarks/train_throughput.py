@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
 from objective_memory import cpu_name  # this folder is on sys.path when the script runs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,12 +22,12 @@ import statistics
 import time
 
 import torch
-from decode_speed import mt_bench_prompts  # this folder is on sys.path when the script runs
-from objective_memory import cpu_name
 
+from decode_speed import mt_bench_prompts  # this folder is on sys.path when the script runs
 from lightning_spec import TreeConfig, generate, load_target
 from lightning_spec.decoding.proposals import TreeProposal
 from lightning_spec.decoding.trees import best_first_tree
+from objective_memory import cpu_name
 
 SIZES = [1, 2, 9, 17, 33, 65]
 
