@@ -218,7 +218,7 @@ def short_chats(n: int) -> list[dict]:
 
 def run_in_subprocesses(arg_lists: list[list[str]], cwd: Path) -> list[subprocess.CompletedProcess]:
     """The real console entry point, several at once (each pays ~8 s of imports; the cores overlap them)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     script = Path(sys.executable).parent / "lightning-spec"  # the installed console script
     command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_spec"]
     procs = [

@@ -106,7 +106,7 @@ def run_tiny(cwd: Path, command: str, terminal: bool) -> subprocess.CompletedPro
     """``lightning-spec <command> -c experiments/tiny.yaml`` with the rich progress bar and the table on, its
     output piped (rich draws the bar once, when it stops) or drawn as on a terminal (live, redrawn in place)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "FORCE_COLOR")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", COLUMNS="120")
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", COLUMNS="120")
     if terminal:
         env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1")
     cmd = [sys.executable, "-m", "lightning_spec", command, "-c", str(TINY), "--trainer.logger=false",

@@ -208,7 +208,7 @@ def test_a_killed_server_regeneration_resumes_with_nothing_lost_or_written_twice
     common = ["rollouts", "--target=tiny-random", f"--sources=[{source}]", "--prompts_per_source=null",
               "--backend=server", f"--server_url={url}", "--concurrency=4", "--temperature=0.7",
               "--max_new_tokens=10", "--progress=false"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     try:
         folder = tmp_path / "killed"
         proc = subprocess.Popen([sys.executable, "-m", "lightning_spec", *common, f"--out={folder}"], env=env,

@@ -78,7 +78,7 @@ def _start_fit(cwd: Path, *args: str) -> tuple[list[str], subprocess.Popen]:
 def _fit_env() -> dict[str, str]:
     """Offline, one thread per process, tests/ importable (``helpers.fits.Probe``)."""
     path = os.pathsep.join(p for p in [str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")] if p)
-    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 

@@ -44,7 +44,6 @@ def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from decode_speed import mt_bench_prompts
-
     from lightning_spec.drafters import DFlashDrafter, DSparkDrafter, Eagle3Drafter
 
     prompts = mt_bench_prompts(tiny_target, 2, seed=0)  # the prompts serve_check.py decodes

@@ -18,7 +18,7 @@ from helpers.tracking import sweep_runs
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "experiments" / "tiny.yaml"
 SECRET = "hunter2-Secret"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
        "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 

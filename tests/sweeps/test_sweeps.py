@@ -285,7 +285,7 @@ def sweep_command(*args: str) -> list[str]:
 
 
 # tests/ importable in the sweep's process: its trials load helpers.fits.PauseWhenArmed by class path
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
        "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")] if p)}
 
 
