@@ -203,13 +203,26 @@ class NgramDrafter(Proposer):
         state.history.extend(state.drafted[i - 1] for i in path[1:])
 
 
+def from_name(spec: str) -> NgramDrafter | None:
+    """N-gram lookup named as a drafter: ``"ngram"`` (its defaults) or ``"ngram:K"`` (chains of up to K tokens, trees
+    of depth K), as ``evaluate --drafters`` and ``generate`` take it; None for anything else (a checkpoint path)."""
+    name, _, k = str(spec).partition(":")
+    if name != "ngram":
+        return None
+    if not k:
+        return NgramDrafter()
+    if not k.isdigit() or int(k) < 1:
+        raise UserError(f"{spec!r} names n-gram lookup with a bad length; write ngram:K with K >= 1, e.g. ngram:4.")
+    return NgramDrafter(block_size=int(k))
+
+
 def as_proposer(value: Any) -> Proposer | None:
     """What ``generate`` and the offline evaluator take as a drafter: a ``Proposer`` (a loaded drafter, an
-    ``NgramDrafter``), ``"ngram"`` (n-gram lookup with its defaults) or None (plain decoding)."""
+    ``NgramDrafter``), ``"ngram"`` or ``"ngram:K"`` (n-gram lookup, ``from_name``) or None (plain decoding)."""
     if value is None or isinstance(value, Proposer):
         return value
-    if isinstance(value, str) and value == "ngram":
-        return NgramDrafter()
+    if isinstance(value, str) and (ngram := from_name(value)) is not None:
+        return ngram
     if isinstance(value, (str, os.PathLike)):
         raise UserError(f"drafter takes a loaded drafter, 'ngram' (prompt lookup) or None, not {str(value)!r}; for a "
                         f"checkpoint pass load_drafter({str(value)!r}, target=target) instead.")

@@ -23,15 +23,18 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_spec.decoding.ngram import from_name
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
 from lightning_spec.evaluation.adaptation import Adaptation
 from lightning_spec.evaluation.inputs import (
     TargetLoad,
     calibration_prompts,
+    open_drafter,
     open_prompts,
     open_rollouts,
     open_target,
+    trained_checkpoint,
 )
 from lightning_spec.evaluation.offline import OfflineReport, offline_report
 from lightning_spec.evaluation.online import (
@@ -106,19 +109,18 @@ def run_offline(rollouts: str, entries: list[Entry], target: str | None, how: Ta
                 bootstrap: Bootstrap) -> tuple[dict[str, Any], Comparison]:
     """Exact offline rounds of every checkpoint on the rollouts folder (``offline.py``), arms compared on them.
     The target is ``target``, else the one the rollouts record; checkpoints are loaded one at a time."""
-    from lightning_spec.checkpoint import load_drafter
     from lightning_spec.data.rollouts import load_rollout_set
 
     data = load_rollout_set(rollouts)
     spec = target or (data.meta or {}).get("target")
     if spec is None:
         raise UserError("--target is needed: the rollouts record none.")
-    _, model = open_target(spec, entries[0].checkpoint, how)
+    _, model = open_target(spec, trained_checkpoint([e.checkpoint for e in entries]), how)
     data, sampling = open_rollouts(data, model, options.sampling, options.max_rollouts,
                                    sampling_name="--temperature (--top_p, --top_k)")
     reports: dict[str, list[OfflineReport]] = {}
     for entry in entries:
-        drafter = load_drafter(entry.checkpoint, target=model)
+        drafter = open_drafter(entry.checkpoint, model)
         reports.setdefault(entry.name, []).append(offline_report(
             model, drafter, data, sampling, batch_size=options.batch_size, progress=options.progress, tree=entry.tree,
         ))
@@ -170,10 +172,10 @@ def run_online(entries: list[Entry], target: str | None, how: TargetLoad, option
     decodes the prompts in order (``adaptation.py``), its update time counted in its seconds."""
     from lightning_spec.checkpoint import load_drafter
 
-    spec, model = open_target(target, entries[0].checkpoint, how)  # default: the first checkpoint's target
+    # default: the first checkpoint's target
+    spec, model = open_target(target, trained_checkpoint([e.checkpoint for e in entries]), how)
     prompts = open_prompts(model, spec, options.sources, options.prompts_per_source, options.seed)
-    decodings = [DrafterDecoding(e.name, e.checkpoint, load_drafter(e.checkpoint, target=model), e.tree)
-                 for e in entries]
+    decodings = [DrafterDecoding(e.name, e.checkpoint, open_drafter(e.checkpoint, model), e.tree) for e in entries]
     if any(e.tree == "auto" for e in entries):
         calibration = calibration_prompts(model, options.sources, options.prompts_per_source, options.seed, prompts)
         decodings = choose_decodings(decodings, model, calibration, options.sampling, options.max_new_tokens,
@@ -192,7 +194,9 @@ class Evaluate:
     """Score drafters offline on target rollouts (exact expected rounds) or online by real decoding.
 
     Args:
-        drafters: fit checkpoints (.ckpt) or exported drafter folders, e.g. '[runs/a/last.ckpt, runs/b/last.ckpt]'.
+        drafters: fit checkpoints (.ckpt) or exported drafter folders, e.g. '[runs/a/last.ckpt, runs/b/last.ckpt]';
+            ``ngram`` or ``ngram:K`` is n-gram lookup (prompt and output, chains of up to K tokens; 10 by default),
+            the untrained baseline: '[runs/a/last.ckpt, ngram]'. It records no target: alone it needs --target.
         mode: offline (rollouts + drafter forwards, exact expected rounds) or online (real speculative decoding).
         names: a name per drafter (default: the file names); equal names form one arm whose checkpoints (seeds)
             are averaged per rollout.
@@ -323,6 +327,10 @@ class Evaluate:
         sampling = sampling_config(self.temperature, self.top_p, self.top_k)
         if self.adapt and self.mode != "online":
             raise UserError("--adapt true adapts drafters while they decode; use it with --mode online.")
+        for drafter, setting in zip(drafters, per_drafter):
+            if from_name(drafter) is not None and (self.adapt or setting == "auto"):
+                raise UserError(f"--drafters {drafter!r} is n-gram lookup, which has no weights to adapt (--adapt) and "
+                                "is one of the decodings --tree auto picks among; give it a chain or a tree setting.")
         taken = [n for n in labels if self.adapt and n.endswith("+adapt") and n[: -len("+adapt")] in labels]
         if taken:
             raise UserError(f"--names {taken[0]!r} is also the name of an adapting arm (--adapt true); rename it.")

@@ -1,4 +1,4 @@
-"""What an evaluation reads, opened once at the edge: the target, the rollouts, the prompts.
+"""What an evaluation reads, opened once at the edge: the target, the drafters, the rollouts, the prompts.
 
 The evaluators (``offline_report``, ``OnlineRun``) take loaded objects: a ``Target``, a drafter bound to it, a
 ``RolloutSet`` (or rollouts already in memory). The places that start from paths (``lightning-spec evaluate``, the
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 
 from lightning_spec.data.rollouts import RolloutSet, check_rollouts, load_rollout_set, rollout_sampling, spread
+from lightning_spec.decoding.ngram import from_name
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.target import TargetOptions
@@ -86,16 +87,33 @@ def recorded_target(checkpoint: str) -> tuple[str, TargetOptions]:
     return read(checkpoint, what="--drafters entry")
 
 
-def open_target(spec: str | None, checkpoint: str, how: TargetLoad) -> tuple[str, Target]:
+def open_target(spec: str | None, checkpoint: str | None, how: TargetLoad) -> tuple[str, Target]:
     """(spec, the loaded target): ``spec``, else the target ``checkpoint`` was trained for, loaded with ``how``'s
-    options, else the options recorded with ``checkpoint``."""
+    options, else the options recorded with ``checkpoint`` (None: no trained drafter, n-gram lookup alone)."""
     from lightning_spec.target import load_target
 
     options = how.options
-    if spec is None or options is None:
+    if checkpoint is None and spec is None:
+        raise UserError("--target is needed: n-gram lookup ('ngram') records no target; name it, e.g. "
+                        "--target smollm2-135m-instruct.")
+    if checkpoint is not None and (spec is None or options is None):
         recorded, recorded_options = recorded_target(checkpoint)
         spec, options = spec or recorded, options or recorded_options
     return spec, load_target(spec, dtype=how.dtype, device=how.device, options=options)
+
+
+def open_drafter(entry: str, target: Target) -> Any:
+    """One ``--drafters`` entry loaded for ``target``: n-gram lookup (``ngram``, ``ngram:K``; ``decoding/ngram.py``),
+    else a fit checkpoint or exported folder (``load_drafter``)."""
+    from lightning_spec.checkpoint import load_drafter
+
+    ngram = from_name(entry)
+    return ngram if ngram is not None else load_drafter(entry, target=target)
+
+
+def trained_checkpoint(entries: Sequence[str]) -> str | None:
+    """The first entry that is a checkpoint, whose target and options are the defaults (None: n-gram lookup only)."""
+    return next((e for e in entries if from_name(e) is None), None)
 
 
 # ------------------------------------------------------------------------------------------------- prompts

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
+import torch
 
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
@@ -109,6 +110,9 @@ class DrafterDecoding:
 
     @property
     def parameters(self) -> int:
+        """The drafter's weights (0 for n-gram lookup, which has none)."""
+        if not isinstance(self.drafter, torch.nn.Module):
+            return 0
         return int(sum(p.numel() for p in self.drafter.parameters()))
 
     def warm_up(self, target: Target, prompts: list[dict[str, Any]], sampling: SamplingConfig, max_new_tokens: int,

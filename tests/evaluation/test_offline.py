@@ -374,6 +374,40 @@ def test_evaluate_online_cli_writes_json(in_tmp, tiny_target, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
+def test_evaluate_scores_ngram_lookup_beside_the_checkpoints(in_tmp, tiny_target, rollout_folder, capsys):
+    """``ngram`` and ``ngram:K`` in --drafters are n-gram lookup arms: offline, exactly the rounds offline_rounds gives
+    NgramDrafter on the same rollouts (sampled ones: its drafts are chosen); online, decoded beside the checkpoint
+    with no weights; alone, it needs --target."""
+    from lightning_spec.cli import main
+    from lightning_spec.decoding.ngram import NgramDrafter
+
+    (a,) = saved_drafters(tiny_target, in_tmp, seeds=(0,))
+    main(["evaluate", "--rollouts", str(rollout_folder), "--drafters", f"[{a}, ngram, ngram:2]", "--n_resamples",
+          "50", "--output", "offline.json", "--progress", "false"])
+    result = json.loads((in_tmp / "offline.json").read_text())
+    assert list(result["arms"]) == ["drafter0", "ngram", "ngram:2"]
+    rollouts = load_rollout_set(rollout_folder)
+    for name, k in (("ngram", 10), ("ngram:2", 2)):
+        expected = offline_rounds(tiny_target, NgramDrafter(block_size=k), rollouts)
+        assert result["arms"][name]["rounds"] == pytest.approx(expected.tolist()), name
+        assert len(result["arms"][name]["accept_rate"]) == k
+    assert "ngram:2" in capsys.readouterr().out
+
+    main(["evaluate", "--mode", "online", "--drafters", f"[{a}, ngram:3]", "--sources", "[mt-bench]",
+          "--prompts_per_source", "2", "--max_new_tokens", "6", "--n_resamples", "50", "--output", "online.json",
+          "--progress", "false"])
+    arm = json.loads((in_tmp / "online.json").read_text())["arms"]["ngram:3"]
+    assert arm["parameters"] == 0 and arm["tokens"] > 0 and 1.0 <= arm["mal"] <= 4.0 and len(arm["accept_rate"]) == 3
+    for argv, words in [
+        (["--mode", "online", "--drafters", "[ngram]"], "--target is needed"),
+        (["--mode", "online", "--drafters", f"[{a}, ngram]", "--adapt", "true"], "no weights to adapt"),
+        (["--drafters", "[ngram:0]", "--rollouts", str(rollout_folder)], "ngram:K with K >= 1"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["evaluate", *argv, "--progress", "false"])
+        assert exit_.value.code == 2 and words in capsys.readouterr().err, argv
+
+
 def test_evaluate_errors_are_one_sentence(in_tmp, tiny_target, capsys):
     from lightning_spec.cli import main
 
