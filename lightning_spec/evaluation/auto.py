@@ -15,8 +15,9 @@ A setting's speed is tokens per round over seconds per round, and both are measu
 Each setting is estimated per calibration prompt; its expected tokens/s is Σ tokens / Σ seconds over them.
 
 Plain decoding is one of the settings and the judge: another setting is picked only when the one-sided 95% lower
-confidence bound of its speedup over plain on a prompt (``speedup_bound``: a t interval on the per-prompt log
-speedups, paired because every setting is scored on the same outputs) exceeds 1 + ``margin``, and among those the
+confidence bound of its pooled speedup over plain, Σ plain seconds / Σ its seconds (``speedup_bound``: a t
+interval on the log of that ratio by the delta method, paired over prompts because every setting is scored on the
+same outputs) exceeds 1 + ``margin``, and among those the
 highest bound wins. A point estimate would take whatever the calibration prompts happened to favour: two of them
 whose answers repeated themselves made an n-gram trie look 1.42x faster, and it measured 0.69x on other prompts.
 One calibration prompt gives no bound, so it keeps plain decoding.
@@ -362,17 +363,20 @@ def _t_within(t: float, dof: int) -> float:
 
 
 def speedup_bound(plain: Estimate, other: Estimate, confidence: float = CONFIDENCE) -> float | None:
-    """The one-sided lower confidence bound of ``other``'s speedup over plain decoding on a prompt like the
-    calibration ones. Both are estimated on the same outputs, so the speedups pair up: s_i = plain seconds_i /
-    other seconds_i (same tokens). A speedup is a ratio, so the t interval is taken on log s_i and exponentiated:
-    exp(mean - t_{confidence, n-1} · sd / √n). None from fewer than 2 prompts with tokens: one says nothing of how
+    """The one-sided lower confidence bound of ``other``'s speedup over plain decoding: the pooled speedup its
+    ``tokens_per_s`` reports, R = Σ plain seconds / Σ other seconds (both decode the same outputs, so the tokens
+    cancel), not a mean of per-prompt speedups (a setting fast on short prompts and slow on long ones is slower
+    overall). The bound is taken on log R by the delta method, paired over prompts: prompt i moves log R by
+    z_i = p_i / mean(p) - o_i / mean(o), so log R's standard error is sd(z) / √n and the bound is
+    R · exp(-t_{confidence, n-1} · sd(z) / √n). None from fewer than 2 prompts with tokens: one says nothing of how
     the speedup varies from prompt to prompt."""
-    logs = [math.log(p / o) for p, o, t in zip(plain.prompt_seconds, other.prompt_seconds, plain.prompt_tokens)
-            if t > 0 and p > 0 and o > 0]
-    if len(logs) < 2:
+    pairs = [(p, o) for p, o, t in zip(plain.prompt_seconds, other.prompt_seconds, plain.prompt_tokens)
+             if t > 0 and p > 0 and o > 0]
+    if len(pairs) < 2:
         return None
-    spread = statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(statistics.fmean(logs) - t_quantile(confidence, len(logs) - 1) * spread)
+    mean_p, mean_o = statistics.fmean(p for p, _ in pairs), statistics.fmean(o for _, o in pairs)
+    spread = statistics.stdev(p / mean_p - o / mean_o for p, o in pairs) / math.sqrt(len(pairs))
+    return mean_p / mean_o * math.exp(-t_quantile(confidence, len(pairs) - 1) * spread)
 
 
 def with_bounds(estimates: list[Estimate], confidence: float = CONFIDENCE) -> list[Estimate]:

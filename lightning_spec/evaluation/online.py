@@ -285,7 +285,8 @@ class OnlineStatistics:
 def online_statistics(timings: OnlineTimings, names: list[str], keys: list[str], domains: list[str],
                       bootstrap: Bootstrap) -> OnlineStatistics:
     """MAL, acceptance, tokens/s and speedup per arm from the record of a run. ``names``: the arm of every decoding
-    (row 1 + j); ``keys``, ``domains``: each prompt's id and domain (the bootstrap's clusters and strata).
+    (row 1 + j); ``keys``, ``domains``: each prompt's id (the bootstrap's clusters) and domain (the per-domain
+    comparisons).
 
     An arm's checkpoints (seeds) decode their own tokens: tokens and rounds are averaged per prompt. The speedup's
     interval is paired: tokens/s of every arm and of plain decoding are recomputed on the same bootstrap resamples
@@ -310,7 +311,9 @@ def online_statistics(timings: OnlineTimings, names: list[str], keys: list[str],
     for a, name in enumerate(arm_list):
         j = idx[name]
         tps = tok[j].sum() / max(sec[j].sum(), 1e-9)
-        acc = sum(timings.slots[i - 1] for i in j)
+        # (2, K) counts added over the seeds; seeds whose picks draft fewer slots (decoding auto) reach none past K
+        width = max(timings.slots[i - 1].shape[1] for i in j)
+        acc = sum(np.pad(timings.slots[i - 1], ((0, 0), (0, width - timings.slots[i - 1].shape[1]))) for i in j)
         arms[name] = {
             "mal": comparison.arm(name).mal,
             "mal_by_domain": {d: comparison.arm(name, d).mal for d in comparison.by_domain},

@@ -74,6 +74,17 @@ def test_seeds_of_one_arm_are_averaged_per_prompt():
     assert arm["accept_rate"] == [6 / 12, 2 / 4]  # slot counts added over the checkpoints
 
 
+def test_seeds_that_draft_different_lengths_add_their_slot_counts():
+    """Decoding auto may pick a 2-slot chain for one seed and a 3-slot one for the other: slot 3's rate is over the
+    rounds that reached it, which only the second seed's did."""
+    timings = OnlineTimings.zeros([2, 3], 1)
+    timings.tokens[:], timings.rounds[:], timings.seconds[:] = 10, 5, 1.0
+    timings.slots[0][:] = [[4, 1], [5, 4]]  # accepted, reached per slot
+    timings.slots[1][:] = [[3, 2, 1], [5, 3, 2]]
+    stats = online_statistics(timings, ["a", "a"], ["p0"], ["x"], Bootstrap(n_resamples=10))
+    assert stats.arms["a"]["accept_rate"] == pytest.approx([7 / 10, 3 / 7, 1 / 2])
+
+
 @dataclass
 class Scripted:
     """A decoding that reports fixed figures and logs its calls (no target, no drafter)."""
