@@ -119,10 +119,12 @@ def tokenized_set(
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     table.save_to_disk(str(tmp))
     atomic_write_json(tmp / META_FILE, meta)
-    if folder.exists():  # another process built it meanwhile: theirs is the same
-        shutil.rmtree(tmp)
-    else:
+    try:
         tmp.rename(folder)  # whole or absent: a killed build leaves only a tmp folder
+    except OSError:  # another process built it meanwhile (its rename came first): theirs is the same
+        if not (folder / META_FILE).is_file():
+            raise
+        shutil.rmtree(tmp)
     return datasets.load_from_disk(str(folder)), meta
 
 

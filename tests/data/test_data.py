@@ -453,3 +453,29 @@ def test_a_streamed_source_reads_only_what_the_limit_asks_for(tmp_path):
     streamed = load_source(Source(path, streaming=True, limit=3))
     assert [r["messages"] for r in streamed.to_list()] == [r["messages"] for r in rows[:3]]
     assert isinstance(sources_module._load_ordinary(Source(path, streaming=True)), datasets.IterableDataset)
+
+
+def test_a_tokenised_set_another_process_saved_first_is_the_one_kept(tmp_path, monkeypatch):
+    """Two processes building the same tokenised set (two sweep workers starting together): the one whose rename
+    comes second keeps the first one's folder and removes its own copy, instead of failing on the rename. The other
+    process's folder appears while this one builds, and any look at it just before the rename misses it (the race
+    a check-then-rename loses)."""
+    from pathlib import Path
+
+    from lightning_spec.data.tokenized import FEATURES, META_FILE, tokenized_set
+
+    rows = datasets.Dataset.from_dict({"id": ["a"], "domain": ["chat"], "key": ["a"], "input_ids": [[1, 2, 3]],
+                                      "loss_mask": [[False, True, True]]}).cast(FEATURES)
+    folder = tmp_path / "set"
+    built = []
+
+    def read():  # the other process builds and saves the set while this one is still reading
+        if not built:
+            built.append(tokenized_set("k", lambda: [(rows, None)], folder=folder))
+        return [(rows, None)]
+
+    exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda self, **kw: False if self == folder else exists(self, **kw))
+    table, meta = tokenized_set("k", read, folder=folder)
+    assert meta == built[0][1] and table["input_ids"] == [[1, 2, 3]] and (folder / META_FILE).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["set"]  # this build's own copy was removed
