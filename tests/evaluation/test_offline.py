@@ -401,6 +401,7 @@ def test_evaluate_scores_ngram_lookup_beside_the_checkpoints(in_tmp, tiny_target
     for argv, words in [
         (["--mode", "online", "--drafters", "[ngram]"], "--target is needed"),
         (["--mode", "online", "--drafters", f"[{a}, ngram]", "--adapt", "true"], "no weights to adapt"),
+        (["--mode", "online", "--drafters", f"[{a}, ngram]", "--trees", "[null, auto]"], "already weighs"),
         (["--drafters", "[ngram:0]", "--rollouts", str(rollout_folder)], "ngram:K with K >= 1"),
     ]:
         with pytest.raises(SystemExit) as exit_:
