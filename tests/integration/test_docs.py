@@ -13,7 +13,8 @@ Every fence names its language: ``python``, ``bash``, ``yaml``, or ``text`` (pri
   ``NEEDS``; such a block is reported as skipped with its reason.
 
 Blocks run in page order (README.md, then docs/*.md by name) in one workspace folder, as a reader would run them:
-a block may use what an earlier block of its page made. The workspace starts with what the pages assume a reader
+a block may use what an earlier block of its page made. Where xdist gave the earlier blocks to another worker, they
+run first in this worker's workspace. The workspace starts with what the pages assume a reader
 has: a finished quickstart ``fit`` (on the tiny target), the checkpoints the evaluation examples compare
 (``runs/<name>/last.ckpt``) and a conversations file in the documented schema (``my_chats.jsonl``). Pages whose
 name starts with ``_`` are drafts for another page; their blocks are not run.
@@ -390,6 +391,9 @@ def check_yaml(block: Block, folder: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- the run
+RAN: dict[Path, set[str]] = {}  # per workspace (one per xdist worker): the blocks that ran in it
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.name for block in BLOCKS])
 def test_block_runs(block, request, monkeypatch, capsys):
     if block.needs is not None:
@@ -399,6 +403,18 @@ def test_block_runs(block, request, monkeypatch, capsys):
     workspace = request.getfixturevalue("workspace")
     monkeypatch.chdir(workspace)
     monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    ran = RAN.setdefault(workspace, set())
+    # xdist may give another worker the earlier blocks of this page: what they made is made here first
+    for earlier in BLOCKS[: BLOCKS.index(block)]:
+        if earlier.page == block.page and earlier.needs is None and earlier.name not in ran:
+            run_block(earlier, workspace, capsys)
+            ran.add(earlier.name)
+    run_block(block, workspace, capsys)
+    ran.add(block.name)
+
+
+def run_block(block: Block, workspace: Path, capsys) -> None:
+    """One block, in ``workspace``: Python executed, YAML checked, bash run command by command."""
     if block.language == "python":
         code = block.code.replace(SMOLLM2, TINY)
         exec(compile(code, block.name, "exec"), {"__name__": "__docs__"})
