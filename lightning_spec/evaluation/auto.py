@@ -231,7 +231,7 @@ PROBES = 2  # decodes of one calibration prompt that measure a leading speculati
 class Estimate:
     """A setting's figures on each calibration output: tokens, rounds (exact; expected for drawn chains) and expected
     seconds (the prompt's prefill + Σ over rounds of draft + verify + bookkeeping); ``lcb``: the lower confidence
-    bound of its speedup over plain on a prompt (``speedup_bound``; plain's is 1, None where undefined)."""
+    bound of its pooled speedup over plain (``speedup_bound``; plain's is 1, None where undefined)."""
 
     setting: Setting
     prompt_tokens: tuple[int, ...]  # (P,)
@@ -467,7 +467,7 @@ class Choice:
         lines += [f"  {e.setting.label:<36}{e.mal:>6.2f}{e.tokens_per_s:>10.2f}{e.tokens_per_s / plain:>8.2f}x"
                   + (f"{e.lcb:>7.2f}x" if e.lcb is not None else f"{'-':>8}")
                   + ("  <- picked" if e.setting == self.setting else "") for e in rows]
-        lines.append(f"  LCB: the {self.confidence:.0%} lower bound of the speedup over plain on a prompt, over "
+        lines.append(f"  LCB: the {self.confidence:.0%} lower bound of the speedup over plain, over the "
                      f"{self.prompts} calibration prompts; picked over plain only above {1 + self.margin:.2f}x")
         return "\n".join(lines)
 
