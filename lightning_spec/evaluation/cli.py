@@ -328,10 +328,12 @@ class Evaluate:
         if self.adapt and self.mode != "online":
             raise UserError("--adapt true adapts drafters while they decode; use it with --mode online.")
         for drafter, setting in zip(drafters, per_drafter):
-            if from_name(drafter) is not None and self.adapt:
+            if from_name(drafter) is None:
+                continue
+            if self.adapt:
                 raise UserError(f"--drafters {drafter!r} is n-gram lookup, which has no weights to adapt; drop it from "
                                 "--drafters or run without --adapt true.")
-            if from_name(drafter) is not None and setting == "auto":
+            if setting == "auto":
                 raise UserError(f"--drafters {drafter!r} is n-gram lookup, which --tree auto already weighs for every "
                                 "drafter; give it a chain (null) or a tree in --trees.")
         taken = [n for n in labels if self.adapt and n.endswith("+adapt") and n[: -len("+adapt")] in labels]

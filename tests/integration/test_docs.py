@@ -14,10 +14,10 @@ Every fence names its language: ``python``, ``bash``, ``yaml``, or ``text`` (pri
 
 Blocks run in page order (README.md, then docs/*.md by name) in one workspace folder, as a reader would run them:
 a block may use what an earlier block of its page made. Where xdist gave the earlier blocks to another worker, they
-run first in this worker's workspace. The workspace starts with what the pages assume a reader
-has: a finished quickstart ``fit`` (on the tiny target), the checkpoints the evaluation examples compare
-(``runs/<name>/last.ckpt``) and a conversations file in the documented schema (``my_chats.jsonl``). Pages whose
-name starts with ``_`` are drafts for another page; their blocks are not run.
+run first in this worker's workspace. The workspace starts with what the pages assume a reader has: a finished
+quickstart ``fit`` (on the tiny target), the checkpoints the evaluation examples compare (``runs/<name>/last.ckpt``)
+and a conversations file in the documented schema (``my_chats.jsonl``). Pages whose name starts with ``_`` are
+drafts for another page; their blocks are not run.
 """
 
 from __future__ import annotations
