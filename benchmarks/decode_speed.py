@@ -149,7 +149,8 @@ def forward_timings(target, drafter, ctx: torch.Tensor, tree: TreeConfig | None 
 
 
 def breakdown(target, ctx: torch.Tensor, q_lens: list[int], repeats: int) -> list[tuple[str, list[float]]]:
-    """Per-forward cost of each part for every query length in ``q_lens`` (ms, medians), Llama-style targets.
+    """Per-forward cost of each part of transformers' forward for every query length in ``q_lens`` (ms, medians),
+    Llama-style targets (the whole forward on a ``DynamicCache``, which runs transformers' forward).
 
     Linear layers and the LM head are the real weights called with fresh activations, every layer in turn
     (so weights stream from memory as in a forward); attention is the model's configured attention function
@@ -166,7 +167,7 @@ def breakdown(target, ctx: torch.Tensor, q_lens: list[int], repeats: int) -> lis
     attention = ALL_ATTENTION_FUNCTIONS[cfg._attn_implementation]
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    cache = target.new_cache()
+    cache = target.new_cache(dynamic=True)
     target(ctx, cache=cache, logits=False)
     past = cache.get_seq_length()
     fns: dict[tuple[str, int], Callable[[], object]] = {}
@@ -302,7 +303,7 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32", help="the target's dtype (the drafter keeps its weights)")
     parser.add_argument("--device", default="cpu", help="where the target and drafter run: cpu, cuda, cuda:1, ...")
-    parser.add_argument("--prepack", action="store_true", help="prepack the target's decoder linears (Target.prepack)")
+    parser.add_argument("--decode", default="fast", help="the target's decoding forward: fast, transformers")
     parser.add_argument("--prompts", type=int, default=8, help="prompts (round-robin over the source's categories)")
     parser.add_argument("--source", default="mt-bench", help="the prompts' source: mt-bench, humaneval or mmath")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -329,7 +330,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = load_target(args.target, dtype=args.dtype, device=args.device, prepack=args.prepack)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, decode=args.decode)
     everything = mt_bench_prompts(target, args.prompts + (args.calibration if args.auto else 0), args.seed,
                                   args.source)
     prompts, calibration = everything[: args.prompts], everything[args.prompts :]

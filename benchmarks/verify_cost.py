@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/verify_cost.py                         # SmolLM2, fp32 and bf16, T = 1..65
     .venv/bin/python benchmarks/verify_cost.py --dtypes float32 --threads 2
-    .venv/bin/python benchmarks/verify_cost.py --prepack                # + each dtype with prepacked linears
+    .venv/bin/python benchmarks/verify_cost.py --transformers           # + each dtype through transformers' forward
 
 Against a warm KV cache of ``--cache-len`` real tokens (MT-Bench prompts), ``Target.forward`` (our shared-KV SDPA
 path, the one ``generate`` uses) runs T = 1, 2, 9, 17, 33, 65 query tokens: causally (a chain of T - 1 drafts after
@@ -10,9 +10,9 @@ the anchor) and under a tree mask of the same size (a best-first tree's ancestor
 cache cropped back after every run. All sizes and dtypes are interleaved repeat by repeat, so a change of load
 hits every figure alike; medians in ms and each one's ratio to the 1-token forward of its dtype. Also times
 plain greedy decoding per dtype (``generate`` without a drafter, same prompts) and says how often bf16's greedy
-output equals fp32's: the fastest plain decoding on this CPU is what speculative decoding has to beat. With
-``--prepack`` every dtype also runs as a target whose decoder linears are oneDNN-prepacked (``Target.prepack``,
-rows labelled ``<dtype>+pp``).
+output equals fp32's: the fastest plain decoding on this CPU is what speculative decoding has to beat. Targets run
+``FastForward`` (``lightning_spec/fast_forward.py``); with ``--transformers`` every dtype also runs through
+transformers' own forward (``load_target(..., decode="transformers")``, rows labelled ``<dtype>+hf``).
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--prompts", type=int, default=4, help="prompts for the plain-decoding comparison")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--prepack", action="store_true", help="also time each dtype with prepacked linears")
+    parser.add_argument("--transformers", action="store_true", help="also time each dtype through transformers")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     targets = {d: load_target(args.target, dtype=d) for d in args.dtypes}
-    if args.prepack:
-        targets.update({f"{d}+pp": load_target(args.target, dtype=d, prepack=True) for d in args.dtypes})
+    if args.transformers:
+        targets.update({f"{d}+hf": load_target(args.target, dtype=d, decode="transformers") for d in args.dtypes})
     first = next(iter(targets.values()))
     prompts = mt_bench_prompts(first, max(args.prompts, 1), 0)
     flat = [t for p in prompts for t in p]

@@ -1,6 +1,7 @@
-"""CPU kernels the frozen target runs on, outputs unchanged: prepacked oneDNN linear layers (``Target.prepack``) and
-transformers' SDPA attention without the key/value copies of grouped queries (``SHARED_KV_SDPA``, which
-``load_target`` picks where transformers would use SDPA). Both are measured in benchmarks/README.md."""
+"""A CPU kernel the frozen target runs on, outputs unchanged: transformers' SDPA attention without the key/value copies
+of grouped queries (``SHARED_KV_SDPA``, which ``load_target`` picks where transformers would use SDPA), for the
+forwards that run transformers' model (training features, batched decoding, architectures ``FastForward`` does not
+cover). Measured in benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -11,23 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-class PrepackedLinear(nn.Module):
-    """A frozen ``nn.Linear`` computed by oneDNN's inner product on weights converted to its tensor format once,
-    instead of every call (``Target.prepack``). Inference only: no gradients flow to the weight."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        bias = linear.bias if linear.bias is not None else torch.zeros(linear.out_features)
-        self.register_buffer("weight", linear.weight.detach().to_mkldnn(), persistent=False)
-        self.register_buffer("bias", bias.detach().float().to_mkldnn(), persistent=False)  # oneDNN wants fp32 bias
-
-    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
-
-
-# ----------------------------------------------------------------------------------------------- attention
 SHARED_KV_SDPA = "lightning_spec_sdpa"
 
 

@@ -27,10 +27,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_spec.assets import PACKAGED_TARGETS, resolve_target_folder
-from lightning_spec.cpu_kernels import SHARED_KV_SDPA, PrepackedLinear, register_shared_kv_sdpa
+from lightning_spec.cpu_kernels import SHARED_KV_SDPA, register_shared_kv_sdpa
 from lightning_spec.errors import UserError
+from lightning_spec.fast_forward import FastForward, StaticCache, unsupported
 
 _LIVE: weakref.WeakSet[Target] = weakref.WeakSet()  # every Target of this process, for ``live_target``
+DECODE_PATHS = ("fast", "transformers")  # how a target's decoding forwards run (``load_target(decode=)``)
+
+
+def check_decode(decode: str) -> None:
+    if decode not in DECODE_PATHS:
+        raise UserError(f"target decode must be one of {', '.join(DECODE_PATHS)}, got {decode!r}.")
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,10 @@ class Target(nn.Module):
     """A frozen HF causal LM. Eval mode, grads off, never saved in a drafter checkpoint."""
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, name: str | None = None,
-                 options: TargetOptions | None = None, fingerprint: str | None = None) -> None:
+                 options: TargetOptions | None = None, fingerprint: str | None = None, decode: str = "fast") -> None:
         super().__init__()
+        check_decode(decode)
+        self.decode = decode  # how decoding forwards run (``DECODE_PATHS``); assign another to switch
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -104,6 +113,7 @@ class Target(nn.Module):
         self._fingerprint: str | None = fingerprint
         self._layers_loaded = not any(p.is_meta for p in self.base.parameters())  # False: head-only (export)
         self._sharded = False  # shard_layers: each rank holds a shard of the decoder layers
+        self._fast: FastForward | None = None  # built by the first new_cache on the fast path
         _LIVE.add(self)
 
     def train(self, mode: bool = True) -> Target:
@@ -174,10 +184,8 @@ class Target(nn.Module):
     def converted(self, dtype: torch.dtype) -> Target:
         """A frozen copy of this target with its weights in ``dtype`` (its own weights: this one is unchanged), e.g.
         bf16 training features beside an fp32 target that decodes exactly."""
-        if any(isinstance(m, PrepackedLinear) for m in self.base.modules()):
-            raise UserError("a prepacked target cannot be converted to another dtype; load it without prepack=True.")
         model = copy.deepcopy(self.model).to(dtype)
-        return Target(model, tokenizer=self.tokenizer, name=self.name, options=self.options)
+        return Target(model, tokenizer=self.tokenizer, name=self.name, options=self.options, decode=self.decode)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -231,6 +239,8 @@ class Target(nn.Module):
         if not self._layers_loaded:
             raise UserError(f"target '{self.name}' was loaded without its layer weights (load_target(..., "
                             "layers=False), for export); load it with load_target(spec) to run it.")
+        if isinstance(cache, StaticCache):
+            return self._fast_forward(input_ids, layers, attention_mask, cache, logits, positions, tree_mask)
         if tree_mask is not None:
             if cache is None or attention_mask is not None or input_ids.shape[0] != 1:
                 raise ValueError("Target.forward runs a tree_mask for one sequence over a KV cache (cache=...), "
@@ -251,6 +261,40 @@ class Target(nn.Module):
         feats = torch.cat([out.hidden_states[layer + 1] for layer in layers], dim=-1) if layers else None
         return TargetOutput(logits=self.lm_head(last) if logits else None, features=feats, last_hidden=last)
 
+    def _fast_forward(self, input_ids: Tensor, layers: list[int] | tuple[int, ...], attention_mask: Tensor | None,
+                      cache: StaticCache, logits: bool, positions: Tensor | None,
+                      tree_mask: Tensor | None) -> TargetOutput:
+        """``forward`` on a ``StaticCache``: the lean decoder of ``fast_forward.py``, one sequence, same outputs."""
+        if input_ids.shape[0] != 1 or attention_mask is not None:
+            raise ValueError("Target.forward on a StaticCache runs one sequence without an attention_mask.")
+        past, t = cache.length, input_ids.shape[1]
+        offsets = positions.to(input_ids.device) if positions is not None else torch.arange(t, device=input_ids.device)
+        mask = None
+        if tree_mask is not None:
+            if tree_mask.shape != (t, t) or not bool(tree_mask.diagonal().all()):
+                raise ValueError(f"tree_mask must be a (T, T) bool mask in which every token sees itself; got shape "
+                                 f"{tuple(tree_mask.shape)}.")
+            mask = torch.cat([tree_mask.new_ones(t, past), tree_mask], dim=1).to(input_ids.device)  # (T, past + T)
+        fast = self._fast_path()
+        last, features = fast(input_ids, cache, past + offsets, mask, layers)
+        return TargetOutput(logits=fast.logits(last) if logits else None, features=features, last_hidden=last)
+
+    def _fast_path(self) -> FastForward:
+        """The ``FastForward`` over this model's current weights (rebuilt if they moved: ``.to``, a dtype change)."""
+        fast = self._fast
+        if fast is None or not fast.shares_weights():
+            self._fast = fast = FastForward(self.model)
+        return fast
+
+    @property
+    def fast_decoding(self) -> str | None:
+        """Why decoding forwards run transformers' forward instead of ``FastForward`` (one phrase), or None."""
+        if self.decode == "transformers":
+            return "decode='transformers'"
+        if self._sharded:
+            return "a sharded target"
+        return unsupported(self.model)
+
     def _tree_attention(self, tree_mask: Tensor, past: int) -> Tensor:
         """The additive 4-D mask (1, 1, T, past + T) of a token tree over ``past`` cached positions: 0 where a token
         may attend (the prefix, its ancestors, itself), the dtype's minimum elsewhere. Additive, not boolean, so the
@@ -264,23 +308,6 @@ class Target(nn.Module):
         seen = torch.cat([tree_mask.new_ones(t, past), tree_mask], dim=1).to(self.device)  # (T, past + T)
         mask = torch.zeros(t, past + t, dtype=dtype, device=self.device)
         return mask.masked_fill(~seen, torch.finfo(dtype).min)[None, None]  # (1, 1, T, past + T)
-
-    def prepack(self) -> Target:
-        """Run the decoder layers' linear layers through oneDNN with their weights converted once
-        (``PrepackedLinear``), for faster multi-token forwards on CPU: on a 2-core AMD EPYC (Zen 5) in fp32 a 9-token
-        verify of SmolLM2-135M cost ~1.5x a 1-token forward instead of ~1.9x (``benchmarks/verify_cost.py
-        --prepack``); in bf16 transformers' own path was faster. Outputs change by float rounding only (a
-        different kernel); the LM head and embeddings stay as they are (drafters read their weights). In place;
-        returns the target. CPU only."""
-        if self.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-            raise UserError("target prepack needs a CPU target and a torch build with oneDNN (mkldnn); load the "
-                            "target without prepack=True.")
-        _ = self.fingerprint  # of the original weights, before they leave the module's parameters
-        for module in list(self.base.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, PrepackedLinear(child))
-        return self
 
     def shard_layers(self) -> Target:
         """Shard the decoder layers' weights across the ranks of the default process group (FSDP2 ``fully_shard``,
@@ -309,7 +336,13 @@ class Target(nn.Module):
         """Whether ``shard_layers`` spread the decoder layers over the ranks (forwards are then collective)."""
         return self._sharded
 
-    def new_cache(self) -> Any:
+    def new_cache(self, dynamic: bool = False) -> Any:
+        """An empty KV cache for decoding: a ``StaticCache`` that ``forward`` runs through ``FastForward`` (one
+        sequence; ``fast_decoding`` says why not where it cannot), else transformers' ``DynamicCache``, which
+        ``dynamic=True`` asks for (batched decoding of left-padded rows, ``forward_left_padded``), and which runs
+        transformers' forward."""
+        if not dynamic and self.fast_decoding is None:
+            return self._fast_path().new_cache()
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config)
@@ -317,6 +350,9 @@ class Target(nn.Module):
     @staticmethod
     def crop(cache: Any, length: int) -> None:
         """Drop cached positions >= ``length`` (the rejected part of a verified block)."""
+        if isinstance(cache, StaticCache):
+            cache.crop(length)
+            return
         extra = cache.get_seq_length() - length
         if extra > 0:
             cache.crop(-extra)
@@ -329,6 +365,9 @@ class Target(nn.Module):
         been run as a chain."""
         if path == list(range(len(path))):
             cls.crop(cache, past + len(path))
+            return
+        if isinstance(cache, StaticCache):
+            cache.keep(past, path)
             return
         for layer in cache.layers:
             index = torch.tensor([*range(past), *(past + i for i in path)], device=layer.keys.device)
@@ -445,27 +484,29 @@ def load_target(
     spec: Any,
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
-    prepack: bool = False,
     options: TargetOptions | dict | None = None,
     layers: bool = True,
+    decode: str = "fast",
 ) -> Target:
     """A frozen ``Target`` from a packaged name, an HF hub id, a local folder, or a built ``transformers`` model.
 
     Packaged names: ``smollm2-135m-instruct`` (converted once from the shipped GGUF) and ``tiny-random``
     (2 layers, hidden 64, for tests). ``dtype``: fp32 by default on CPU (the exact guarantees are tested there);
     ``"auto"`` picks bf16 where the device multiplies it natively (``resolve_dtype``); ``torch.bfloat16`` on GPUs.
-    ``prepack``: run the decoder's linear layers through oneDNN with converted weights (``Target.prepack``), CPU only.
     ``options``: revision, trust_remote_code, attn_implementation, chat-template arguments (``TargetOptions``).
     ``layers=False``: build the model on the meta device and read only the embedding, the final norm and the LM head
     from its safetensors files, with the weights fingerprint streamed tensor by tensor: what a drafter needs to be
     reattached and exported, never the whole target in memory (``Target.has_layer_weights`` is then False).
+    ``decode``: how decoding forwards run (``DECODE_PATHS``): ``fast`` (``FastForward`` where the architecture allows,
+    ``fast_forward.py``) or ``transformers`` (the model's own forward).
     """
+    check_decode(decode)
     options = TargetOptions.of(options)
     if isinstance(spec, Target):
-        return spec.prepack() if prepack else spec
+        spec.decode = decode
+        return spec
     if isinstance(spec, nn.Module):
-        target = Target(spec.to(device), tokenizer=None, options=options)
-        return target.prepack() if prepack else target
+        return Target(spec.to(device), tokenizer=None, options=options, decode=decode)
     if not isinstance(spec, str):
         raise TypeError(f"model.target must be a name, a folder or a transformers model, not {type(spec).__name__}.")
     from transformers import AutoModelForCausalLM
@@ -488,9 +529,8 @@ def load_target(
     if options.attn_implementation is None and getattr(model.config, "_attn_implementation", None) == "sdpa" \
             and layers and register_shared_kv_sdpa():
         model.set_attn_implementation(SHARED_KV_SDPA)  # same outputs, faster verify forwards on CPU
-    target = Target(model, tokenizer=load_tokenizer(spec, options), name=spec, options=options,
-                    fingerprint=None if heads is None else fingerprint)
-    return target.prepack() if prepack else target
+    return Target(model, tokenizer=load_tokenizer(spec, options), name=spec, options=options,
+                  fingerprint=None if heads is None else fingerprint, decode=decode)
 
 
 def _heads_only(spec: str, folder: str, dtype: torch.dtype, attention: dict[str, Any],

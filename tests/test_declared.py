@@ -29,7 +29,6 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("lightning_spec/target.py", 'hasattr(self.model, "get_decoder")', "HF model"),
     ("lightning_spec/target.py", 'getattr(self.model, "generation_config"', "HF model"),
     ("lightning_spec/target.py", 'getattr(src, "eos_token_id"', "HF generation config / model config"),
-    ("lightning_spec/target.py", "setattr(module, name, PrepackedLinear(child))", "HF model's torch modules"),
     ("lightning_spec/target.py", 'hasattr(torch.cpu, "get_capabilities")', "torch version"),
     ("lightning_spec/target.py", "getattr(torch, dtype)", "torch dtype by name"),
     ("lightning_spec/target.py", 'getattr(model.config, "_attn_implementation"', "HF config"),

@@ -54,47 +54,6 @@ def test_target_dtype_is_checked_in_one_sentence():
         load_target("tiny-random", dtype="fp32")
 
 
-def test_prepacked_linears_give_the_same_outputs_and_keep_the_guarantees(diverse_target):
-    """``Target.prepack``: the decoder's linears run through oneDNN on converted weights. Outputs equal the plain
-    target's up to rounding (prefill and a tree verify over the cache), the fingerprint, LM head and embeddings stay,
-    and greedy speculative decoding (chain and tree) still equals the argmax loop of the prepacked target itself."""
-    import copy
-
-    from helpers.decoding import random_prompts
-    from helpers.families import trained
-    from helpers.trees import assert_greedy_tree_is_the_argmax_loop
-
-    from lightning_spec import TreeConfig
-    from lightning_spec.cpu_kernels import PrepackedLinear
-
-    packed = copy.deepcopy(diverse_target)
-    packed._fingerprint = None
-    head = packed.lm_head
-    assert packed.prepack() is packed
-    assert packed.fingerprint == diverse_target.fingerprint and packed.lm_head is head
-    assert not any(type(m) is torch.nn.Linear for m in packed.base.modules())
-    assert any(isinstance(m, PrepackedLinear) for m in packed.base.modules())
-    ids = torch.randint(0, diverse_target.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
-    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two siblings under node 0
-    outs = []
-    for t in (diverse_target, packed):
-        cache = t.new_cache()
-        prefill = t(ids[:, :9], layers=[0, 1], cache=cache)
-        tree = t(ids[:, 9:], cache=cache, positions=torch.tensor([0, 1, 1]), tree_mask=mask)
-        outs.append((prefill.logits, prefill.features, tree.logits))
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    prompts = random_prompts(packed.vocab_size)
-    drafter = trained("dflash", packed, prompts, k=3)
-    assert_greedy_tree_is_the_argmax_loop(drafter, packed, prompts, TreeConfig(nodes=6, top_k=2))
-
-
-def test_prepack_is_refused_in_one_sentence_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="prepack needs a CPU target and a torch build with oneDNN"):
-        load_target("tiny-random", prepack=True)
-
-
 def test_an_unknown_target_name_lists_the_packaged_names():
     """``load_target("no-such-name")`` reported a network error."""
     with pytest.raises(ValueError, match=r"not a packaged name \(smollm2-135m-instruct, tiny-random\)"):

@@ -44,7 +44,7 @@ def sample_batch(
     positions = (mask.cumsum(1) - 1).clamp_min(0)  # (N, S) 0 at the first real token; pads get 0 (masked)
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if not sampling.greedy else None
 
-    cache = target.new_cache()
+    cache = target.new_cache(dynamic=True)
     if width > 1:
         target.forward_left_padded(ids[:, :-1], mask[:, :-1], positions[:, :-1], cache)  # prefill
     rows = torch.arange(n, device=device)  # (n_active,) original row of each active batch row

@@ -1,8 +1,9 @@
 """Token trees verified in one target forward (METHODS §1.2): the tree forward, the cache after it, and the
 acceptance rules.
 
-- the forward: every node's logits equal those of running its root path as a chain (eager, SDPA and our shared-KV
-  SDPA), and after ``Target.keep`` the cache reads as if the committed path had been run as a chain;
+- the forward: every node's logits equal those of running its root path as a chain (``FastForward`` on its static
+  cache, and transformers' forward with eager, SDPA and our shared-KV SDPA), and after ``Target.keep`` the cache reads
+  as if the committed path had been run as a chain;
 - greedy: the committed path is the longest one greedy decoding would produce;
 - sampling, one node exactly: for every draw of the candidates (independent, without replacement, or chosen
   deterministically) and every accept/reject branch of ``verify.candidate_rule``, enumerated in float64, the
@@ -22,6 +23,7 @@ from lightning_spec.cpu_kernels import SHARED_KV_SDPA, register_shared_kv_sdpa
 from lightning_spec.decoding import verify
 from lightning_spec.decoding.proposals import TreeProposal
 from lightning_spec.drafters import Drafter
+from lightning_spec.fast_forward import StaticCache
 
 F64 = torch.float64
 GREEDY, T1 = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)
@@ -37,13 +39,24 @@ def root_path(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.fixture(scope="module", params=["eager", "sdpa", SHARED_KV_SDPA])
+@pytest.fixture(scope="module", params=["fast", "eager", "sdpa", SHARED_KV_SDPA])
 def target(request, make_random_llama):
     target = make_random_llama(seed=3)
+    if request.param == "fast":
+        assert target.fast_decoding is None
+        return target
     if request.param == SHARED_KV_SDPA:
         assert register_shared_kv_sdpa()
+    target.decode = "transformers"
     target.model.set_attn_implementation(request.param)
     return target
+
+
+def layers_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's cached keys and values (1, Hkv, S, D), from a ``StaticCache`` or transformers' ``DynamicCache``."""
+    if isinstance(cache, StaticCache):
+        return [(kv[0, None, :, : cache.length], kv[1, None, :, : cache.length]) for kv in cache.kv]
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def cached(target, prefix):
@@ -79,9 +92,8 @@ def test_the_cache_keeps_the_committed_path_as_if_it_ran_as_a_chain(target):
     target.keep(cache, 6, path)
     chain = cached(target, torch.cat([prefix, ids[path][None]], 1))
     assert cache.get_seq_length() == chain.get_seq_length() == 10
-    for mine, theirs in zip(cache.layers, chain.layers):
-        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(layers_kv(cache), layers_kv(chain), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     nxt = torch.tensor([[5]])
     torch.testing.assert_close(target(nxt, cache=cache).logits, target(nxt, cache=chain).logits, atol=1e-5, rtol=1e-5)
 

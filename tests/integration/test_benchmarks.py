@@ -29,8 +29,8 @@ def test_decode_speed_compares_chain_tree_and_plain():
 
 def test_verify_cost_times_every_size_per_dtype():
     out = run_benchmark("verify_cost.py", "--target", "tiny-random", "--dtypes", "float32", "--repeats", "1",
-                        "--prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--prepack")
-    for label in ("float32", "float32+pp"):  # the target as loaded, and with prepacked linears
+                        "--prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--transformers")
+    for label in ("float32", "float32+hf"):  # the fast path, and transformers' forward
         rows = [line.split() for line in out.splitlines() if line.split()[:1] == [label]]
         assert [int(r[1]) for r in rows[:6]] == [1, 2, 9, 17, 33, 65]
         assert "tokens/s" in rows[-1]
