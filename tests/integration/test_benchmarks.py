@@ -36,6 +36,17 @@ def test_verify_cost_times_every_size_per_dtype():
         assert "tokens/s" in rows[-1]
 
 
+def test_forward_floor_prints_each_forward_beside_its_floor():
+    out = run_benchmark("forward_floor.py", "--target", "tiny-random", "--dtypes", "float32", "bfloat16", "--repeats",
+                        "1", "--prompts", "1", "--max-new-tokens", "4", "--threads", "1")
+    assert "read bandwidth" in out
+    for label in ("float32 fast", "float32 transformers", "bfloat16 fast", "bfloat16 transformers"):
+        table, plain = [line.split() for line in out.splitlines() if line.strip().startswith(label)]
+        assert float(table[3]) > 0 and float(table[4]) > 0 and table[5].endswith("x"), table  # floor, T=1, x floor
+        assert "tokens/s" in plain
+    assert "greedy output = float32 fast's on 1/1 prompts" in out.split("float32 transformers")[-1]
+
+
 def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target):
     """The orchestration of `make serve-check` (export, our decoding, the offline evaluator, the table, the verdict),
     with tests/helpers/serve_standin.py in vLLM's place; the real engine runs in `make serve-check`."""
