@@ -45,9 +45,11 @@ import time
 from collections.abc import Callable
 
 import torch
+import yaml
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, load_target
 from lightning_spec.datamodule import SpecDataModule
+from lightning_spec.decoding.plans import Chain, Ngram, Plain, Tree, parse_plan
 
 
 class Timings:
@@ -212,40 +214,39 @@ def exactness(target) -> str:
 
 
 def our_modes(target, drafter, tree, calibration, args) -> tuple[dict, object, object]:
-    """name -> ``auto.Setting`` of the n-gram modes and of decoding auto's pick (calibrated on ``calibration``), the
-    measured costs (``auto.Costs``) of those and of plain, the chain and the tree (after a context made of those
-    prompts), and auto's ``Choice`` (None without ``--auto``)."""
-    from lightning_spec.evaluation.auto import Setting, choose_decoding, measure_costs
+    """name -> the decoding plan (``decoding/plans.py``) of each ``--plan``, the n-gram modes and decoding auto's pick
+    (calibrated on ``calibration``), the measured costs (``auto.Costs``) of those and of plain, the chain and the tree
+    (after a context made of those prompts), and auto's ``Choice`` (None without ``--auto``)."""
+    from lightning_spec.evaluation.auto import choose_decoding, measure_costs
 
     modes, choice = {}, None
+    for value in args.plan:
+        plan = parse_plan(yaml.safe_load(value))
+        plan.resolve(drafter)  # refused here, in one sentence, if the drafter cannot run it
+        modes[plan.label] = plan
     if args.ngram:
-        modes[f"n-gram lookup (K={args.ngram})"] = Setting("ngram", None, args.ngram)
+        modes[f"n-gram lookup (K={args.ngram})"] = Ngram(length=args.ngram)
         if tree is not None:
-            modes[f"n-gram trie ({tree.nodes} nodes, top {tree.top_k})"] = Setting(
-                "ngram", TreeConfig(tree.nodes, tree.top_k), args.ngram)
+            modes[f"n-gram trie ({tree.nodes} nodes, top {tree.top_k})"] = Ngram(args.ngram, tree.nodes, tree.top_k)
             ngram = max(2, tree.nodes // 4)
-            modes[f"tree + n-gram ({ngram} of {tree.nodes} nodes)"] = Setting(
-                "drafter", TreeConfig(tree.nodes, tree.top_k, tree.depth, ngram=ngram))
+            modes[f"tree + n-gram ({ngram} of {tree.nodes} nodes)"] = Tree(tree.nodes, tree.top_k, tree.depth, ngram)
     if args.auto:
         choice = choose_decoding(target, drafter, calibration, max_new_tokens=args.max_new_tokens, progress=True)
         print(choice.table())
-        modes[f"auto: {choice.setting.label}"] = choice.setting
+        modes[f"auto: {choice.plan.label}"] = choice.plan
     context = context_ids(calibration, args.cache_len)[0].tolist()
     costs = measure_costs(target, drafter, list(base_settings(tree).values()) + list(modes.values()), context)
     return modes, costs, choice
 
 
 def base_settings(tree) -> dict:
-    """The rows decode_speed always decodes (plain, the chain, the tree) as ``auto.Setting``s."""
-    from lightning_spec.evaluation.auto import PLAIN, Setting
-
-    return {"plain": PLAIN, "chain": Setting("drafter"), **({"tree": Setting("drafter", tree)} if tree else {})}
+    """The rows decode_speed always decodes (plain, the chain, the tree) as decoding plans."""
+    return {"plain": Plain(), "chain": Chain(), **({"tree": Tree.of(tree)} if tree else {})}
 
 
-def ideal_seconds(costs, setting, out) -> float:
+def ideal_seconds(costs, plan, out) -> float:
     """The seconds ``out``'s rounds take by the measured draft and verify times alone."""
-    return sum(costs.draft[setting] + costs.verify_seconds(1 + n, setting.tree is not None)
-               for n in out.draft_lengths)
+    return sum(costs.draft[plan] + costs.verify_seconds(1 + n, plan.verifies_tree) for n in out.draft_lengths)
 
 
 # ------------------------------------------------------------------------------ transformers' own decoders
@@ -314,6 +315,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--breakdown", action="store_true", help="also split 1 vs K+1 token forwards by part")
     parser.add_argument("--tree", help="NODES,TOP_K[,DEPTH]: also decode with the drafter's tree builder")
+    parser.add_argument("--plan", action="append", default=[],
+                        help="also decode with this decoding plan, YAML (repeatable): e.g. "
+                             "'{kind: chain, stop_below: 0.2}' or '{kind: tree, nodes: 16, top_k: 4, ngram: 4}'")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                         help="also time transformers' generate: plain, prompt lookup, assisted")
     parser.add_argument("--assistant-layers", type=int, default=2, help="decoder layers of the assisted peer")
@@ -361,8 +365,8 @@ def main() -> None:
     peer_s = {name: 0.0 for name in peers}
     peer_same = {name: 0 for name in peers}
     modes, costs, choice = our_modes(target, drafter, tree, calibration or prompts, args)
-    for setting in modes.values():
-        generate(target, prompts[0], 8, greedy, drafter=setting.drafter(drafter), tree=setting.tree)
+    for plan in modes.values():
+        generate(target, prompts[0], 8, greedy, drafter=drafter, plan=plan)
     mode_sums = {name: [0, 0, 0.0, 0, 0.0] for name in modes}  # tokens, rounds, seconds, same, ideal seconds
     base_ideal = dict.fromkeys(base_settings(tree), 0.0)  # ideal seconds of plain, the chain and the tree
 
@@ -388,13 +392,12 @@ def main() -> None:
             tree_s += grown.seconds
             tree_nodes += sum(grown.draft_lengths)
             tree_same += plain.tokens == grown.tokens
-        for name, setting in modes.items():
-            out = generate(target, ids, args.max_new_tokens, greedy, drafter=setting.drafter(drafter),
-                           tree=setting.tree)
+        for name, plan in modes.items():
+            out = generate(target, ids, args.max_new_tokens, greedy, drafter=drafter, plan=plan)
             sums = mode_sums[name]
             sums[0], sums[1], sums[2] = sums[0] + len(out.tokens), sums[1] + out.rounds, sums[2] + out.seconds
             sums[3] += out.tokens == plain.tokens
-            sums[4] += ideal_seconds(costs, setting, out)
+            sums[4] += ideal_seconds(costs, plan, out)
         base = base_settings(tree)
         for name, out in (("plain", plain), ("chain", spec), *([("tree", grown)] if tree is not None else [])):
             base_ideal[name] += ideal_seconds(costs, base[name], out)
@@ -481,7 +484,7 @@ def main() -> None:
     print("  efficiency = measured tokens/s over those the measured prefill, draft and verify times allow, "
           "round by round (what the loop itself costs)")
     if choice is not None:
-        sums = mode_sums[f"auto: {choice.setting.label}"]
+        sums = mode_sums[f"auto: {choice.plan.label}"]
         print("  " + choice.describe((sums[0] / sums[2]) / plain_tps, sums[0] / sums[2]))
     if args.json:
         with open(args.json, "w") as f:

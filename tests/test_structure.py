@@ -21,7 +21,6 @@ EXEMPT: dict[tuple[str, str], str] = {
     # typed __init__ signatures that are the YAML schema (LightningCLI reads them: `model:`, `data:`, ...)
     ("lightning_spec/module.py", "DraftModule.__init__"): "schema: an experiment's `model:`",
     ("lightning_spec/datamodule.py", "SpecDataModule.__init__"): "schema: an experiment's `data:`",
-    ("lightning_spec/callbacks/spec_validation.py", "SpecDecodeValidation.__init__"): "schema: a trainer callback",
     ("lightning_spec/drafters/block.py", "ParallelBlockDrafter.__init__"): "schema: `model.drafter`",
     ("lightning_spec/drafters/dspark.py", "DSparkDrafter.__init__"): "schema: `model.drafter`",
     ("lightning_spec/drafters/domino.py", "DominoDrafter.__init__"): "schema: `model.drafter`",

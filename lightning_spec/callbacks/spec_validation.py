@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 
 from lightning_spec.callbacks.base import EvaluationCallback, full_parameters
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.decoding.plans import Auto, Chain, parse_plan
 from lightning_spec.errors import UserError
 from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums
@@ -46,14 +46,13 @@ class SpecDecodeValidation(EvaluationCallback):
         print_summary: print a per-domain table of MAL before and after training when fit ends (and the MAL
             measured by ``lightning-spec validate``).
         seed: base seed; prompt i uses ``seed + i``.
-        tree: decode with a best-first token tree per round (``TreeConfig`` fields: nodes, top_k, depth) instead
-            of a chain; for the families with per-slot distributions (DFlash, Medusa).
-        decoding: ``fixed`` decodes with the chain (or ``tree``) only; ``auto`` also, once training has started,
-            picks the fastest decoding from measured costs (``evaluation/auto.py``: plain, n-gram lookup, the chain,
-            a tree, a tree with n-gram candidates), calibrated on ``calibration_prompts_per_domain`` other held-out
-            prompts of every domain and picked over plain only when its speedup's lower confidence bound beats plain
-            by a margin, decodes the prompts with it (first sampling config) and logs ``val/auto/...`` and
-            ``val/auto/speedup``.
+        decoding: how the drafter decodes, a plan (``decoding/plans.py``): ``chain`` (the default), a mapping such
+            as ``{kind: tree, nodes: 16, top_k: 4}`` or ``{kind: chain, stop_below: 0.2}``, or ``auto``: decode with
+            the chain for ``val/mal``, and also, once training has started, with the plan decoding auto picks from
+            measured costs (``evaluation/auto.py``: plain, n-gram lookup, the drafter's chains and trees),
+            calibrated on ``calibration_prompts_per_domain`` other held-out prompts of every domain and picked over
+            plain only when its speedup's joint lower confidence bound beats plain by the plan's ``margin``; those
+            prompts decode with it (first sampling config) and log ``val/auto/...`` and ``val/auto/speedup``.
         calibration_prompts_per_domain: held-out prompts of every domain (not among the decoded ones) that
             ``decoding: auto`` calibrates on; the data needs ``eval_prompts_per_domain`` >= ``prompts_per_domain`` +
             this. Its lower bound is over all of them, so 2 per domain and 3 domains give 6.
@@ -71,14 +70,12 @@ class SpecDecodeValidation(EvaluationCallback):
         offline_before: bool = False,
         print_summary: bool = True,
         seed: int = 0,
-        tree: TreeConfig | None = None,
-        decoding: str = "fixed",
+        decoding: dict | str = "chain",
         calibration_prompts_per_domain: int = 2,
     ) -> None:
         if prompts_per_domain < 1 or max_new_tokens < 1:
             raise UserError("SpecDecodeValidation.prompts_per_domain and max_new_tokens must be >= 1.")
-        if decoding not in ("fixed", "auto"):
-            raise UserError(f"SpecDecodeValidation.decoding must be fixed or auto (got {decoding!r}).")
+        plan = parse_plan(decoding)
         if calibration_prompts_per_domain < 1:
             raise UserError(f"SpecDecodeValidation.calibration_prompts_per_domain={calibration_prompts_per_domain} "
                             "must be >= 1; decoding auto needs 2 per domain or more for a lower bound worth having.")
@@ -89,8 +86,8 @@ class SpecDecodeValidation(EvaluationCallback):
         self.measure_speedup = measure_speedup
         self.print_summary = print_summary
         self.seed = seed
-        self.tree = TreeConfig.coerce(tree)
-        self.decoding = decoding
+        self.decoding = decoding  # as given (the YAML schema); ``plan`` is what it parses to
+        self.plan = plan
         self.calibration_prompts_per_domain = calibration_prompts_per_domain
         self.choice: Any = None  # decoding auto's last pick (evaluation/auto.Choice)
         self._table_due = False  # a fit or validate ended with something to print
@@ -131,8 +128,11 @@ class SpecDecodeValidation(EvaluationCallback):
         return [p for domain in sorted(per_domain) for p in per_domain[domain][first:last]]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Refuse before training, not after it, data that holds out too few prompts for ``decoding: auto``."""
-        if self.decoding == "auto":
+        """Refuse before training, not after it, a plan the drafter cannot run and data that holds out too few prompts
+        for ``decoding: auto``."""
+        if not isinstance(self.plan, Auto):
+            self.plan.resolve(pl_module.drafter)
+        else:
             need = self.prompts_per_domain + self.calibration_prompts_per_domain
             if self._datamodule(trainer).eval_prompts_per_domain < need:
                 raise UserError(f"SpecDecodeValidation decoding: auto decodes prompts_per_domain="
@@ -159,11 +159,12 @@ class SpecDecodeValidation(EvaluationCallback):
                 for i, sampling in enumerate(self.sampling):
                     report = decode_prompts(
                         module.target, module.drafter, mine, sampling, self.max_new_tokens,
-                        measure_plain=not before_training and self.measure_speedup and i == 0, tree=self.tree,
+                        measure_plain=not before_training and self.measure_speedup and i == 0,
+                        plan=Chain() if isinstance(self.plan, Auto) else self.plan,
                     )
                     reports.append(report)
                     metrics.update(self._reduce(trainer, report, domains, self.prefix(i, sampling)))
-                if self.decoding == "auto" and not before_training:
+                if isinstance(self.plan, Auto) and not before_training:
                     metrics.update(self._decode_auto(trainer, module, mine, domains, metrics))
                 if self._initial is not None:
                     self._score_initial(trainer, module, reports, domains)
@@ -222,11 +223,12 @@ class SpecDecodeValidation(EvaluationCallback):
 
         sampling = self.sampling[0]
         calibration = [p["prompt_ids"] for p in self._prompts(trainer, calibration=True)]
-        self.choice = choose_decoding(module.target, module.drafter, calibration, sampling, self.max_new_tokens)
+        self.choice = choose_decoding(module.target, module.drafter, calibration, sampling, self.max_new_tokens,
+                                      margin=self.plan.margin)
         if trainer.is_global_zero:  # the pick, as a column runs are compared by (rank 0's machine)
-            tag_runs(trainer.loggers, "decoding_auto", self.choice.setting.label)
-        report = decode_prompts(module.target, self.choice.drafter, mine, sampling, self.max_new_tokens,
-                                tree=self.choice.tree)
+            tag_runs(trainer.loggers, "decoding_auto", self.choice.plan.label)
+        report = decode_prompts(module.target, module.drafter, mine, sampling, self.max_new_tokens,
+                                plan=self.choice.plan)
         out = self._reduce(trainer, report, domains, "val/auto")
         if "val/plain_tokens_per_s" in metrics:
             out["val/auto/speedup"] = out["val/auto/tokens_per_s"] / metrics["val/plain_tokens_per_s"]

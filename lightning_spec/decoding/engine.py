@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.ngram import as_proposer, merge_into
+from lightning_spec.decoding.plans import Plan, Run, parse_plan
 from lightning_spec.decoding.proposals import ChainProposal, Proposal
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
@@ -79,12 +80,14 @@ def _as_ids(input_ids: Any, vocab_size: int, device: torch.device) -> Tensor:
 
 
 def draft(drafter: Any, state: Any, anchor: Tensor, context: list[int], sampling: SamplingConfig,
-          tree: TreeConfig | None, generator: torch.Generator | None = None) -> Proposal:
-    """A round's proposal after ``anchor`` (the last of the committed tokens ``context``): the drafter's chain or
-    tree, with ``tree.ngram`` n-gram candidates merged in (``decoding/ngram.py``). The one place the engine and the
-    offline replay (``evaluation.offline.replay_tree_rounds``) get their proposals from."""
+          tree: TreeConfig | None, generator: torch.Generator | None = None, length: int | None = None) -> Proposal:
+    """A round's proposal after ``anchor`` (the last of the committed tokens ``context``): the drafter's chain (its
+    first ``length`` drafts when given: a plan's shorter chain) or tree, with ``tree.ngram`` n-gram candidates merged
+    in (``decoding/ngram.py``). The one place the engine and the offline replay
+    (``evaluation.offline.replay_tree_rounds``) get their proposals from."""
     if tree is None:
-        return drafter.propose(state, anchor, sampling, generator)
+        proposal = drafter.propose(state, anchor, sampling, generator)
+        return proposal if length is None else proposal.truncated(length)
     proposal = drafter.propose_tree(state, anchor, sampling, tree, generator)
     if not tree.ngram:
         return proposal
@@ -92,6 +95,17 @@ def draft(drafter: Any, state: Any, anchor: Tensor, context: list[int], sampling
     if merged is not proposal:  # nodes dropped and renumbered: the drafter reads the verified tree's tokens
         drafter.adopt(state, anchor, merged)
     return merged
+
+
+def resolve_run(drafter: Any, tree: TreeConfig | dict | None, plan: Plan | dict | str | None) -> Run:
+    """What ``generate`` runs: ``plan`` resolved with ``drafter`` (``decoding/plans.py``), or, without a plan, the
+    drafter's chain (``tree=None``) or tree as given (plain decoding without a drafter)."""
+    if plan is None:
+        return Run(as_proposer(drafter), TreeConfig.coerce(tree))
+    if tree is not None:
+        raise UserError("generate takes a plan or a tree, not both: put the tree in the plan (plan={'kind': 'tree', "
+                        "'nodes': ..., 'top_k': ...}).")
+    return parse_plan(plan).resolve(as_proposer(drafter))
 
 
 def _check_request(drafter: Any, tree: TreeConfig | None, trace: bool, max_new_tokens: Any) -> None:
@@ -154,6 +168,7 @@ def generate(
     seed: int | None = None,
     tree: TreeConfig | dict | None = None,
     trace: bool = False,
+    plan: Plan | dict | str | None = None,
 ) -> Generation:
     """Decode one prompt with the target, speculatively when a drafter is given.
 
@@ -161,18 +176,20 @@ def generate(
     ``SamplingConfig`` or a dict of its fields (None: greedy); ``drafter=None`` decodes plainly with the same code
     path; ``seed`` makes sampled decoding reproducible; ``tree`` (a ``TreeConfig`` or a dict of its fields) verifies
     a token tree per round instead of a chain (``decoding/trees.py``); ``trace`` records every round's drafted chain
-    and the target's log-probabilities of it (``Generation.drafts``, ``draft_logp``). Stops after ``max_new_tokens``
+    and the target's log-probabilities of it (``Generation.drafts``, ``draft_logp``); ``plan`` says how to decode
+    instead of ``tree`` (``decoding/plans.py``: plain, a chain of fewer slots or one that stops on the drafter's
+    confidence, a tree, n-gram lookup), with ``drafter`` the drafter it drafts with. Stops after ``max_new_tokens``
     or the target's EOS."""
     sampling = SamplingConfig.coerce(sampling)
-    tree = TreeConfig.coerce(tree)
-    drafter = as_proposer(drafter)
+    run = resolve_run(drafter, tree, plan)
+    drafter, tree = run.proposer, run.tree
     _check_request(drafter, tree, trace, max_new_tokens)
     device = target.device
     ids = _as_ids(input_ids, target.vocab_size, device)
     generator = _generator(seed, sampling)
     eos = set(target.eos_token_ids)
     layers = list(drafter.target_layers) if drafter is not None else []
-    k = drafter.block_size if drafter is not None else 0
+    k = (run.length or drafter.block_size) if drafter is not None else 0
     if drafter is not None:
         drafter.use_target(target)
 
@@ -185,7 +202,8 @@ def generate(
     context = ids[0].tolist() if tree is not None and tree.ngram else []  # committed tokens, for n-gram merges
     while len(gen.tokens) < max_new_tokens:
         t0 = time.perf_counter()
-        proposal = None if drafter is None else draft(drafter, state, anchor, context, sampling, tree, generator)
+        proposal = None if drafter is None else draft(drafter, state, anchor, context, sampling, tree, generator,
+                                                       run.length)
         proposal = proposal if proposal is not None else ChainProposal.empty(device)
         t1 = time.perf_counter()
         nodes, offsets, tree_mask = proposal.verify_inputs(anchor)  # (T,), (T,), (T, T) | None

@@ -61,6 +61,12 @@ class ChainProposal(Proposal):
     def num_drafted(self) -> int:
         return int(self.tokens.shape[0])
 
+    def truncated(self, length: int) -> ChainProposal:
+        """The chain's first ``length`` drafts (a plan's shorter chain); the drafts after them are never verified."""
+        if self.num_drafted <= length:
+            return self
+        return ChainProposal(self.tokens[:length], None if self.probs is None else self.probs[:length])
+
     def children(self) -> list[list[int]]:
         """Per node (the anchor first), its children: a chain is a tree with one child per node."""
         return [[i + 1] for i in range(self.num_drafted)] + [[]]

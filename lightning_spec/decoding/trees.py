@@ -46,12 +46,17 @@ class TreeConfig:
         depth: the deepest slot used; None: the drafter's ``block_size``.
         ngram: up to this many of the ``nodes`` go to n-gram candidates (prompt-and-output lookup, up to ``top_k``
             continuations of up to ``ngram`` tokens) merged into the drafter's tree (``decoding/ngram.py``); 0: none.
+        stop_below: a node joins the tree only while its value (the product of the draft probabilities along its
+            root path, the chance a draft from q follows it) is at least this; the tree then stops growing, and a
+            dynamic tree runs no drafter step past its last such depth. 0: every node up to ``nodes``. With
+            ``top_k: 1`` it is a chain that stops when the drafter's running confidence falls below it.
     """
 
     nodes: int = 16
     top_k: int = 4
     depth: int | None = None
     ngram: int = 0
+    stop_below: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "top_k"):
@@ -63,6 +68,10 @@ class TreeConfig:
             raise UserError(f"tree.depth must be an int >= 1 or None (the drafter's block_size), got {self.depth!r}.")
         if isinstance(self.ngram, bool) or not isinstance(self.ngram, int) or not 0 <= self.ngram <= self.nodes:
             raise UserError(f"tree.ngram must be an int in 0..tree.nodes ({self.nodes}), got {self.ngram!r}.")
+        if isinstance(self.stop_below, bool) or not isinstance(self.stop_below, (int, float)) \
+                or not 0 <= self.stop_below < 1:
+            raise UserError(f"tree.stop_below must be a number in [0, 1) (a path value: a product of draft "
+                            f"probabilities), got {self.stop_below!r}.")
 
     @classmethod
     def coerce(cls, value: TreeConfig | dict | None) -> TreeConfig | None:
@@ -70,10 +79,10 @@ class TreeConfig:
         if value is None or isinstance(value, TreeConfig):
             return value
         if isinstance(value, dict):
-            unknown = set(value) - {"nodes", "top_k", "depth", "ngram"}
+            unknown = set(value) - {"nodes", "top_k", "depth", "ngram", "stop_below"}
             if unknown:
-                raise UserError(f"tree has no field {sorted(unknown)[0]!r}; its fields are nodes, top_k, depth and "
-                                "ngram.")
+                raise UserError(f"tree has no field {sorted(unknown)[0]!r}; its fields are nodes, top_k, depth, "
+                                "ngram and stop_below.")
             return cls(**value)
         raise UserError(f"tree must be a TreeConfig, a dict of its fields or None, got {type(value).__name__}.")
 
@@ -88,7 +97,8 @@ def tree_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
 def best_first_tree(q: Tensor, config: TreeConfig) -> tuple[Tensor, Tensor]:
     """The best-first top-k tree over per-depth distributions ``q`` (D, V) (rows need not be normalised the same
     way: only the order of values matters). Returns the draft nodes' token indices into V (T,) and their parents
-    (T,) (0 = the anchor, node i = the i-th added), T = min(config.nodes, what D and top_k allow)."""
+    (T,) (0 = the anchor, node i = the i-th added), T = min(config.nodes, what D and top_k allow), fewer where the
+    next node's value falls below ``config.stop_below`` (the most valuable left: the tree stops there)."""
     depth = min(q.shape[0], config.depth or q.shape[0])
     k = min(config.top_k, q.shape[1])
     top_p, top_i = q[:depth].double().topk(k, dim=-1)  # (D, k) each depth's k best tokens, best first
@@ -99,7 +109,7 @@ def best_first_tree(q: Tensor, config: TreeConfig) -> tuple[Tensor, Tensor]:
     parents: list[int] = []
     values = [1.0]  # per node, the anchor's value 1
     order = 1
-    while frontier and len(tokens) < config.nodes:
+    while frontier and len(tokens) < config.nodes and -frontier[0][0] >= config.stop_below:
         neg, _, parent, d, rank = heapq.heappop(frontier)
         tokens.append(top_i[d][rank])
         parents.append(parent)
@@ -130,8 +140,9 @@ def dynamic_tree(
     Expansion: at every depth each expanded node offers its top-k tokens as children, valued at the parent's value
     times their probability; the k most valuable children of the depth are expanded next (one ``step`` call for all
     of them). Rerank: the ``nodes`` most valuable nodes of everything offered (ties to the shallower), which holds
-    every kept node's parent (values do not grow along a path). Returns draft indices (T,) and parents (T,) in the
-    order of ``best_first_tree``'s result (parents first; 0 = the anchor)."""
+    every kept node's parent (values do not grow along a path). Nodes valued below ``config.stop_below`` are neither
+    kept nor expanded, and the growth stops at the first depth with none to expand. Returns draft indices (T,) and
+    parents (T,) in the order of ``best_first_tree``'s result (parents first; 0 = the anchor)."""
     k = config.top_k
     chain, q = start()  # q (1, V)
     tokens, parents, values, depths = [-1], [-1], [1.0], [0]  # node 0: the anchor
@@ -146,13 +157,15 @@ def dynamic_tree(
                 values.append(values[parent] * p)
                 depths.append(d)
                 offered.append(len(tokens) - 1)
-        if d == depth:
+        # below the threshold a node is never kept, nor is anything under it: no drafter step for it
+        expand = [i for i in sorted(offered, key=lambda i: (-values[i], i))[:k] if values[i] >= config.stop_below]
+        if d == depth or not expand:
             break
-        expand = sorted(offered, key=lambda i: (-values[i], i))[:k]
         chain, q = step(chain, torch.tensor([rows.index(parents[i]) for i in expand]),
                         torch.tensor([tokens[i] for i in expand]))
         rows = expand
-    kept = sorted(sorted(range(1, len(tokens)), key=lambda i: (-values[i], depths[i], i))[: config.nodes])
+    ranked = sorted(range(1, len(tokens)), key=lambda i: (-values[i], depths[i], i))
+    kept = sorted([i for i in ranked if values[i] >= config.stop_below][: config.nodes])
     index = {node: i + 1 for i, node in enumerate(kept)}  # node id -> position in the proposal (0: the anchor)
     index[0] = 0
     return (torch.tensor([tokens[i] for i in kept], dtype=torch.long),

@@ -2,8 +2,8 @@
 without n-gram candidates), whichever is expected to give the most tokens per second on this machine, picked over
 plain decoding only when it is sure enough to be faster.
 
-A setting's speed is tokens per round over seconds per round, and both are measured, not assumed:
-- tokens per round: the setting's rounds scored exactly on calibration outputs, the target's own answers to a few
+A plan's speed is tokens per round over seconds per round, and both are measured, not assumed:
+- tokens per round: the plan's rounds scored exactly on calibration outputs, the target's own answers to a few
   prompts (``evaluation.offline.replay_tree_rounds`` replays every round and gives its size, so proposals whose size
   varies, such as n-gram lookups that find nothing, are costed round by round; drawn chains under sampling are
   scored by the exact evaluator, ``offline_report``);
@@ -11,22 +11,22 @@ A setting's speed is tokens per round over seconds per round, and both are measu
   both timed on this machine against a warm KV cache (``measure_costs``; the target's times are kept for the
   process, per machine, dtype, thread count and target), plus the loop's own bookkeeping per round, measured as
   what a timed decode spent beyond those (``round_overhead``: plain decoding's from the calibration decodes, a
-  speculative setting's from one decode of a calibration prompt with it); each prompt's prefill is added once.
-Each setting is estimated per calibration prompt; its expected tokens/s is Σ tokens / Σ seconds over them.
+  speculative plan's from one decode of a calibration prompt with it); each prompt's prefill is added once.
+Each plan is estimated per calibration prompt; its expected tokens/s is Σ tokens / Σ seconds over them.
 
-Plain decoding is one of the settings and the judge: another setting is picked only when the one-sided lower
+Plain decoding is one of the plans and the judge: another plan is picked only when the one-sided lower
 confidence bound of its pooled speedup over plain, Σ plain seconds / Σ its seconds (``speedup_bound``: a t
-interval on the log of that ratio by the delta method, paired over prompts because every setting is scored on the
+interval on the log of that ratio by the delta method, paired over prompts because every plan is scored on the
 same outputs) exceeds 1 + ``margin``, and among those the highest bound wins. The bounds hold together at 95%
-(``family_confidence``, Šidák over the settings compared): the best of twenty bounds each at 95% would pick a
-setting no faster than plain 13.6% of the time. A point estimate would take whatever the calibration prompts
+(``family_confidence``, Šidák over the plans compared): the best of twenty bounds each at 95% would pick a
+plan no faster than plain 13.6% of the time. A point estimate would take whatever the calibration prompts
 happened to favour: two of them whose answers repeated themselves made an n-gram trie look 1.42x faster, and it
 measured 0.69x on other prompts.
 One calibration prompt gives no bound, so it keeps plain decoding.
 
 What the estimate still leaves out: the cache's growth over an answer (verify times are taken at one context
-length; the measured per-round residual absorbs it only for plain and the settings decoded to measure it), the
-bookkeeping of speculative settings not decoded (they take the largest measured), and prompts unlike the
+length; the measured per-round residual absorbs it only for plain and the plans decoded to measure it), the
+bookkeeping of speculative plans not decoded (they take the largest measured), and prompts unlike the
 calibration ones. ``benchmarks/decode_speed.py`` reports measured over expected as engine efficiency.
 """
 
@@ -43,59 +43,37 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.engine import Generation, _as_ids, draft, generate
-from lightning_spec.decoding.ngram import NgramDrafter
-from lightning_spec.decoding.proposer import chosen_rounds
-from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.decoding.plans import Chain, Ngram, Plain, Plan, Tree
+from lightning_spec.decoding.proposer import TreeGrowth, chosen_rounds
 from lightning_spec.errors import UserError
 from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 
-
-@dataclass(frozen=True)
-class Setting:
-    """One way to decode. ``kind``: ``plain``, ``ngram`` (prompt-and-output lookup of up to ``block_size`` tokens)
-    or ``drafter`` (the trained drafter); ``tree``: None for a chain."""
-
-    kind: str
-    tree: TreeConfig | None = None
-    block_size: int = 0
-
-    @property
-    def label(self) -> str:
-        if self.kind == "plain":
-            return "plain"
-        what = f"n-gram (K={self.block_size})" if self.kind == "ngram" else "drafter"
-        if self.tree is None:
-            return f"{what} chain"
-        extra = f" + {self.tree.ngram} n-gram" if self.tree.ngram else ""
-        return f"{what} tree {self.tree.nodes}/top {self.tree.top_k}{extra}"
-
-    def drafter(self, trained: Any) -> Any:
-        """What ``generate(drafter=...)`` takes for this setting, given the trained drafter."""
-        if self.kind == "plain":
-            return None
-        return NgramDrafter(block_size=self.block_size) if self.kind == "ngram" else trained
+PLAIN = Plain()
 
 
-PLAIN = Setting("plain")
-
-
-def candidates(drafter: Any = None) -> list[Setting]:
-    """The settings ``choose_decoding`` compares by default: plain; n-gram chains of 4 and 10 tokens and n-gram
-    tries of 8 and 16 nodes; with a drafter its chain and, if it grows trees, trees of 4..32 nodes, top 2 or 4,
-    each without and with a quarter of the nodes offered to n-gram candidates."""
-    out = [PLAIN, Setting("ngram", None, 4), Setting("ngram", None, 10),
-           Setting("ngram", TreeConfig(nodes=8, top_k=3), 10), Setting("ngram", TreeConfig(nodes=16, top_k=4), 10)]
+def candidates(drafter: Any = None) -> list[Plan]:
+    """The plans ``choose_decoding`` compares by default: plain; n-gram chains of 4 and 10 tokens and n-gram tries
+    of 8 and 16 nodes; with a drafter its chain, its chain cut to half its slots (K >= 4), and, where the chain is
+    a one-child tree (tree growth best-first or dynamic), chains that stop where the drafter's confidence falls below
+    0.3 or 0.1; and if it grows trees, trees of 4..32 nodes, top 2 or 4, each without and with a quarter of the
+    nodes offered to n-gram candidates."""
+    out: list[Plan] = [PLAIN, Ngram(length=4), Ngram(length=10), Ngram(length=10, nodes=8, top_k=3),
+                       Ngram(length=10, nodes=16, top_k=4)]
     if drafter is None:
         return out
-    out.append(Setting("drafter"))
+    out.append(Chain())
+    if drafter.block_size >= 4:
+        out.append(Chain(length=drafter.block_size // 2))
+    if drafter.tree_growth in (TreeGrowth.BEST_FIRST, TreeGrowth.DYNAMIC):
+        out += [Chain(stop_below=0.3), Chain(stop_below=0.1)]
     if not drafter.grows_trees:  # a chain-only family
         return out
     for nodes in (4, 8, 16, 32):
         for top_k in (2, 4) if nodes >= 8 else (2,):
             for ngram in (0, max(2, nodes // 4)):
-                out.append(Setting("drafter", TreeConfig(nodes=nodes, top_k=top_k, ngram=ngram)))
+                out.append(Tree(nodes=nodes, top_k=top_k, ngram=ngram))
     return out
 
 
@@ -116,23 +94,23 @@ def machine_name(device: torch.device) -> str:
 @dataclass
 class Costs:
     """Seconds on this machine: the target's forward over T query tokens after a warm cache, causal (chains) and
-    under an ancestor mask (trees), at a few T (linear in between), each setting's proposal, and the loop's own
+    under an ancestor mask (trees), at a few T (linear in between), each plan's proposal, and the loop's own
     bookkeeping per round (``round_overhead``)."""
 
     verify: dict[int, float]  # T -> seconds, causal
     tree_verify: dict[int, float]  # T -> seconds, under a tree mask
-    draft: dict[Setting, float] = field(default_factory=dict)
+    draft: dict[Plan, float] = field(default_factory=dict)
     machine: str = ""
-    overhead: dict[Setting, float] = field(default_factory=dict)  # seconds per round beyond draft and verify
+    overhead: dict[Plan, float] = field(default_factory=dict)  # seconds per round beyond draft and verify
 
-    def overhead_seconds(self, setting: Setting) -> float:
-        """The seconds per round ``setting``'s decoding spends beyond its modelled draft and verify
-        (``round_overhead``): its own where measured; a speculative setting not measured takes the largest measured
+    def overhead_seconds(self, plan: Plan) -> float:
+        """The seconds per round ``plan``'s decoding spends beyond its modelled draft and verify
+        (``round_overhead``): its own where measured; a speculative plan not measured takes the largest measured
         (speculative rounds keep caches, accept and extend at least as plain rounds do: the cautious guess); 0 where
         nothing was measured (costs passed in)."""
-        if setting in self.overhead:
-            return self.overhead[setting]
-        return max(self.overhead.values()) if self.overhead and setting != PLAIN else 0.0
+        if plan in self.overhead:
+            return self.overhead[plan]
+        return max(self.overhead.values()) if self.overhead and plan != PLAIN else 0.0
 
     def verify_seconds(self, tokens: int, tree: bool) -> float:
         """The verify forward over ``tokens`` query tokens (the anchor included), interpolated."""
@@ -175,12 +153,13 @@ def _token_counts(most: int) -> list[int]:
 
 
 @torch.no_grad()
-def measure_costs(target: Any, drafter: Any, settings: list[Setting], context: list[int], repeats: int = 7) -> Costs:
-    """Time the target's verify forwards for every query length the settings can need (once per process for this
-    target, dtype, machine, thread count and context length) and each setting's proposal, after ``context``,
+def measure_costs(target: Any, drafter: Any, plans: list[Plan], context: list[int], repeats: int = 7) -> Costs:
+    """Time the target's verify forwards for every query length the plans can need (once per process for this
+    target, dtype, machine, thread count and context length) and each plan's proposal, after ``context``,
     interleaved (``_median_seconds``)."""
-    most = max([1] + [1 + (s.tree.nodes if s.tree else (s.block_size or drafter.block_size))
-                      for s in settings if s.kind != "plain"])
+    runs = {plan: plan.resolve(drafter) for plan in plans}
+    most = max([1] + [1 + (r.tree.nodes if r.tree else (r.length or r.proposer.block_size))
+                      for r in runs.values() if r.proposer is not None])
     layers = list(drafter.target_layers) if drafter is not None else []
     ids = torch.tensor([context[:-1]], device=target.device)
     cache = target.new_cache()
@@ -205,37 +184,38 @@ def measure_costs(target: Any, drafter: Any, settings: list[Setting], context: l
                 fns["tree", t] = lambda step=step, mask=mask: step(mask=mask)
     anchor = torch.tensor(context[-1:], device=target.device)
     greedy = SamplingConfig()
-    for setting in settings:
-        d = setting.drafter(drafter)
+    for plan, run in runs.items():
+        d = run.proposer
         if d is not None:
             d.use_target(target)
             state = d.begin(out.features, ids)
-            fns["draft", setting] = lambda d=d, state=state, s=setting: draft(d, state, anchor, context, greedy, s.tree)
+            fns["draft", plan] = lambda d=d, state=state, r=run: draft(d, state, anchor, context, greedy, r.tree,
+                                                                       length=r.length)
     seconds = _median_seconds(fns, repeats)
     if key not in _VERIFY_COSTS:
         verify = {t: v for (kind, t), v in seconds.items() if kind == "verify"}
         tree_verify = {t: v for (kind, t), v in seconds.items() if kind == "tree"}
         _VERIFY_COSTS[key] = verify, tree_verify or dict(verify)
     verify, tree_verify = _VERIFY_COSTS[key]
-    draft_seconds = {s: seconds.get(("draft", s), 0.0) for s in settings}  # plain drafts nothing
+    draft_seconds = {s: seconds.get(("draft", s), 0.0) for s in plans}  # plain drafts nothing
     return Costs(verify=verify, tree_verify=tree_verify, draft=draft_seconds, machine=key[0])
 
 
 # ------------------------------------------------------------------------------------------ the estimate
-CONFIDENCE = 0.95  # one-sided: a setting is picked when its speedup's lower bound at this confidence clears the margin
+CONFIDENCE = 0.95  # one-sided: a plan is picked when its speedup's lower bound at this confidence clears the margin
 MARGIN = 0.05  # what the bound must beat plain by: machine noise between calibration and decoding (plain decoding
 # measured against itself spread 0.94x-1.00x on the 2-core CPU), the cache growth the verify model leaves out, and
 # prompts less like the calibration ones than they are like each other; 5% keeps a pick >= ~0.98x plain elsewhere
-PROBES = 2  # decodes of one calibration prompt that measure a leading speculative setting's bookkeeping per round
+PROBES = 2  # decodes of one calibration prompt that measure a leading speculative plan's bookkeeping per round
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A setting's figures on each calibration output: tokens, rounds (exact; expected for drawn chains) and expected
+    """A plan's figures on each calibration output: tokens, rounds (exact; expected for drawn chains) and expected
     seconds (the prompt's prefill + Σ over rounds of draft + verify + bookkeeping); ``lcb``: the lower confidence
     bound of its pooled speedup over plain (``speedup_bound``; plain's is 1, None where undefined)."""
 
-    setting: Setting
+    plan: Plan
     prompt_tokens: tuple[int, ...]  # (P,)
     prompt_rounds: tuple[float, ...]  # (P,)
     prompt_seconds: tuple[float, ...]  # (P,)
@@ -263,29 +243,29 @@ class Estimate:
 
 
 @torch.no_grad()
-def estimate(target: Any, drafter: Any, setting: Setting, outputs: list[tuple[list[int], list[int]]],
+def estimate(target: Any, drafter: Any, plan: Plan, outputs: list[tuple[list[int], list[int]]],
              sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None = None,
              prefill: list[float] | None = None) -> Estimate | None:
-    """The setting's exact rounds on each of ``outputs`` (prompt, response) and their expected seconds: its proposals
+    """The plan's exact rounds on each of ``outputs`` (prompt, response) and their expected seconds: its proposals
     and verify forwards (``costs``), its bookkeeping per round (``Costs.overhead_seconds``) and each prompt's
     ``prefill`` seconds (None: none). None when they cannot be scored exactly (a tree grown from drawn drafts, under
     sampling). ``features``: the target's features of each output for the drafter's layers, computed once for every
-    setting (None: computed here). ``lcb`` is left to ``with_bounds``, which compares settings."""
-    counted = _count(target, drafter, setting, outputs, sampling, costs, features)
+    plan (None: computed here). ``lcb`` is left to ``with_bounds``, which compares plans."""
+    counted = _count(target, drafter, plan, outputs, sampling, costs, features)
     return None if counted is None else _with_overheads(counted, costs, prefill)
 
 
-def _count(target: Any, drafter: Any, setting: Setting, outputs: list[tuple[list[int], list[int]]],
+def _count(target: Any, drafter: Any, plan: Plan, outputs: list[tuple[list[int], list[int]]],
            sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None) -> Estimate | None:
     """``estimate`` without bookkeeping and prefill: per prompt, its rounds and their draft + verify seconds."""
     tokens = tuple(len(r) for _, r in outputs)
-    if setting.kind == "plain":
+    run = plan.resolve(drafter)
+    if run.proposer is None:
         verify = costs.verify_seconds(1, tree=False)
-        return Estimate(setting, tokens, tuple(map(float, tokens)), tuple(t * verify for t in tokens))
-    d = setting.drafter(drafter)
+        return Estimate(plan, tokens, tuple(map(float, tokens)), tuple(t * verify for t in tokens))
+    d, tree = run.proposer, run.tree
     d.use_target(target)
-    tree = setting.tree
-    per_round_draft = costs.draft[setting]
+    per_round_draft = costs.draft[plan]
     chosen = sampling.greedy or chosen_rounds(d, tree)
     if chosen:  # replay every round: exact, with each round's size
         layers = list(d.target_layers)
@@ -295,20 +275,21 @@ def _count(target: Any, drafter: Any, setting: Setting, outputs: list[tuple[list
             sizes: list[int] = []  # draft nodes of each of this output's rounds
             if response:
                 ids = torch.tensor([prompt + response], device=target.device)
-                replay_tree_rounds(d, ids, feats if layers else None, [prompt], [response], tree, sampling, sizes)
+                replay_tree_rounds(d, ids, feats if layers else None, [prompt], [response], tree, sampling, sizes,
+                                   length=run.length)
             rounds.append(float(len(sizes)))
             seconds.append(sum(per_round_draft + costs.verify_seconds(1 + n, tree is not None) for n in sizes))
-        return Estimate(setting, tokens, tuple(rounds), tuple(seconds))
-    if tree is not None:
+        return Estimate(plan, tokens, tuple(rounds), tuple(seconds))
+    if tree is not None or (run.length or d.block_size) < d.block_size:  # the exact evaluator scores whole chains
         return None
     rounds = offline_report(target, d, outputs, sampling).rounds.tolist()  # drawn chains: exact expected rounds
     per_round = per_round_draft + costs.verify_seconds(1 + d.block_size, False)
-    return Estimate(setting, tokens, tuple(rounds), tuple(r * per_round for r in rounds))
+    return Estimate(plan, tokens, tuple(rounds), tuple(r * per_round for r in rounds))
 
 
 def _with_overheads(counted: Estimate, costs: Costs, prefill: list[float] | None) -> Estimate:
     """``counted`` (draft + verify seconds per prompt) with its bookkeeping per round and each prompt's prefill."""
-    per_round = costs.overhead_seconds(counted.setting)
+    per_round = costs.overhead_seconds(counted.plan)
     prefill = prefill or [0.0] * len(counted.prompt_tokens)
     seconds = tuple(s + r * per_round + p for s, r, p in zip(counted.prompt_seconds, counted.prompt_rounds, prefill))
     return dataclasses.replace(counted, prompt_seconds=seconds)
@@ -323,14 +304,14 @@ def output_features(target: Any, layers: list[int], outputs: list[tuple[list[int
             for p, r in outputs]
 
 
-def round_overhead(gen: Generation, setting: Setting, costs: Costs) -> float:
-    """Seconds per round that a timed decode with ``setting`` spent beyond its prefill and what ``costs`` model (a
+def round_overhead(gen: Generation, plan: Plan, costs: Costs) -> float:
+    """Seconds per round that a timed decode with ``plan`` spent beyond its prefill and what ``costs`` model (a
     proposal and a verify forward over each round's drafted nodes): the loop's own bookkeeping (keeping the cache,
     accepting, the drafter's extend, the n-gram context) and what the verify times, taken at one context length,
     miss at this decode's (negative where they cost more than the loop's forwards did). Never below minus the
     cheapest round's modelled cost (a proposal and a 1-token verify), so no round costs less than nothing."""
-    draft_seconds = costs.draft.get(setting, 0.0)
-    modelled = sum(draft_seconds + costs.verify_seconds(1 + n, setting.tree is not None) for n in gen.draft_lengths)
+    draft_seconds = costs.draft.get(plan, 0.0)
+    modelled = sum(draft_seconds + costs.verify_seconds(1 + n, plan.verifies_tree) for n in gen.draft_lengths)
     residual = (gen.seconds - gen.prefill_seconds - modelled) / max(gen.rounds, 1)
     return max(residual, -(draft_seconds + costs.verify_seconds(1, tree=False)))
 
@@ -367,7 +348,7 @@ def _t_within(t: float, dof: int) -> float:
 def speedup_bound(plain: Estimate, other: Estimate, confidence: float = CONFIDENCE) -> float | None:
     """The one-sided lower confidence bound of ``other``'s speedup over plain decoding: the pooled speedup its
     ``tokens_per_s`` reports, R = Σ plain seconds / Σ other seconds (both decode the same outputs, so the tokens
-    cancel), not a mean of per-prompt speedups (a setting fast on short prompts and slow on long ones is slower
+    cancel), not a mean of per-prompt speedups (a plan fast on short prompts and slow on long ones is slower
     overall). The bound is taken on log R by the delta method, paired over prompts: prompt i moves log R by
     z_i = p_i / mean(p) - o_i / mean(o), so log R's standard error is sd(z) / √n and the bound is
     R · exp(-t_{confidence, n-1} · sd(z) / √n). None from fewer than 2 prompts with tokens: one says nothing of how
@@ -381,44 +362,43 @@ def speedup_bound(plain: Estimate, other: Estimate, confidence: float = CONFIDEN
     return mean_p / mean_o * math.exp(-t_quantile(confidence, len(pairs) - 1) * spread)
 
 
-def family_confidence(confidence: float, settings: int) -> float:
-    """The confidence each of ``settings`` bounds is taken at so that all of them hold together at ``confidence``
-    (Šidák: confidence ** (1 / m)). ``pick`` takes the best of m bounds: at 95% each, a setting no faster than plain
+def family_confidence(confidence: float, plans: int) -> float:
+    """The confidence each of ``plans`` bounds is taken at so that all of them hold together at ``confidence``
+    (Šidák: confidence ** (1 / m)). ``pick`` takes the best of m bounds: at 95% each, a plan no faster than plain
     clears one of 20 by chance far more often than 5% of the time (13.6% in the simulation of
     tests/evaluation/test_auto.py); at the corrected level, at most 5%."""
-    return confidence ** (1 / max(settings, 1))
+    return confidence ** (1 / max(plans, 1))
 
 
 def with_bounds(estimates: list[Estimate], confidence: float = CONFIDENCE) -> list[Estimate]:
     """``estimates`` (plain's among them), each with its ``lcb`` over plain's (plain's own: 1), every bound at the
-    ``family_confidence`` of the settings compared, so that they hold together at ``confidence``."""
-    plain = next(e for e in estimates if e.setting == PLAIN)
-    each = family_confidence(confidence, sum(e.setting != PLAIN for e in estimates))
-    return [dataclasses.replace(e, lcb=1.0 if e.setting == PLAIN else speedup_bound(plain, e, each))
+    ``family_confidence`` of the plans compared, so that they hold together at ``confidence``."""
+    plain = next(e for e in estimates if e.plan == PLAIN)
+    each = family_confidence(confidence, sum(e.plan != PLAIN for e in estimates))
+    return [dataclasses.replace(e, lcb=1.0 if e.plan == PLAIN else speedup_bound(plain, e, each))
             for e in estimates]
 
 
-def pick(estimates: list[Estimate], margin: float = MARGIN) -> Setting:
-    """Plain decoding, unless some setting's ``lcb`` exceeds 1 + ``margin``; of those, the one with the highest bound.
-    Not the highest estimate: of many settings scored on a few prompts, the one estimated fastest is the likeliest
-    to have been lucky on them (the winner's curse), and the bound discounts a setting by how much its speedup
-    varied from prompt to prompt. Ties go to the simpler setting, listed first."""
+def pick(estimates: list[Estimate], margin: float = MARGIN) -> Plan:
+    """Plain decoding, unless some plan's ``lcb`` exceeds 1 + ``margin``; of those, the one with the highest bound.
+    Not the highest estimate: of many plans scored on a few prompts, the one estimated fastest is the likeliest
+    to have been lucky on them (the winner's curse), and the bound discounts a plan by how much its speedup
+    varied from prompt to prompt. Ties go to the simpler plan, listed first."""
     best = None
     for e in estimates:
-        if e.setting != PLAIN and e.lcb is not None and e.lcb > 1 + margin and (best is None or e.lcb > best.lcb):
+        if e.plan != PLAIN and e.lcb is not None and e.lcb > 1 + margin and (best is None or e.lcb > best.lcb):
             best = e
-    return PLAIN if best is None else best.setting
+    return PLAIN if best is None else best.plan
 
 
 # -------------------------------------------------------------------------------------------- the choice
 @dataclass
 class Choice:
-    """The setting ``choose_decoding`` picked, what ``generate`` takes for it, every setting's estimate (with its
+    """The plan ``choose_decoding`` picked, what ``generate`` takes for it, every plan's estimate (with its
     lower bound), and the margin and confidence it was judged at."""
 
-    setting: Setting
-    drafter: Any  # generate(drafter=...)
-    tree: TreeConfig | None  # generate(tree=...)
+    plan: Plan  # generate(plan=...)
+    drafter: Any  # generate(drafter=...): the drafter the plan drafts with (None: none)
     estimates: list[Estimate]
     machine: str
     dtype: str
@@ -428,11 +408,11 @@ class Choice:
 
     @property
     def expected(self) -> Estimate:
-        return next(e for e in self.estimates if e.setting == self.setting)
+        return next(e for e in self.estimates if e.plan == self.plan)
 
     @property
     def plain(self) -> Estimate:
-        return next(e for e in self.estimates if e.setting == PLAIN)
+        return next(e for e in self.estimates if e.plan == PLAIN)
 
     @property
     def expected_speedup(self) -> float:
@@ -440,8 +420,8 @@ class Choice:
 
     @property
     def compared(self) -> int:
-        """Settings judged against plain: the bounds hold together over this many (``family_confidence``)."""
-        return sum(e.setting != PLAIN for e in self.estimates)
+        """Plans judged against plain: the bounds hold together over this many (``family_confidence``)."""
+        return sum(e.plan != PLAIN for e in self.estimates)
 
     @property
     def prompts(self) -> int:
@@ -450,26 +430,26 @@ class Choice:
 
     def generate(self, target: Any, input_ids: Any, max_new_tokens: int, sampling: Any = None, seed: int | None = None
                  ) -> Any:
-        return generate(target, input_ids, max_new_tokens, sampling, drafter=self.drafter, seed=seed, tree=self.tree)
+        return generate(target, input_ids, max_new_tokens, sampling, drafter=self.drafter, seed=seed, plan=self.plan)
 
     def describe(self, measured_speedup: float | None = None, measured_tokens_per_s: float | None = None) -> str:
         """One line: what was picked, its expected MAL, tokens/s and speedup over plain with the lower bound (or why
         plain was kept), and the measured speedup and tokens/s when given."""
-        e, pct = self.expected, f"{self.confidence:.0%} joint"  # the bounds of all settings compared hold together
-        if self.setting != PLAIN:
-            why = (f"{self.expected_speedup:.2f}x plain, {pct} lower bound {e.lcb:.2f}x of {self.compared} settings "
+        e, pct = self.expected, f"{self.confidence:.0%} joint"  # the bounds of all plans compared hold together
+        if self.plan != PLAIN:
+            why = (f"{self.expected_speedup:.2f}x plain, {pct} lower bound {e.lcb:.2f}x of {self.compared} plans "
                    f"over {self.prompts} calibration prompts")
         elif self.prompts < 2:
-            why = (f"{self.prompts} calibration prompt with tokens gives no lower bound (it takes 2), so no setting "
+            why = (f"{self.prompts} calibration prompt with tokens gives no lower bound (it takes 2), so no plan "
                    "is picked over plain")
         else:
-            best = max((x for x in self.estimates if x.lcb is not None and x.setting != PLAIN),
+            best = max((x for x in self.estimates if x.lcb is not None and x.plan != PLAIN),
                        key=lambda x: x.lcb, default=None)
-            why = (f"no setting's {pct} lower bound ({self.compared} settings) over {self.prompts} calibration prompts "
+            why = (f"no plan's {pct} lower bound ({self.compared} plans) over {self.prompts} calibration prompts "
                    f"beat plain by "
-                   f"{self.margin:.0%}" + (f"; best {best.setting.label} at {best.lcb:.2f}x, expected "
+                   f"{self.margin:.0%}" + (f"; best {best.plan.label} at {best.lcb:.2f}x, expected "
                                             f"{best.tokens_per_s / self.plain.tokens_per_s:.2f}x" if best else ""))
-        line = (f"decoding auto: {self.setting.label} (expected MAL {e.mal:.2f}, {e.tokens_per_s:.1f} tokens/s, "
+        line = (f"decoding auto: {self.plan.label} (expected MAL {e.mal:.2f}, {e.tokens_per_s:.1f} tokens/s, "
                 f"{why}; {self.machine}, {self.dtype})")
         if measured_speedup is not None:
             line += f"; measured {measured_speedup:.2f}x"
@@ -478,15 +458,15 @@ class Choice:
         return line
 
     def table(self) -> str:
-        """Every setting's estimate, fastest first, with its lower bound."""
+        """Every plan's estimate, fastest first, with its lower bound."""
         rows = sorted(self.estimates, key=lambda e: -e.tokens_per_s)
         plain = self.plain.tokens_per_s
-        lines = [f"  {'setting':<36}{'MAL':>6}{'tokens/s':>10}{'/ plain':>9}{'LCB':>8}"]
-        lines += [f"  {e.setting.label:<36}{e.mal:>6.2f}{e.tokens_per_s:>10.2f}{e.tokens_per_s / plain:>8.2f}x"
+        lines = [f"  {'plan':<36}{'MAL':>6}{'tokens/s':>10}{'/ plain':>9}{'LCB':>8}"]
+        lines += [f"  {e.plan.label:<36}{e.mal:>6.2f}{e.tokens_per_s:>10.2f}{e.tokens_per_s / plain:>8.2f}x"
                   + (f"{e.lcb:>7.2f}x" if e.lcb is not None else f"{'-':>8}")
-                  + ("  <- picked" if e.setting == self.setting else "") for e in rows]
+                  + ("  <- picked" if e.plan == self.plan else "") for e in rows]
         lines.append(f"  LCB: the lower bound of the speedup over plain, {self.confidence:.0%} for all {self.compared} "
-                     f"settings together (each at {family_confidence(self.confidence, self.compared):.2%}), over the "
+                     f"plans together (each at {family_confidence(self.confidence, self.compared):.2%}), over the "
                      f"{self.prompts} calibration prompts; picked over plain only above {1 + self.margin:.2f}x")
         return "\n".join(lines)
 
@@ -497,40 +477,40 @@ def choose_decoding(
     prompts: list[list[int]],
     sampling: SamplingConfig | dict | None = None,
     max_new_tokens: int = 48,
-    settings: list[Setting] | None = None,
+    plans: list[Plan] | None = None,
     costs: Costs | None = None,
     outputs: list[list[int]] | None = None,
     margin: float = MARGIN,
     progress: bool = False,
 ) -> Choice:
-    """``decoding: auto``: the fastest setting for this target, drafter and machine that is sure enough to beat plain
+    """``decoding: auto``: the fastest plan for this target, drafter and machine that is sure enough to beat plain
     decoding (``pick``), else plain decoding.
 
     Args:
         target: a loaded ``Target``.
-        drafter: the trained drafter (bound to ``target``), or None (plain and n-gram settings only).
+        drafter: the trained drafter (bound to ``target``), or None (plain and n-gram plans only).
         prompts: calibration prompts (each as ``generate`` takes it: token ids or a tokenizer's output), prompts the
             decoding will not be judged on, a few of every kind it will decode (one gives no lower bound: plain).
         sampling: the decoding's sampling config (None: greedy).
         max_new_tokens: tokens the target answers each calibration prompt with.
-        settings: the settings to compare (default ``candidates(drafter)``); plain is always among them.
+        plans: the plans to compare (default ``candidates(drafter)``); plain is always among them.
         costs: measured ``Costs`` to use instead of timing them (``measure_costs``); given, nothing is timed, and
             bookkeeping and prefill count only as far as ``costs.overhead`` says.
         outputs: the target's answers to ``prompts`` under ``sampling`` if already decoded (else decoded here, timed
             for plain decoding's bookkeeping per round and each prompt's prefill when ``costs`` is None).
-        margin: how much faster than plain a setting's lower bound must be (``MARGIN``: why 5%).
-        progress: show a progress bar over the settings.
+        margin: how much faster than plain a plan's lower bound must be (``MARGIN``: why 5%).
+        progress: show a progress bar over the plans.
     """
     sampling = SamplingConfig.coerce(sampling)
     if not prompts:
         raise UserError("choose_decoding needs calibration prompts: a few prompts like those it will decode.")
     if margin < 0:
-        raise UserError(f"choose_decoding margin={margin} must be >= 0: it is how far a setting's lower bound must "
+        raise UserError(f"choose_decoding margin={margin} must be >= 0: it is how far a plan's lower bound must "
                         "beat plain decoding (0.05: by 5%).")
     prompts = [_as_ids(p, target.vocab_size, target.device)[0].tolist() for p in prompts]  # what generate takes
-    settings = list(settings or candidates(drafter))
-    if PLAIN not in settings:
-        settings.insert(0, PLAIN)
+    plans = list(plans or candidates(drafter))
+    if PLAIN not in plans:
+        plans.insert(0, PLAIN)
     decodes = None
     if outputs is None:
         decodes = [generate(target, p, max_new_tokens, sampling, seed=i) for i, p in enumerate(prompts)]
@@ -539,15 +519,15 @@ def choose_decoding(
     timed = costs is None and decodes is not None  # costs passed in: nothing is timed (deterministic)
     if costs is None:
         longest = max(pairs, key=lambda pr: len(pr[0]) + len(pr[1]))
-        costs = measure_costs(target, drafter, settings, longest[0] + longest[1][: len(longest[1]) // 2])
+        costs = measure_costs(target, drafter, plans, longest[0] + longest[1][: len(longest[1]) // 2])
     if timed:  # the median over the decodes: the first pays one-off costs
         costs.overhead[PLAIN] = statistics.median(round_overhead(g, PLAIN, costs) for g in decodes)
-    # one target forward per output for every drafter setting (n-gram lookup reads no features)
+    # one target forward per output for every drafter plan (n-gram lookup reads no features)
     features = output_features(target, list(drafter.target_layers) if drafter is not None else [], pairs)
     counted = []
-    with progress_bar("decoding auto: scoring settings", len(settings), progress) as bar:
-        for setting in settings:
-            c = _count(target, drafter, setting, pairs, sampling, costs, features)
+    with progress_bar("decoding auto: scoring plans", len(plans), progress) as bar:
+        for plan in plans:
+            c = _count(target, drafter, plan, pairs, sampling, costs, features)
             if c is not None:
                 counted.append(c)
             bar.advance(1)
@@ -558,8 +538,7 @@ def choose_decoding(
         best = pick(estimates, margin)
         if not timed or best == PLAIN or best in costs.overhead or probes == PROBES:
             break
-        gen = generate(target, prompts[probe], max_new_tokens, sampling, drafter=best.drafter(drafter), seed=probe,
-                       tree=best.tree)
+        gen = generate(target, prompts[probe], max_new_tokens, sampling, drafter=drafter, seed=probe, plan=best)
         costs.overhead[best] = round_overhead(gen, best, costs)
-    return Choice(best, best.drafter(drafter), best.tree, estimates, costs.machine or machine_name(target.device),
+    return Choice(best, drafter, estimates, costs.machine or machine_name(target.device),
                   str(target.dtype).replace("torch.", ""), margin, CONFIDENCE, costs)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_spec.decoding.engine import generate
+from lightning_spec.decoding.engine import generate, resolve_run
 from lightning_spec.metrics import ratio, slot_counts
 from lightning_spec.sampling import SamplingConfig
 
@@ -93,21 +93,24 @@ def decode_prompts(
     seed: int = 0,
     progress: Any = None,
     tree: Any = None,
+    plan: Any = None,
 ) -> DecodeReport:
     """Decode every prompt (dicts with ``prompt_ids`` and ``domain``) with the drafter, and optionally plain.
 
     Seeds are per prompt (``prompt["seed"]`` when given, else ``seed + i``) so runs are reproducible and
     plain/speculative see the same prompts.
     ``progress`` is an optional callable advanced once per prompt; ``tree`` (a ``TreeConfig``) decodes with a
-    token tree per round (slot k = tree depth k in the acceptance counts).
+    token tree per round (slot k = tree depth k in the acceptance counts); ``plan`` (``decoding/plans.py``) says how
+    to decode instead of ``tree``.
     """
-    block_size = drafter.block_size if drafter is not None else 1
+    run = resolve_run(drafter, tree, plan)
+    block_size = (run.length or run.proposer.block_size) if run.proposer is not None else 1
     report = DecodeReport(torch.zeros(block_size, dtype=torch.float64), torch.zeros(block_size, dtype=torch.float64))
     for i, prompt in enumerate(prompts):
         prompt_seed = prompt.get("seed", seed + i)
         gen = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=drafter, seed=prompt_seed,
-                       tree=tree)
-        report.add(gen, prompt["domain"], tree=tree is not None)
+                       tree=tree, plan=plan)
+        report.add(gen, prompt["domain"], tree=run.tree is not None)
         report.answers.append((list(map(int, prompt["prompt_ids"])), list(gen.tokens), prompt["domain"]))
         if measure_plain:
             plain = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=None, seed=prompt_seed)

@@ -185,6 +185,7 @@ def replay_tree_rounds(
     tree: TreeConfig | None,
     sampling: SamplingConfig | None = None,
     sizes: list[int] | None = None,
+    length: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy rounds of trees that a drafter grows from its own drafts (EAGLE-2's dynamic trees, D²SD's re-drafts,
     SpecBlock's rank-sized trees), replayed along greedy rollouts: τ(x) (N,), and per depth the rounds that
@@ -194,7 +195,8 @@ def replay_tree_rounds(
     candidates merged in) are replayed under ``sampling`` as well: given the output such a round accepts the
     longest root path the output follows (a chosen chain token x is accepted with p(x), and then the output is x;
     a chosen child likewise), so the replay is exact under every sampling config. ``sizes``, when given, gets each
-    round's number of draft nodes (what its verify forward runs besides the anchor).
+    round's number of draft nodes (what its verify forward runs besides the anchor). ``length``: chains cut to their
+    first ``length`` drafts (a plan's shorter chain, ``decoding/plans.py``).
 
     Under greedy decoding a round is a function of the committed prefix: the drafter's state is built from the
     target's features of the committed tokens, its tree from that state, and the target accepts the longest root
@@ -215,7 +217,7 @@ def replay_tree_rounds(
         state = drafter.begin(features[row : row + 1, :a] if features is not None else None, ids[row : row + 1, :a])
         while True:
             anchor = ids[row, a : a + 1]  # (1,)
-            proposal = draft(drafter, state, anchor, seq[: a + 1], sampling, tree)
+            proposal = draft(drafter, state, anchor, seq[: a + 1], sampling, tree, length=length)
             kids = proposal.children()
             if sizes is not None:
                 sizes.append(proposal.num_drafted)

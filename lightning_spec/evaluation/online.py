@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 import torch
 
+from lightning_spec.decoding.plans import Run
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
 from lightning_spec.evaluation.paired import Bootstrap, Comparison, bootstrap_mal, compare, percentile_interval
@@ -78,7 +79,7 @@ class DrafterDecoding:
         checkpoint: the checkpoint or exported folder it was loaded from.
         drafter: the loaded drafter, bound to the target (None: plain decoding).
         setting: the requested tree (None: a chain; ``auto``: decoding auto picks, ``choose_decodings``).
-        pick: decoding auto's ``Choice`` (``evaluation/auto.py``): what decodes instead of the drafter, and its tree.
+        pick: decoding auto's ``Choice`` (``evaluation/auto.py``): the plan the drafter decodes with instead.
     """
 
     name: str
@@ -92,21 +93,23 @@ class DrafterDecoding:
             self.drafter.check_tree()
 
     @property
-    def decoder(self) -> Any:
-        """What ``generate`` decodes with: the drafter, or decoding auto's pick (a drafter, n-gram lookup, None)."""
-        return self.drafter if self.pick is None else self.pick.drafter
+    def run(self) -> Run:
+        """What ``generate`` runs: the drafter's chain or tree, or decoding auto's pick (a plan of the drafter, n-gram
+        lookup or plain decoding)."""
+        if self.pick is not None:
+            return self.pick.plan.resolve(self.drafter)
+        if self.setting == "auto":
+            raise ValueError(f"arm {self.name!r} decodes with --tree auto, which choose_decodings resolves first.")
+        return Run(self.drafter, self.setting)
 
     @property
     def tree(self) -> TreeConfig | None:
-        if self.pick is not None:
-            return self.pick.tree
-        if self.setting == "auto":
-            raise ValueError(f"arm {self.name!r} decodes with --tree auto, which choose_decodings resolves first.")
-        return self.setting
+        return self.run.tree
 
     @property
     def slots(self) -> int:
-        return self.decoder.block_size if self.decoder is not None else 1
+        run = self.run
+        return (run.length or run.proposer.block_size) if run.proposer is not None else 1
 
     @property
     def parameters(self) -> int:
@@ -121,7 +124,10 @@ class DrafterDecoding:
 
     def decode(self, target: Target, prompts: list[dict[str, Any]], sampling: SamplingConfig, max_new_tokens: int,
                seed: int) -> DecodeReport:
-        return decode_prompts(target, self.decoder, prompts, sampling, max_new_tokens, seed=seed, tree=self.tree)
+        if self.pick is not None:
+            return decode_prompts(target, self.drafter, prompts, sampling, max_new_tokens, seed=seed,
+                                  plan=self.pick.plan)
+        return decode_prompts(target, self.drafter, prompts, sampling, max_new_tokens, seed=seed, tree=self.setting)
 
     def arm_details(self, seeds: list[Decoding]) -> dict[str, Any]:
         """Decoding auto's pick of the arm's first checkpoint, the speed it expected on its calibration prompts and
@@ -129,7 +135,8 @@ class DrafterDecoding:
         if self.pick is None:
             return {}
         choice = self.pick
-        return {"decoding": {"picked": choice.setting.label, "expected_mal": choice.expected.mal,
+        return {"decoding": {"picked": choice.plan.label, "plan": choice.plan.to_dict(),
+                             "expected_mal": choice.expected.mal,
                              "expected_tokens_per_s": choice.expected.tokens_per_s,
                              "expected_speedup": choice.expected_speedup, "lcb": choice.expected.lcb,
                              "confidence": choice.confidence, "margin": choice.margin,

@@ -93,7 +93,7 @@ def test_settings_are_refused_in_one_sentence(diverse_target):
         TreeConfig(nodes=4, ngram=5)
     with pytest.raises(ValueError, match="min_ngram .* must be <= max_ngram"):
         NgramDrafter(max_ngram=2, min_ngram=3)
-    with pytest.raises(ValueError, match="its fields are nodes, top_k, depth and ngram"):
+    with pytest.raises(ValueError, match="its fields are nodes, top_k, depth, ngram and stop_below"):
         TreeConfig.coerce({"ngrams": 3})
 
 

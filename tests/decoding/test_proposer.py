@@ -13,6 +13,7 @@ from helpers.families import FAMILIES, build
 
 from lightning_spec import TreeConfig, UserError
 from lightning_spec.decoding.ngram import NgramDrafter, as_proposer
+from lightning_spec.decoding.plans import Tree
 from lightning_spec.decoding.proposer import Drafting, Proposer, TreeGrowth, chosen_rounds, evaluating
 from lightning_spec.drafters import DFlyDrafter
 from lightning_spec.evaluation.auto import candidates
@@ -28,7 +29,7 @@ def test_every_family_is_a_proposer_with_declared_growth_and_drafting(name, dive
     assert isinstance(drafter.tree_growth, TreeGrowth) and drafter.drafting is Drafting.DRAWN
     if drafter.tree_growth is TreeGrowth.BEST_FIRST:  # its tree is built over position_logits
         assert drafter.parallel_slots
-    trees = [s for s in candidates(drafter) if s.kind == "drafter" and s.tree is not None]
+    trees = [p for p in candidates(drafter) if isinstance(p, Tree)]
     assert bool(trees) == drafter.grows_trees  # decoding auto offers trees by the declaration alone
     if drafter.grows_trees:
         drafter.check_tree()

@@ -28,6 +28,7 @@ from helpers.trees import assert_greedy_tree_is_the_argmax_loop, committed_paths
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.data.rollouts import load_rollout_set
+from lightning_spec.decoding.plans import Tree
 from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
 from lightning_spec.drafters import Anchors
@@ -295,7 +296,7 @@ def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_ta
           "--n_resamples", "50", "--output", "off.json", "--progress", "false"])
     assert "tree of 4 nodes (top 2)" in capsys.readouterr().out
     result = json.loads((tmp_path / "off.json").read_text())
-    assert result["tree"] == {"nodes": 4, "top_k": 2, "depth": None, "ngram": 0}
+    assert result["tree"] == {"nodes": 4, "top_k": 2, "depth": None, "ngram": 0, "stop_below": 0.0}
     drafter, rollouts = load_drafter(path, target=tiny_target), load_rollout_set(tmp_path / "t1")
     want = offline_rounds(tiny_target, drafter, rollouts, tree=TreeConfig(nodes=4, top_k=2))
     assert result["arms"]["drafter0"]["rounds"] == pytest.approx(want.tolist())
@@ -333,7 +334,7 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
     assert "tree 6/3" in out and "chain" in out
     result = json.loads((tmp_path / "off.json").read_text())
     assert result["tree"] is None
-    assert result["arms"]["tree"]["tree"] == {"nodes": 6, "top_k": 3, "depth": None, "ngram": 0}
+    assert result["arms"]["tree"]["tree"] == {"nodes": 6, "top_k": 3, "depth": None, "ngram": 0, "stop_below": 0.0}
     drafter, rollouts = load_drafter(path, target=tiny_target), load_rollout_set(tmp_path / "g")
     tree = offline_rounds(tiny_target, drafter, rollouts, tree=TreeConfig(nodes=6, top_k=3)).tolist()
     chain = offline_rounds(tiny_target, drafter, rollouts).tolist()
@@ -362,7 +363,8 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
 
 
 def test_decode_validation_takes_a_tree_from_yaml(tmp_path, monkeypatch):
-    """``SpecDecodeValidation(tree=...)`` from a YAML overlay: every speculative decode of the fit is a tree decode."""
+    """``SpecDecodeValidation(decoding={kind: tree, ...})`` from a YAML overlay: every speculative decode of the fit is
+    a tree decode."""
     import sys
 
     import lightning_spec.evaluation.benchmark as benchmark
@@ -374,17 +376,17 @@ def test_decode_validation_takes_a_tree_from_yaml(tmp_path, monkeypatch):
     real = benchmark.generate
 
     def recording(*args, **kwargs):
-        seen.append((kwargs.get("drafter") is not None, kwargs.get("tree")))
+        seen.append((kwargs.get("drafter") is not None, kwargs.get("plan")))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(benchmark, "generate", recording)
     overlay = tmp_path / "tree.yaml"
-    overlay.write_text("trainer:\n  callbacks:\n    - init_args:\n        tree: {nodes: 4, top_k: 2}\n")
+    overlay.write_text("trainer:\n  callbacks:\n    - init_args:\n        decoding: {kind: tree, nodes: 4, top_k: 2}\n")
     tiny = Path(__file__).resolve().parents[2] / "experiments" / "tiny.yaml"
     main(["fit", "-c", str(tiny), "-c", str(overlay), "--trainer.logger=false", "--trainer.max_steps=3"])
-    speculative = [tree for drafted, tree in seen if drafted]
-    assert speculative and all(tree == TreeConfig(nodes=4, top_k=2) for tree in speculative)
-    assert all(tree is None for drafted, tree in seen if not drafted)  # plain decoding has no tree
+    speculative = [plan for drafted, plan in seen if drafted]
+    assert speculative and all(plan == Tree(nodes=4, top_k=2) for plan in speculative)
+    assert all(plan is None for drafted, plan in seen if not drafted)  # plain decoding has no plan
 
 
 @pytest.mark.parametrize("family", DYNAMIC)

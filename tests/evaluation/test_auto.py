@@ -25,14 +25,13 @@ import torch
 from helpers.decoding import MAX_NEW, random_prompts
 from helpers.families import trained
 
-from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.decoding.plans import Chain, Ngram
 from lightning_spec.evaluation.auto import (
     CONFIDENCE,
     MARGIN,
     PLAIN,
     Costs,
     Estimate,
-    Setting,
     candidates,
     choose_decoding,
     estimate,
@@ -64,7 +63,7 @@ def flat_or_linear(drafter, per_token: float) -> Costs:
 def test_a_verify_cost_linear_in_tokens_keeps_plain_decoding(diverse_target, drafter, prompts):
     choice = choose_decoding(diverse_target, drafter, prompts, max_new_tokens=MAX_NEW,
                              costs=flat_or_linear(drafter, per_token=1.0))
-    assert choice.setting == PLAIN and choice.drafter is None and choice.tree is None
+    assert choice.plan == PLAIN and choice.plan.resolve(drafter).proposer is None
     assert any(e.mal > 1 for e in choice.estimates)  # some settings were accepted: they just cannot pay
 
 
@@ -75,24 +74,24 @@ def test_a_flat_verify_cost_picks_the_highest_lower_bound_on_tokens_per_round(di
     prompts = random_prompts(diverse_target.vocab_size, lengths=(1, 6, 13, 4, 9, 3, 11, 7))
     choice = choose_decoding(diverse_target, drafter, prompts, max_new_tokens=MAX_NEW,
                              costs=flat_or_linear(drafter, per_token=0.0))
-    assert choice.setting != PLAIN and choice.expected.mal > 1
+    assert choice.plan != PLAIN and choice.expected.mal > 1
     assert choice.expected.lcb == max(e.lcb for e in choice.estimates if e.lcb is not None) > 1 + MARGIN
     assert len(choice.estimates) == len(candidates(drafter))
-    plain = next(e for e in choice.estimates if e.setting == PLAIN)
+    plain = next(e for e in choice.estimates if e.plan == PLAIN)
     for e in choice.estimates:  # a lower bound of the pooled speedup: below it
         assert e.lcb <= plain.seconds / e.seconds + 1e-12
 
 
 def test_measured_costs_pick_only_a_setting_whose_bound_clears_the_margin(diverse_target, drafter, prompts):
     choice = choose_decoding(diverse_target, drafter, prompts, max_new_tokens=MAX_NEW)
-    assert choice.setting == PLAIN or choice.expected.lcb > 1 + choice.margin
+    assert choice.plan == PLAIN or choice.expected.lcb > 1 + choice.margin
     # the loop's own seconds per round beyond the timed verify, from the timed calibration decodes
     assert choice.costs.overhead[PLAIN] >= -choice.costs.verify_seconds(1, tree=False)
-    assert choice.setting == PLAIN or choice.setting in choice.costs.overhead  # the pick's own, from a timed decode
+    assert choice.plan == PLAIN or choice.plan in choice.costs.overhead  # the pick's own, from a timed decode
     # the calibration is exact: decoding the calibration prompts with the pick commits the expected MAL
     outs = [choice.generate(diverse_target, p, MAX_NEW, seed=i) for i, p in enumerate(prompts)]
     assert sum(len(o.tokens) for o in outs) / sum(o.rounds for o in outs) == pytest.approx(choice.expected.mal)
-    assert choice.describe(measured_speedup=1.0).startswith(f"decoding auto: {choice.setting.label}")
+    assert choice.describe(measured_speedup=1.0).startswith(f"decoding auto: {choice.plan.label}")
     assert "<- picked" in choice.table() and "LCB" in choice.table()
 
 
@@ -107,10 +106,10 @@ def test_a_pick_from_timed_costs_has_its_own_bookkeeping_measured(make_random_ll
     prompts = random_prompts(target.vocab_size, lengths=(4, 6, 9, 12, 15), seed=3)  # lookup MAL 2.3-3.8 each
     for _ in range(3):
         choice = choose_decoding(target, None, prompts, max_new_tokens=96)
-        if choice.setting.kind == "ngram":
+        if isinstance(choice.plan, Ngram):
             break
-    assert choice.setting.kind == "ngram" and choice.expected.lcb > 1 + choice.margin, choice.table()
-    assert set(choice.costs.overhead) >= {PLAIN, choice.setting}
+    assert isinstance(choice.plan, Ngram) and choice.expected.lcb > 1 + choice.margin, choice.table()
+    assert set(choice.costs.overhead) >= {PLAIN, choice.plan}
     outs = [choice.generate(target, p, 96, seed=i) for i, p in enumerate(prompts)]
     assert sum(len(o.tokens) for o in outs) / sum(o.rounds for o in outs) == pytest.approx(choice.expected.mal)
 
@@ -132,14 +131,14 @@ def test_a_calibration_set_that_repeats_itself_does_not_pick_a_setting_slower_on
     looping = [distinct_tokens(4, gen) * 10 for _ in range(3)]
     calibration = [answer for pair in zip(looping, [distinct_tokens(40, gen) for _ in range(3)]) for answer in pair]
     evaluation = list(zip(prompts, [distinct_tokens(40, gen) for _ in range(6)]))
-    ngram = [Setting("ngram", None, 10), Setting("ngram", TreeConfig(nodes=8, top_k=3), 10)]
+    ngram = [Ngram(length=10), Ngram(length=10, nodes=8, top_k=3)]
     verify = {t: 1e-3 + 0.5e-3 * (t - 1) for t in (1, 2, 5, 9, 17)}
     costs = Costs(verify=verify, tree_verify=dict(verify), draft={PLAIN: 0.0, **dict.fromkeys(ngram, 0.2e-3)})
-    choice = choose_decoding(diverse_target, None, prompts, settings=[PLAIN, *ngram], costs=costs,
+    choice = choose_decoding(diverse_target, None, prompts, plans=[PLAIN, *ngram], costs=costs,
                              outputs=calibration)
-    by = {e.setting: e for e in choice.estimates}
+    by = {e.plan: e for e in choice.estimates}
     # the old rule (the highest point estimate, if above plain's) would have picked the n-gram chain
-    assert max(by.values(), key=lambda e: e.tokens_per_s).setting == ngram[0]
+    assert max(by.values(), key=lambda e: e.tokens_per_s).plan == ngram[0]
     assert by[ngram[0]].tokens_per_s > by[PLAIN].tokens_per_s
     ratios = [p / s for p, s in zip(by[PLAIN].prompt_seconds, by[ngram[0]].prompt_seconds)]
     assert max(ratios[0::2]) > 1.4 and max(ratios[1::2]) < 1  # fast where answers loop, slow where they do not
@@ -148,17 +147,17 @@ def test_a_calibration_set_that_repeats_itself_does_not_pick_a_setting_slower_on
     plain_tps = estimate(diverse_target, None, PLAIN, evaluation, greedy, costs).tokens_per_s
     assert estimate(diverse_target, None, ngram[0], evaluation, greedy, costs).tokens_per_s < 0.9 * plain_tps
     # the bound sees the spread over prompts: nothing is picked that is slower there
-    picked = estimate(diverse_target, None, choice.setting, evaluation, greedy, costs)
-    assert choice.setting == PLAIN and picked.tokens_per_s >= plain_tps
+    picked = estimate(diverse_target, None, choice.plan, evaluation, greedy, costs)
+    assert choice.plan == PLAIN and picked.tokens_per_s >= plain_tps
     assert by[ngram[0]].lcb < 1
-    assert "no setting's 95% joint lower bound (2 settings) over 6 calibration prompts" in choice.describe()
+    assert "no plan's 95% joint lower bound (2 plans) over 6 calibration prompts" in choice.describe()
 
 
 def speedups(factor: float, prompts: int = 4) -> list[Estimate]:
     """Plain and one other setting that is ``factor`` times faster on every one of ``prompts`` prompts."""
     tokens = tuple(10 * (i + 1) for i in range(prompts))
     plain = Estimate(PLAIN, tokens, tuple(map(float, tokens)), tuple(t * 1e-3 for t in tokens))
-    chain = Estimate(Setting("ngram", None, 4), tokens, tuple(t / 2 for t in tokens),
+    chain = Estimate(Ngram(length=4), tokens, tuple(t / 2 for t in tokens),
                      tuple(t * 1e-3 / factor for t in tokens))
     return with_bounds([plain, chain])
 
@@ -168,8 +167,8 @@ def test_a_setting_must_beat_plain_by_the_margin():
     estimates = speedups(1.02)
     assert estimates[1].lcb == pytest.approx(1.02) and estimates[0].lcb == 1.0
     assert pick(estimates, margin=0.05) == PLAIN
-    assert pick(estimates, margin=0.0) == Setting("ngram", None, 4)
-    assert pick(speedups(1.2), margin=0.05) == Setting("ngram", None, 4)
+    assert pick(estimates, margin=0.0) == Ngram(length=4)
+    assert pick(speedups(1.2), margin=0.05) == Ngram(length=4)
     with pytest.raises(ValueError, match="margin=-0.1 must be >= 0"):
         choose_decoding(None, None, [[1]], margin=-0.1)
 
@@ -180,7 +179,7 @@ def test_the_bound_is_on_the_pooled_speedup_not_a_mean_of_per_prompt_speedups():
     not picked. On prompts alike, the bound is the speedup itself."""
     tokens = (48,) * 10
     plain = Estimate(PLAIN, tokens, (48.0,) * 10, (1.0,) * 8 + (20.0,) * 2)
-    mixed = Estimate(Setting("ngram", None, 4), tokens, (24.0,) * 10, (0.5,) * 8 + (40.0,) * 2)
+    mixed = Estimate(Ngram(length=4), tokens, (24.0,) * 10, (0.5,) * 8 + (40.0,) * 2)
     estimates = with_bounds([plain, mixed])
     assert mixed.tokens_per_s / plain.tokens_per_s == pytest.approx(48 / 84)
     assert estimates[1].lcb < 48 / 84 and pick(estimates, margin=0.0) == PLAIN
@@ -191,12 +190,12 @@ def test_the_highest_bound_wins_and_ties_go_to_the_setting_listed_first():
     """A setting fast on average but spread over prompts loses to a steadier one (its bound is lower)."""
     tokens = (20, 20, 20, 20)
     plain = Estimate(PLAIN, tokens, (20.0,) * 4, (0.02,) * 4)
-    steady = Estimate(Setting("ngram", None, 4), tokens, (10.0,) * 4, (0.015,) * 4)  # 1.33x on every prompt
-    lucky = Estimate(Setting("ngram", None, 10), tokens, (10.0,) * 4, (0.005, 0.02, 0.006, 0.019))  # 1.6x pooled
-    twin = Estimate(Setting("ngram", TreeConfig(nodes=8, top_k=3), 10), tokens, (10.0,) * 4, (0.015,) * 4)
+    steady = Estimate(Ngram(length=4), tokens, (10.0,) * 4, (0.015,) * 4)  # 1.33x on every prompt
+    lucky = Estimate(Ngram(length=10), tokens, (10.0,) * 4, (0.005, 0.02, 0.006, 0.019))  # 1.6x pooled
+    twin = Estimate(Ngram(length=10, nodes=8, top_k=3), tokens, (10.0,) * 4, (0.015,) * 4)
     estimates = with_bounds([plain, steady, lucky, twin])
     assert lucky.tokens_per_s > steady.tokens_per_s and estimates[2].lcb < estimates[1].lcb
-    assert pick(estimates) == steady.setting  # the twin ties with it and comes later
+    assert pick(estimates) == steady.plan  # the twin ties with it and comes later
 
 
 def test_one_calibration_prompt_never_picks_over_plain(diverse_target, drafter, prompts):
@@ -204,21 +203,21 @@ def test_one_calibration_prompt_never_picks_over_plain(diverse_target, drafter, 
     decoding is kept, and the line says why."""
     choice = choose_decoding(diverse_target, drafter, prompts[-1:], max_new_tokens=MAX_NEW,
                              costs=flat_or_linear(drafter, per_token=0.0))
-    assert choice.setting == PLAIN and any(e.mal > 1 for e in choice.estimates)
-    assert all(e.lcb is None for e in choice.estimates if e.setting != PLAIN)
+    assert choice.plan == PLAIN and any(e.mal > 1 for e in choice.estimates)
+    assert all(e.lcb is None for e in choice.estimates if e.plan != PLAIN)
     assert "1 calibration prompt with tokens gives no lower bound" in choice.describe()
 
 
 def false_pick_rate(settings: int, prompts: int, confidence: float, trials: int = 1000) -> float:
-    """How often ``pick`` (at its 5% margin) takes one of ``settings`` settings that are exactly as fast as plain, each timed
-    with its own noise (log-normal, 10% per prompt) on ``prompts`` prompts of different lengths."""
+    """How often ``pick`` (at its 5% margin) takes one of ``settings`` settings that are exactly as fast as plain,
+    each timed with its own noise (log-normal, 10% per prompt) on ``prompts`` prompts of different lengths."""
     rng = random.Random(0)
     picked = 0
     for _ in range(trials):
         plain_s = tuple(rng.uniform(0.5, 2.0) for _ in range(prompts))
         tokens = (48,) * prompts
         plain = Estimate(PLAIN, tokens, (48.0,) * prompts, plain_s)
-        others = [Estimate(Setting("ngram", None, 4 + i), tokens, (24.0,) * prompts,
+        others = [Estimate(Ngram(length=4 + i), tokens, (24.0,) * prompts,
                            tuple(p * math.exp(rng.gauss(0, 0.1)) for p in plain_s)) for i in range(settings)]
         picked += pick(with_bounds([plain, *others], confidence), margin=MARGIN) != PLAIN
     return picked / trials
@@ -240,7 +239,7 @@ def test_the_bound_takes_students_quantile_for_the_number_of_calibration_prompts
     freedom), not the normal 1.645, which would give a bound 1.5% higher."""
     tokens = (30,) * 6
     plain = Estimate(PLAIN, tokens, (30.0,) * 6, (1.0,) * 6)
-    other = Estimate(Setting("ngram", None, 4), tokens, (15.0,) * 6, (0.5, 0.7, 0.6, 0.8, 0.55, 0.75))
+    other = Estimate(Ngram(length=4), tokens, (15.0,) * 6, (0.5, 0.7, 0.6, 0.8, 0.55, 0.75))
     z = [1.0 - o / statistics.fmean(other.prompt_seconds) for o in other.prompt_seconds]
     spread = statistics.stdev(z) / math.sqrt(6)
     pooled = 6 / sum(other.prompt_seconds)
@@ -265,10 +264,10 @@ def test_under_sampling_settings_are_calibrated_with_the_exact_rounds(diverse_ta
     t1 = SamplingConfig(temperature=1.0)
     outputs = [generate(diverse_target, p, MAX_NEW, t1, seed=i).tokens for i, p in enumerate(prompts)]
     pairs = list(zip(prompts, outputs))
-    settings = [Setting("ngram", None, 4), Setting("drafter")]
-    choice = choose_decoding(diverse_target, drafter, prompts, t1, settings=settings, outputs=outputs,
+    settings = [Ngram(length=4), Chain()]
+    choice = choose_decoding(diverse_target, drafter, prompts, t1, plans=settings, outputs=outputs,
                              costs=flat_or_linear(drafter, per_token=0.0))
-    rounds = {e.setting: e.rounds for e in choice.estimates}
+    rounds = {e.plan: e.rounds for e in choice.estimates}
     assert rounds[settings[0]] == pytest.approx(float(offline_rounds(diverse_target, NgramDrafter(4), pairs, t1).sum()))
     assert rounds[settings[1]] == pytest.approx(float(offline_rounds(diverse_target, drafter, pairs, t1).sum()))
     assert rounds[settings[1]] < sum(map(len, outputs))  # the drafter's chain was accepted on these outputs
@@ -280,7 +279,7 @@ def test_the_bookkeeping_per_round_is_what_a_decode_spent_beyond_the_model():
     from lightning_spec.decoding.engine import Generation
     from lightning_spec.evaluation.auto import round_overhead
 
-    chain = Setting("ngram", None, 4)
+    chain = Ngram(length=4)
     costs = Costs(verify={1: 1.0, 5: 3.0}, tree_verify={1: 1.0, 5: 3.0}, draft={PLAIN: 0.0, chain: 0.5})
     gen = Generation(tokens=[1] * 6, accept_lengths=[3, 0], rounds=2, seconds=10.0, prefill_seconds=2.0,
                      draft_lengths=[4, 0])
@@ -288,7 +287,7 @@ def test_the_bookkeeping_per_round_is_what_a_decode_spent_beyond_the_model():
     assert round_overhead(dataclasses.replace(gen, seconds=2.5), chain, costs) == -1.5  # floored: -(0.5 + 1)
     assert costs.overhead_seconds(chain) == 0.0  # nothing measured (costs passed in): none
     costs.overhead.update({PLAIN: 0.25, chain: 1.5})
-    assert costs.overhead_seconds(Setting("ngram", None, 10)) == 1.5 and costs.overhead_seconds(PLAIN) == 0.25
+    assert costs.overhead_seconds(Ngram(length=10)) == 1.5 and costs.overhead_seconds(PLAIN) == 0.25
 
 
 def test_verify_seconds_interpolate_between_measured_lengths():
@@ -328,7 +327,7 @@ def test_decode_validation_reports_decoding_autos_pick_after_a_fit(tmp_path, mon
 def test_decode_validation_refuses_an_unknown_decoding():
     from lightning_spec.callbacks import SpecDecodeValidation
 
-    with pytest.raises(ValueError, match="decoding must be fixed or auto"):
+    with pytest.raises(ValueError, match="decoding.kind must be one of plain, chain, tree, ngram, auto, got 'fastest'"):
         SpecDecodeValidation(decoding="fastest")
     with pytest.raises(ValueError, match="calibration_prompts_per_domain=0 must be >= 1"):
         SpecDecodeValidation(decoding="auto", calibration_prompts_per_domain=0)

@@ -26,13 +26,14 @@ def exact_joint(target, prompt: list[int], sampling: SamplingConfig, new: int = 
     return out.reshape(-1)
 
 
-def empirical(target, sampling, drafter, runs: int, seed0: int = 0, new: int = NEW):
-    """Counts of the first ``new`` tokens over ``runs`` seeded generations, and the first round's accept lengths."""
+def empirical(target, sampling, drafter, runs: int, seed0: int = 0, new: int = NEW, plan=None):
+    """Counts of the first ``new`` tokens over ``runs`` seeded generations (decoded with ``plan``, None: the
+    drafter's chain), and the first round's accept lengths."""
     v = target.vocab_size
     counts = torch.zeros(v**new, dtype=torch.float64)
     first_accepts = []
     for i in range(runs):
-        gen = generate(target, PROMPT, new, sampling, drafter=drafter, seed=seed0 + i)
+        gen = generate(target, PROMPT, new, sampling, drafter=drafter, seed=seed0 + i, plan=plan)
         assert len(gen.tokens) == new
         counts[sum(t * v ** (new - 1 - j) for j, t in enumerate(gen.tokens))] += 1
         first_accepts.append(gen.accept_lengths[0])
