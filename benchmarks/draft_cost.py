@@ -6,10 +6,11 @@
 Each family is built untrained at the target's shape (K = ``--block-size``, a ``--draft-vocab``-token draft
 vocabulary, one layer where the family has a choice: the testbed's shapes) and bound to the target in each dtype.
 After a prefill of ``--cache-len`` MT-Bench tokens it times, interleaved repeat by repeat with the target's 1-token
-forward: the chain proposal (all K slots), the chain's first slot only (``Chain(length=1)``: what a confidence stop
-costs when it stops at once; a family that drafts its block in one call pays the same), and, for a family that
-grows trees, its 8-node tree. Untrained drafters accept nothing, so these are costs, not speedups: how many slots a
-confidence stop saves depends on the trained drafter (``decode_speed.py --plan``).
+forward: the chain proposal (all K slots), the chain stopped after its first slot (``Chain(stop_below=...)`` with a
+threshold no path clears: the least a confidence stop costs, for the families whose chain is a one-child tree; a
+family that drafts its block in one call pays about its whole chain anyway), and, for a family that grows trees,
+its 8-node tree. Untrained drafters accept nothing, so these are costs, not speedups: how many slots a confidence
+stop saves depends on the trained drafter (``decode_speed.py --plan``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 from decode_speed import mt_bench_prompts  # this folder is on sys.path when the script runs
 from lightning_spec import SamplingConfig, TreeConfig, load_target
 from lightning_spec.decoding.engine import draft
+from lightning_spec.decoding.plans import Chain
+from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.drafters import FAMILIES
 from objective_memory import cpu_name
 
@@ -64,7 +67,9 @@ def costs(dtype: str, args) -> list[tuple]:
         out = target(ids[:, :-1], layers=list(drafter.target_layers), logits=False)
         state = drafter.begin(out.features, ids[:, :-1])
         fns[family, "chain"] = lambda d=drafter, s=state: draft(d, s, anchor, ctx, greedy, None)
-        fns[family, "first slot"] = lambda d=drafter, s=state: draft(d, s, anchor, ctx, greedy, None, length=1)
+        if drafter.tree_growth in (TreeGrowth.BEST_FIRST, TreeGrowth.DYNAMIC):
+            stop = Chain(stop_below=0.999999).resolve(drafter).tree  # slot 1's probability never clears it
+            fns[family, "first slot"] = lambda d=drafter, s=state, t=stop: draft(d, s, anchor, ctx, greedy, t)
         if drafter.grows_trees:
             tree = TreeConfig(nodes=8, top_k=4)
             fns[family, "tree 8/4"] = lambda d=drafter, s=state, t=tree: draft(d, s, anchor, ctx, greedy, t)
@@ -77,8 +82,8 @@ def costs(dtype: str, args) -> list[tuple]:
             fn()
             samples[key].append(time.perf_counter() - start)
     ms = {key: 1e3 * statistics.median(v) for key, v in samples.items()}
-    return [(dtype, family, ms["target"], ms[family, "chain"], ms[family, "first slot"], ms.get((family, "tree 8/4")))
-            for family in args.families]
+    return [(dtype, family, ms["target"], ms[family, "chain"], ms.get((family, "first slot")),
+             ms.get((family, "tree 8/4"))) for family in args.families]
 
 
 @torch.no_grad()
@@ -98,12 +103,14 @@ def main() -> None:
     rows = [row for dtype in args.dtypes for row in costs(dtype, args)]
     print(f"\ndraft_cost  target={args.target}  {cpu_name()}  threads={torch.get_num_threads()}  K={args.block_size}  "
           f"draft vocab {args.draft_vocab}  warm cache {args.cache_len} tokens, median of {args.repeats} (ms)")
-    print(f"  {'dtype':<10}{'family':<11}{'target 1-token':>15}{'chain':>8}{'/ fwd':>7}{'first slot':>11}{'/ fwd':>7}"
+    print(f"  {'dtype':<10}{'family':<11}{'target 1-token':>15}{'chain':>8}{'/ fwd':>7}{'stop at 1':>10}{'/ fwd':>7}"
           f"{'tree 8/4':>9}{'/ fwd':>7}")
+
+    def cols(ms: float | None, fwd: float, width: int) -> str:
+        return f"{ms:>{width}.1f}{ms / fwd:>6.0%} " if ms is not None else f"{'-':>{width}}{'':>7}"
+
     for dtype, family, fwd, chain, first, tree in rows:
-        tree_cols = f"{tree:>9.1f}{tree / fwd:>6.0%} " if tree is not None else f"{'-':>9}{'':>7}"
-        print(f"  {dtype:<10}{family:<11}{fwd:>15.1f}{chain:>8.1f}{chain / fwd:>6.0%} {first:>11.1f}"
-              f"{first / fwd:>6.0%} {tree_cols}")
+        print(f"  {dtype:<10}{family:<11}{fwd:>15.1f}{cols(chain, fwd, 8)}{cols(first, fwd, 10)}{cols(tree, fwd, 9)}")
 
 
 if __name__ == "__main__":

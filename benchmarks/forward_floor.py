@@ -30,17 +30,21 @@ from objective_memory import cpu_name
 SIZES = (1, 9, 17)
 
 
-def bandwidth_gbs(nbytes: int) -> float:
+def bandwidth_gbs(nbytes: int, device: str = "cpu") -> float:
     """Read bandwidth in GB/s: the best of five sums over an fp32 buffer of ``nbytes`` (past every cache)."""
-    buf = torch.ones(max(nbytes // 4, 1 << 26), dtype=torch.float32)
+    buf = torch.ones(max(nbytes // 4, 1 << 26), dtype=torch.float32, device=device)
     buf.sum()
     best = min(_timed(buf.sum) for _ in range(5))
     return buf.numel() * 4 / best / 1e9
 
 
 def _timed(fn) -> float:
+    """Wall seconds of ``fn()``, queued GPU work included."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - start
 
 
@@ -62,7 +66,7 @@ def forward_runs(targets: dict, ctx: torch.Tensor) -> dict:
         target(ctx, cache=cache, logits=False)
         past = cache.get_seq_length()
         for t in SIZES:
-            ids = torch.randint(0, target.vocab_size, (1, t), generator=torch.Generator().manual_seed(t))
+            ids = torch.randint(0, target.vocab_size, (1, t), generator=torch.Generator().manual_seed(t)).to(ctx.device)
 
             def run(target=target, cache=cache, past=past, ids=ids):
                 target(ids, cache=cache)
@@ -77,6 +81,7 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--paths", nargs="+", default=["fast", "transformers"], help="fast, transformers")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--cache-len", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int)
@@ -89,16 +94,16 @@ def main() -> None:
     targets, warmup = {}, {}
     for dtype in args.dtypes:
         for path in args.paths:
-            target = load_target(args.target, dtype=dtype, decode=path)
+            target = load_target(args.target, dtype=dtype, device=args.device, decode=path)
             label = f"{dtype} {path}"
             start = time.perf_counter()
-            target(torch.tensor([[1, 2, 3]]), cache=target.new_cache())  # builds the fast path
+            target(torch.tensor([[1, 2, 3]], device=target.device), cache=target.new_cache())  # builds the fast path
             warmup[label] = time.perf_counter() - start
             targets[label] = target
     first = next(iter(targets.values()))
     prompts = mt_bench_prompts(first, max(args.prompts, 1), 0)
     flat = [t for p in prompts for t in p]
-    ctx = torch.tensor([(flat * (args.cache_len // len(flat) + 1))[: args.cache_len]])
+    ctx = torch.tensor([(flat * (args.cache_len // len(flat) + 1))[: args.cache_len]], device=first.device)
     runs = forward_runs(targets, ctx)
     for run in runs.values():  # warm-up: every shape once
         run()
@@ -108,7 +113,7 @@ def main() -> None:
             samples[key].append(_timed(fn))
     ms = {key: 1e3 * statistics.median(v) for key, v in samples.items()}
     buffer = 4 * max(bytes_read(t) for t in targets.values())
-    gbs = bandwidth_gbs(buffer)
+    gbs = bandwidth_gbs(buffer, args.device)
 
     print(f"\nforward_floor  target={args.target}  {cpu_name()}  threads={torch.get_num_threads()}  "
           f"torch {torch.__version__}  warm cache {ctx.shape[1]} tokens, median of {args.repeats}")

@@ -6,6 +6,8 @@
 #              5 minutes, depending on the CPU);
 #   2. decode: that drafter on the GPU in bf16 (benchmarks/decode_speed.py): plain vs chain vs tree vs n-gram vs
 #              decoding auto, tokens/s over our plain decoding and over transformers' generate, on 16 MT-Bench prompts;
+#              and the target's 1-token forward against its memory floor, FastForward against transformers' forward
+#              (benchmarks/forward_floor.py);
 #   3. fsdp:   an FSDP fit of the same experiment (FULL_SHARD of the drafter, 1 GPU) for 30 steps against the
 #              single-device fit's loss at the same steps: the strategy runs, and its loss matches.
 # Usage (from the repository root, after `make setup`):
@@ -27,12 +29,14 @@ if [ "${1:-}" = "--cpu" ]; then
          --trainer.limit_val_batches=0 --trainer.callbacks=[] --trainer.enable_progress_bar=false)
     DECODE=(--target tiny-random --device cpu --dtype float32 --prompts 2 --max-new-tokens 8 --repeats 2
             --cache-len 16 --tree 4,2 --calibration 1 --no-peers)
+    FLOOR=(--target tiny-random --dtypes float32 --repeats 1 --prompts 1 --max-new-tokens 4)
 else
     MODE=gpu
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA GPU; run with --cpu')"
     FIT=(-c experiments/quickstart.yaml --trainer.accelerator=gpu --trainer.devices=1 --trainer.precision=bf16-mixed
          --model.target_dtype=bfloat16 --trainer.max_time=00:00:02:00 --trainer.enable_progress_bar=false)
     DECODE=(--device cuda --dtype bfloat16 --prompts 16 --max-new-tokens 128 --tree 16,4)
+    FLOOR=(--device cuda --dtypes bfloat16 --prompts 8 --max-new-tokens 64)
 fi
 "$PY" - <<'EOF'
 import platform, torch
@@ -49,6 +53,7 @@ echo "fit: $(( $(date +%s) - start )) s, checkpoint $ckpt"
 
 echo "== 2. decode ($MODE)"
 "$PY" benchmarks/decode_speed.py --drafter "$ckpt" "${DECODE[@]}" 2>&1 | tee "$OUT/decode.log" | tail -40
+"$PY" benchmarks/forward_floor.py "${FLOOR[@]}" 2>&1 | tee "$OUT/floor.log" | tail -12
 
 echo "== 3. fsdp ($MODE)"
 if [ "$MODE" = cpu ]; then

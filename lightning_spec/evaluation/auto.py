@@ -416,19 +416,21 @@ class Verdict:
 
 def decide(estimates: list[Estimate], margin: float = MARGIN, confidence: float = CONFIDENCE) -> Verdict:
     """Pick over many plans with the family-wise error held at 1 - ``confidence``. From 4 calibration prompts with
-    tokens: choose the candidate on every other prompt (the highest lower bound there, ``pick`` at no margin), then
-    confirm it on the others, one bound at ``confidence``; picked when that bound beats plain by ``margin``.
-    Choosing and confirming on different prompts is one test whatever the number of plans, which keeps more power
-    than holding m bounds together (Šidák at m = 22 asks t_{0.9977} instead of t_{0.95}). With fewer prompts: the
-    joint bounds over all of them (``with_bounds``, ``pick``)."""
+    tokens: the candidate is the plan with the highest lower bound on every other prompt (no threshold there: the
+    choice is not the test), confirmed on the others by one bound at ``confidence``; picked when that bound beats
+    plain by ``margin``. Choosing and confirming on different prompts is one test whatever the number of plans, which
+    keeps more power than holding m bounds together (Šidák at m = 22 asks t_{0.9977} instead of t_{0.95}). With
+    fewer prompts: the joint bounds over all of them (``with_bounds``, ``pick``)."""
     plain = next(e for e in estimates if e.plan == PLAIN)
     usable = [i for i, t in enumerate(plain.prompt_tokens) if t > 0]
     if len(usable) < 4 or len(estimates) < 3:
         return Verdict(pick(with_bounds(estimates, confidence), margin))
     choose, confirm = usable[0::2], usable[1::2]
-    candidate = pick(with_bounds([on_prompts(e, choose) for e in estimates], confidence, joint=False), 0.0)
-    if candidate == PLAIN:
+    ranked = [e for e in with_bounds([on_prompts(e, choose) for e in estimates], confidence, joint=False)
+              if e.plan != PLAIN and e.lcb is not None and e.seconds < on_prompts(plain, choose).seconds]
+    if not ranked:  # no plan was faster than plain on the prompts it would be chosen on
         return Verdict(PLAIN, None, None, len(confirm))
+    candidate = max(ranked, key=lambda e: e.lcb).plan  # the first listed among equals
     chosen = next(e for e in estimates if e.plan == candidate)
     bound = speedup_bound(on_prompts(plain, confirm), on_prompts(chosen, confirm), confidence)
     picked = candidate if bound is not None and bound > 1 + margin else PLAIN
@@ -498,7 +500,7 @@ class Choice:
             why = (f"the best of {self.compared} plans on half the calibration prompts, {v.candidate.label}, has "
                    f"{bound} on the {v.confirm_prompts} others, not above {1 + self.margin:.2f}x")
         elif split:
-            why = f"no plan's {pct} lower bound beat plain on the half of the calibration prompts it was chosen on"
+            why = "no plan was faster than plain on the half of the calibration prompts a candidate is chosen on"
         else:
             best = max((x for x in self.estimates if x.lcb is not None and x.plan != PLAIN),
                        key=lambda x: x.lcb, default=None)
