@@ -24,7 +24,8 @@ import time
 import torch
 
 from decode_speed import mt_bench_prompts  # this folder is on sys.path when the script runs
-from lightning_spec import TreeConfig, generate, load_target
+from forward_floor import plain_decoding
+from lightning_spec import TreeConfig, load_target
 from lightning_spec.decoding.proposals import TreeProposal
 from lightning_spec.decoding.trees import best_first_tree
 from objective_memory import cpu_name
@@ -104,24 +105,7 @@ def main() -> None:
             tree_cols = f"{tr:>10.1f}{tr / one:>10.2f}x" if tr is not None else f"{'':>10}{'':>11}"
             print(f"  {dtype:<13}{t:>4}{c:>10.1f}{c / one:>10.2f}x{tree_cols}")
 
-    print(f"\n  plain greedy decoding, {len(prompts)} MT-Bench prompts x {args.max_new_tokens} tokens, interleaved")
-    tokens = {d: 0 for d in targets}
-    seconds = {d: 0.0 for d in targets}
-    outputs = {d: [] for d in targets}
-    for target in targets.values():
-        generate(target, prompts[0], 4)  # warm-up
-    for ids in prompts:
-        for d, target in targets.items():
-            out = generate(target, ids, args.max_new_tokens)
-            tokens[d] += len(out.tokens)
-            seconds[d] += out.seconds
-            outputs[d].append(out.tokens)
-    best = max(tokens[d] / seconds[d] for d in targets)
-    for d in targets:
-        tps = tokens[d] / seconds[d]
-        same = sum(a == b for a, b in zip(outputs[d], outputs[args.dtypes[0]]))
-        print(f"  {d:<13}{tps:>8.2f} tokens/s  {tps / best:.2f}x the fastest   "
-              f"greedy output = {args.dtypes[0]}'s on {same}/{len(prompts)} prompts")
+    plain_decoding(targets, prompts, args.max_new_tokens)
 
 
 if __name__ == "__main__":
