@@ -51,8 +51,9 @@ class SpecDecodeValidation(EvaluationCallback):
             the chain for ``val/mal``, and also, once training has started, with the plan decoding auto picks from
             measured costs (``evaluation/auto.py``: plain, n-gram lookup, the drafter's chains and trees),
             calibrated on ``calibration_prompts_per_domain`` other held-out prompts of every domain and picked over
-            plain only when its speedup's joint lower confidence bound beats plain by the plan's ``margin``; those
-            prompts decode with it (first sampling config) and log ``val/auto/...`` and ``val/auto/speedup``.
+            plain only when its speedup's lower confidence bound, on calibration prompts that did not choose it,
+            beats plain by the plan's ``margin`` (``evaluation.auto.decide``); those prompts decode with it (first
+            sampling config) and log ``val/auto/...`` and ``val/auto/speedup``.
         calibration_prompts_per_domain: held-out prompts of every domain (not among the decoded ones) that
             ``decoding: auto`` calibrates on; the data needs ``eval_prompts_per_domain`` >= ``prompts_per_domain`` +
             this. Its lower bound is over all of them, so 2 per domain and 3 domains give 6.

@@ -49,7 +49,6 @@ class Plan:
     """A way to decode. Subclasses are frozen dataclasses whose fields are the mode's options."""
 
     kind: ClassVar[str] = ""
-    uses_drafter: ClassVar[bool] = False  # False: the plan brings its own proposer, or none
 
     @property
     def verifies_tree(self) -> bool:
@@ -113,7 +112,6 @@ class Chain(Plan):
     """
 
     kind: ClassVar[str] = "chain"
-    uses_drafter: ClassVar[bool] = True
     length: int | None = None
     stop_below: float = 0.0
 
@@ -149,7 +147,6 @@ class Tree(Plan):
     ``TreeConfig``'s."""
 
     kind: ClassVar[str] = "tree"
-    uses_drafter: ClassVar[bool] = True
     nodes: int = 16
     top_k: int = 4
     depth: int | None = None
@@ -224,7 +221,6 @@ class Auto(Plan):
     resolved on calibration prompts (``choose_decoding``), never run directly."""
 
     kind: ClassVar[str] = "auto"
-    uses_drafter: ClassVar[bool] = True
     margin: float = 0.05
 
     def __post_init__(self) -> None:

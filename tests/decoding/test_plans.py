@@ -144,7 +144,6 @@ def test_a_new_mode_is_one_registered_class(diverse_target, prompts):
         """The drafter's first draft only."""
 
         kind: ClassVar[str] = "first_slot"
-        uses_drafter: ClassVar[bool] = True
 
         def resolve(self, drafter):
             return Run(drafter, None, 1)
