@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lightning_spec.decoding.engine import generate
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -31,9 +32,13 @@ def sample_batch(
     the others go on. Like ``generate``, the prefill covers each prompt but its last token, which is then the
     first decoding input. Row ``i`` samples with its own generator seeded with ``seeds[i]``, drawing what
     ``generate(target, prompts[i], max_new_tokens, sampling, seed=seeds[i])`` draws (same generator stream,
-    same logits up to float rounding). ``finished`` is True when the response ends with an EOS id.
+    same logits up to float rounding). ``finished`` is True when the response ends with an EOS id. A batch of one
+    is ``generate`` itself: one sequence needs no padding, and runs the target's fast path (``FastForward``).
     """
     n, device = len(prompts), target.device
+    if n == 1 and target.fast_decoding is None:
+        out = generate(target, list(prompts[0]), max_new_tokens, sampling, seed=int(seeds[0]))
+        return [(out.tokens, bool(out.tokens) and out.tokens[-1] in set(target.eos_token_ids))]
     eos = torch.tensor(sorted(set(target.eos_token_ids)), dtype=torch.long, device=device)
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # (N,)
     width = int(lengths.max())

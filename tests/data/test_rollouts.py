@@ -377,3 +377,19 @@ def test_rollouts_out_that_cannot_be_written_is_refused_before_any_decoding(tiny
         generate_rollouts(tiny_target, [[1, 2, 3]], Draw(T1, 1, 4), out, progress=False)
     with pytest.raises(ValueError, match="is a file; name a folder"):
         generate_rollouts(tiny_target, [[1, 2, 3]], Draw(T1, 1, 4), blocker, progress=False)
+
+
+def test_a_batch_of_one_is_generate_on_the_fast_path(tiny_target, prompts, monkeypatch):
+    """One conversation at a time (``--batch_size 1``, what a served comparison one request at a time runs) needs no
+    padding: it decodes with ``generate`` on the target's static-cache path, never the left-padded batch."""
+    from lightning_spec.decoding.batched import sample_batch
+    from lightning_spec.target import Target
+
+    def padded(*args, **kwargs):
+        raise AssertionError("a batch of one ran the left-padded path")
+
+    prompt = prompts[0]["prompt_ids"]
+    want = generate(tiny_target, prompt, 12, SAMPLED, seed=3).tokens
+    monkeypatch.setattr(Target, "forward_left_padded", padded)
+    (tokens, finished), = sample_batch(tiny_target, [prompt], [3], SAMPLED, 12)
+    assert tokens == want and finished == (tokens[-1] in set(tiny_target.eos_token_ids))
