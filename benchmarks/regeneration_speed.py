@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8, help="the local engine's batch")
+    parser.add_argument("--batch-size", type=int, default=8, help="the local engine's batch (1: one at a time)")
+    parser.add_argument("--dtype", default="float32", help="both sides' weights: float32 or bfloat16")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight to the server")
     parser.add_argument("--python", default=str(ROOT / ".venv-serve" / "bin" / "python"))
     parser.add_argument("--port", type=int, default=8011)
@@ -41,10 +42,10 @@ def main() -> None:
     from lightning_spec.data.prompts import select_prompts
     from lightning_spec.data.rollout_writer import Draw, generate_rollouts
 
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=args.dtype)
     prompts = select_prompts(target.tokenizer, ["sharegpt"], args.prompts, 0, args.max_prompt_tokens)
     prompt_tokens = sum(len(p["prompt_ids"]) for p in prompts)
-    print(f"CPU: {cpu_name()}; {len(prompts)} ShareGPT prompts ({prompt_tokens} prompt tokens) x up to "
+    print(f"CPU: {cpu_name()}; {args.dtype}; {len(prompts)} ShareGPT prompts ({prompt_tokens} prompt tokens) x up to "
           f"{args.max_new_tokens} new tokens, first turns", flush=True)
     samplings = {"greedy": SamplingConfig(), "T=1": SamplingConfig(temperature=1.0)}
     results: dict[tuple[str, str], tuple[list, float]] = {}
@@ -62,7 +63,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         run("local", LocalEngine(target, args.batch_size), Path(tmp) / "local")
-        serve = argparse.Namespace(python=args.python, target=args.target, name=None, port=args.port, dtype="float32",
+        serve = argparse.Namespace(python=args.python, target=args.target, name=None, port=args.port, dtype=args.dtype,
                                    max_model_len=4096, max_num_seqs=max(args.concurrency, 1), kv_gb=4,
                                    start_timeout=600, log=str(Path(tmp) / "vllm.log"))
         proc, url = start(serve)
