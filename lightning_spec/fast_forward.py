@@ -115,11 +115,12 @@ class Linear:
 # ------------------------------------------------------------------------------------------------- the forward
 @dataclass(frozen=True)
 class Shape:
+    """The decoder's attention shape and norm epsilon, read once from its config."""
+
     heads: int
     kv_heads: int
     head_dim: int
     eps: float
-
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
