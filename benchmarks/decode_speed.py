@@ -20,7 +20,7 @@ Prints, on the same prompts and in the same process:
     interleaved with the chain and plain runs: MAL, draft nodes per verify, tokens/s, and the forward time of the
     tree's NODES + 1 query tokens under its ancestor mask;
   * n-gram lookup (``--ngram``, ``decoding/ngram.py``): alone as a chain, and with ``--tree`` as a trie and merged
-    into the drafter's tree; and the setting decoding auto picks (``--auto``, ``evaluation/auto.py``) after
+    into the drafter's tree; and the setting decoding auto picks (``--auto``, ``evaluation/auto/``) after
     calibrating on ``--calibration`` other prompts: one table of every mode with MAL, tokens/s over plain, whether
     the output equals plain decoding's, and engine efficiency (the tokens/s the measured draft and verify times
     allow round by round, over the measured); every table says whether the dtype keeps greedy identity;

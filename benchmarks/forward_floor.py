@@ -58,21 +58,31 @@ def bytes_read(target) -> int:
     return total
 
 
-def forward_runs(targets: dict, ctx: torch.Tensor) -> dict:
-    """(label, T) -> a function running T query tokens against the warm cache of ``ctx`` and cropping it back."""
+def forward_runs(targets: dict, ctx: torch.Tensor, sizes=SIZES, tree=None) -> dict:
+    """(label, "chain", T) -> a function running T query tokens against the warm cache of ``ctx`` and cropping it
+    back; with ``tree`` (T, vocab -> ids, depths, ancestor mask) also (label, "tree", T) for T > 1, the same number of
+    tokens under that tree's mask (``verify_cost.py``)."""
     runs = {}
     for label, target in targets.items():
         cache = target.new_cache()
         target(ctx, cache=cache, logits=False)
         past = cache.get_seq_length()
-        for t in SIZES:
+        for t in sizes:
             ids = torch.randint(0, target.vocab_size, (1, t), generator=torch.Generator().manual_seed(t)).to(ctx.device)
 
-            def run(target=target, cache=cache, past=past, ids=ids):
+            def chain(target=target, cache=cache, past=past, ids=ids):
                 target(ids, cache=cache)
                 target.crop(cache, past)
 
-            runs[(label, t)] = run
+            runs[(label, "chain", t)] = chain
+            if tree is not None and t > 1:
+                nodes, depth, mask = tree(t, target.vocab_size)
+
+                def grown(target=target, cache=cache, past=past, nodes=nodes, depth=depth, mask=mask):
+                    target(nodes[None].to(ctx.device), cache=cache, positions=depth, tree_mask=mask)
+                    target.crop(cache, past)
+
+                runs[(label, "tree", t)] = grown
     return runs
 
 
@@ -111,7 +121,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for key, fn in runs.items():
             samples[key].append(_timed(fn))
-    ms = {key: 1e3 * statistics.median(v) for key, v in samples.items()}
+    ms = {(label, t): 1e3 * statistics.median(v) for (label, _, t), v in samples.items()}
     buffer = 4 * max(bytes_read(t) for t in targets.values())
     gbs = bandwidth_gbs(buffer, args.device)
 

@@ -24,7 +24,7 @@ import time
 import torch
 
 from decode_speed import mt_bench_prompts  # this folder is on sys.path when the script runs
-from forward_floor import plain_decoding
+from forward_floor import forward_runs, plain_decoding
 from lightning_spec import TreeConfig, load_target
 from lightning_spec.decoding.proposals import TreeProposal
 from lightning_spec.decoding.trees import best_first_tree
@@ -64,27 +64,7 @@ def main() -> None:
     flat = [t for p in prompts for t in p]
     ctx = torch.tensor([(flat * (args.cache_len // len(flat) + 1))[: args.cache_len]])
 
-    runs = {}
-    for dtype, target in targets.items():
-        cache = target.new_cache()
-        target(ctx, cache=cache, logits=False)
-        past = cache.get_seq_length()
-        for t in SIZES:
-            ids = torch.randint(0, target.vocab_size, (1, t), generator=torch.Generator().manual_seed(t))
-
-            def chain(target=target, cache=cache, past=past, ids=ids):
-                target(ids, cache=cache)
-                target.crop(cache, past)
-
-            runs[(dtype, "chain", t)] = chain
-            if t > 1:
-                nodes, depth, mask = tree_inputs(t, target.vocab_size)
-
-                def tree(target=target, cache=cache, past=past, nodes=nodes, depth=depth, mask=mask):
-                    target(nodes[None], cache=cache, positions=depth, tree_mask=mask)
-                    target.crop(cache, past)
-
-                runs[(dtype, "tree", t)] = tree
+    runs = forward_runs(targets, ctx, SIZES, tree=tree_inputs)
     samples = {key: [] for key in runs}
     for rep in range(args.repeats + 2):  # two warm-up rounds
         for key, fn in runs.items():

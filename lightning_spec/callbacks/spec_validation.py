@@ -49,7 +49,7 @@ class SpecDecodeValidation(EvaluationCallback):
         decoding: how the drafter decodes, a plan (``decoding/plans.py``): ``chain`` (the default), a mapping such
             as ``{kind: tree, nodes: 16, top_k: 4}`` or ``{kind: chain, stop_below: 0.2}``, or ``auto``: decode with
             the chain for ``val/mal``, and also, once training has started, with the plan decoding auto picks from
-            measured costs (``evaluation/auto.py``: plain, n-gram lookup, the drafter's chains and trees),
+            measured costs (``evaluation/auto/``: plain, n-gram lookup, the drafter's chains and trees),
             calibrated on ``calibration_prompts_per_domain`` other held-out prompts of every domain and picked over
             plain only when its speedup's lower confidence bound, on calibration prompts that did not choose it,
             beats plain by the plan's ``margin`` (``evaluation.auto.decide``); those prompts decode with it (first

@@ -3,7 +3,7 @@
 Every way a prompt can be decoded is a small frozen dataclass registered here under its ``kind``: plain decoding, the
 drafter's chain (all K slots, fewer, or stopping where the drafter's confidence falls), one of its token trees (with
 n-gram nodes or not, stopping at a path value or not), n-gram lookup, and ``auto`` (decoding auto's choice among the
-others, ``evaluation/auto.py``). ``generate(..., plan=...)`` runs one; ``parse_plan`` reads one from YAML or a command
+others, ``evaluation/auto/``). ``generate(..., plan=...)`` runs one; ``parse_plan`` reads one from YAML or a command
 line (``decoding: {kind: tree, nodes: 16, top_k: 4, ngram: 2}``, or just ``decoding: chain``) and refuses a bad one
 in one sentence. A plan says what to run; the drafter is given beside it, and ``resolve`` turns the two into what
 the engine runs: the proposer, the tree (None: a chain) and the chain's length.
@@ -142,19 +142,11 @@ class Chain(Plan):
 
 @register
 @dataclass(frozen=True)
-class Tree(Plan):
-    """One of the drafter's token trees per round, verified in one forward (``decoding/trees.py``): the fields are
-    ``TreeConfig``'s."""
+class Tree(TreeConfig, Plan):
+    """One of the drafter's token trees per round, verified in one forward (``decoding/trees.py``): its fields and
+    their checks are ``TreeConfig``'s."""
 
     kind: ClassVar[str] = "tree"
-    nodes: int = 16
-    top_k: int = 4
-    depth: int | None = None
-    ngram: int = 0
-    stop_below: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.config  # noqa: B018 (checks the fields, each named in one sentence)
 
     @property
     def verifies_tree(self) -> bool:
@@ -162,11 +154,12 @@ class Tree(Plan):
 
     @property
     def config(self) -> TreeConfig:
-        return TreeConfig(self.nodes, self.top_k, self.depth, self.ngram, self.stop_below)
+        """The plain ``TreeConfig`` the engine and the tree builders take."""
+        return TreeConfig(**dataclasses.asdict(self))
 
     @classmethod
     def of(cls, config: TreeConfig) -> Tree:
-        return cls(config.nodes, config.top_k, config.depth, config.ngram, config.stop_below)
+        return cls(**dataclasses.asdict(config))
 
     @property
     def label(self) -> str:
@@ -217,7 +210,7 @@ class Ngram(Plan):
 @dataclass(frozen=True)
 class Auto(Plan):
     """Decoding auto: the plan, among plain, n-gram lookup and the drafter's chains and trees, that is expected
-    fastest on this machine and sure enough to beat plain decoding by ``margin`` (``evaluation/auto.py``). It is
+    fastest on this machine and sure enough to beat plain decoding by ``margin`` (``evaluation/auto/``). It is
     resolved on calibration prompts (``choose_decoding``), never run directly."""
 
     kind: ClassVar[str] = "auto"

@@ -226,7 +226,7 @@ class Evaluate:
         tree: decode (online) or score (offline, exactly) rounds that verify a token tree instead of a chain, e.g.
             --tree '{nodes: 16, top_k: 4}', built by each family's tree builder; offline, best-first trees (DFlash,
             Medusa) are scored under any sampling, the others (EAGLE-3, MTP, D²SD, SpecBlock) on greedy rollouts.
-            Online, ``auto`` picks each drafter's fastest decoding from measured costs (``evaluation/auto.py``: plain,
+            Online, ``auto`` picks each drafter's fastest decoding from measured costs (``evaluation/auto/``: plain,
             n-gram lookup, its chain, a tree, a tree with n-gram candidates), calibrated on 2 held-out prompts of
             every source and picked over plain only when its speedup's 95% lower bound beats plain by 5%; the arm
             decodes with the pick and reports the tokens/s and speedup it expected beside those it measured.

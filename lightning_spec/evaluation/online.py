@@ -79,7 +79,7 @@ class DrafterDecoding:
         checkpoint: the checkpoint or exported folder it was loaded from.
         drafter: the loaded drafter, bound to the target (None: plain decoding).
         setting: the requested tree (None: a chain; ``auto``: decoding auto picks, ``choose_decodings``).
-        pick: decoding auto's ``Choice`` (``evaluation/auto.py``): the plan the drafter decodes with instead.
+        pick: decoding auto's ``Choice`` (``evaluation/auto/``): the plan the drafter decodes with instead.
     """
 
     name: str

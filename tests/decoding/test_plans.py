@@ -98,7 +98,7 @@ def test_sampling_is_lossless_under_every_new_plan(family, name, make_random_lla
     target = make_random_llama(vocab_size=8, hidden_size=16, init=0.5, seed=0)
     plan, drafter = NEW_PLANS[name], build(family, target, k=2)
     if not runs(plan, drafter):
-        return  # refused, as the greedy test checks
+        pytest.skip(f"{family} refuses {name}: the greedy test checks the refusal")
     counts, _ = empirical(target, T1, drafter, runs=500, plan=plan)
     assert_matches(counts, exact_joint(target, PROMPT, T1), target.vocab_size, NEW, (family, name))
 

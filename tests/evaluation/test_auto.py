@@ -1,4 +1,4 @@
-"""``decoding: auto`` (``evaluation/auto.py``): the setting whose speedup over plain decoding has the highest lower
+"""``decoding: auto`` (``evaluation/auto/``): the setting whose speedup over plain decoding has the highest lower
 confidence bound over the calibration prompts, when that bound beats plain by the margin; else plain.
 
 - with the verify cost linear in the query tokens (a draft never pays) it keeps plain decoding; with a flat verify

@@ -1,0 +1,111 @@
+"""A plan's figures on each calibration output: its exact rounds and their expected seconds (``estimate``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_spec.decoding.plans import Plan
+from lightning_spec.decoding.proposer import chosen_rounds
+from lightning_spec.evaluation.auto.costs import Costs
+from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
+from lightning_spec.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A plan's figures on each calibration output: tokens, rounds (exact; expected for drawn chains) and expected
+    seconds (the prompt's prefill + Σ over rounds of draft + verify + bookkeeping); ``lcb``: the lower confidence
+    bound of its pooled speedup over plain (``speedup_bound``; plain's is 1, None where undefined)."""
+
+    plan: Plan
+    prompt_tokens: tuple[int, ...]  # (P,)
+    prompt_rounds: tuple[float, ...]  # (P,)
+    prompt_seconds: tuple[float, ...]  # (P,)
+    lcb: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.prompt_tokens)
+
+    @property
+    def rounds(self) -> float:
+        return sum(self.prompt_rounds)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.prompt_seconds)
+
+    @property
+    def mal(self) -> float:
+        return self.tokens / max(self.rounds, 1e-9)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-12)
+
+
+@torch.no_grad()
+def estimate(target: Any, drafter: Any, plan: Plan, outputs: list[tuple[list[int], list[int]]],
+             sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None = None,
+             prefill: list[float] | None = None) -> Estimate | None:
+    """The plan's exact rounds on each of ``outputs`` (prompt, response) and their expected seconds: its proposals
+    and verify forwards (``costs``), its bookkeeping per round (``Costs.overhead_seconds``) and each prompt's
+    ``prefill`` seconds (None: none). None when they cannot be scored exactly (a tree grown from drawn drafts, under
+    sampling). ``features``: the target's features of each output for the drafter's layers, computed once for every
+    plan (None: computed here). ``lcb`` is left to ``with_bounds``, which compares plans."""
+    counted = _count(target, drafter, plan, outputs, sampling, costs, features)
+    return None if counted is None else _with_overheads(counted, costs, prefill)
+
+
+def _count(target: Any, drafter: Any, plan: Plan, outputs: list[tuple[list[int], list[int]]],
+           sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None) -> Estimate | None:
+    """``estimate`` without bookkeeping and prefill: per prompt, its rounds and their draft + verify seconds."""
+    tokens = tuple(len(r) for _, r in outputs)
+    run = plan.resolve(drafter)
+    if run.proposer is None:
+        verify = costs.verify_seconds(1, tree=False)
+        return Estimate(plan, tokens, tuple(map(float, tokens)), tuple(t * verify for t in tokens))
+    d, tree = run.proposer, run.tree
+    d.use_target(target)
+    per_round_draft = costs.draft[plan]
+    chosen = sampling.greedy or chosen_rounds(d, tree)
+    if chosen:  # replay every round: exact, with each round's size
+        layers = list(d.target_layers)
+        features = features or output_features(target, layers, outputs)
+        rounds, seconds = [], []
+        for (prompt, response), feats in zip(outputs, features):
+            sizes: list[int] = []  # draft nodes of each of this output's rounds
+            if response:
+                ids = torch.tensor([prompt + response], device=target.device)
+                replay_tree_rounds(d, ids, feats if layers else None, [prompt], [response], tree, sampling, sizes,
+                                   length=run.length)
+            rounds.append(float(len(sizes)))
+            seconds.append(sum(per_round_draft + costs.verify_seconds(1 + n, tree is not None) for n in sizes))
+        return Estimate(plan, tokens, tuple(rounds), tuple(seconds))
+    if tree is not None or (run.length or d.block_size) < d.block_size:  # the exact evaluator scores whole chains
+        return None
+    rounds = offline_report(target, d, outputs, sampling).rounds.tolist()  # drawn chains: exact expected rounds
+    per_round = per_round_draft + costs.verify_seconds(1 + d.block_size, False)
+    return Estimate(plan, tokens, tuple(rounds), tuple(r * per_round for r in rounds))
+
+
+def _with_overheads(counted: Estimate, costs: Costs, prefill: list[float] | None) -> Estimate:
+    """``counted`` (draft + verify seconds per prompt) with its bookkeeping per round and each prompt's prefill."""
+    per_round = costs.overhead_seconds(counted.plan)
+    prefill = prefill or [0.0] * len(counted.prompt_tokens)
+    seconds = tuple(s + r * per_round + p for s, r, p in zip(counted.prompt_seconds, counted.prompt_rounds, prefill))
+    return dataclasses.replace(counted, prompt_seconds=seconds)
+
+
+def output_features(target: Any, layers: list[int], outputs: list[tuple[list[int], list[int]]]
+                    ) -> list[Tensor | None]:
+    """The target's features (1, S, F) of each prompt + response for ``layers`` (None without layers)."""
+    if not layers:
+        return [None] * len(outputs)
+    return [target(torch.tensor([p + r], device=target.device), layers=layers, logits=False).features
+            for p, r in outputs]
