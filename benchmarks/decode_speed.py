@@ -20,7 +20,7 @@ Prints, on the same prompts and in the same process:
     interleaved with the chain and plain runs: MAL, draft nodes per verify, tokens/s, and the forward time of the
     tree's NODES + 1 query tokens under its ancestor mask;
   * n-gram lookup (``--ngram``, ``decoding/ngram.py``): alone as a chain, and with ``--tree`` as a trie and merged
-    into the drafter's tree; and the setting decoding auto picks (``--auto``, ``evaluation/auto/``) after
+    into the drafter's tree; and the setting decoding auto picks (``--auto``, ``decoding/auto/``) after
     calibrating on ``--calibration`` other prompts: one table of every mode with MAL, tokens/s over plain, whether
     the output equals plain decoding's, and engine efficiency (the tokens/s the measured draft and verify times
     allow round by round, over the measured); every table says whether the dtype keeps greedy identity;
@@ -217,7 +217,7 @@ def our_modes(target, drafter, tree, calibration, args) -> tuple[dict, object, o
     """name -> the decoding plan (``decoding/plans.py``) of each ``--plan``, the n-gram modes and decoding auto's pick
     (calibrated on ``calibration``), the measured costs (``auto.Costs``) of those and of plain, the chain and the tree
     (after a context made of those prompts), and auto's ``Choice`` (None without ``--auto``)."""
-    from lightning_spec.evaluation.auto import choose_decoding, measure_costs
+    from lightning_spec.decoding.auto import choose_decoding, measure_costs
 
     modes, choice = {}, None
     for value in args.plan:
@@ -424,7 +424,7 @@ def main() -> None:
     other_s = spec_s - draft_s - verify_s - prefill_s
 
     print(f"\ndecode_speed  target={args.target}  drafter={label}  K={k}")
-    from lightning_spec.evaluation.auto import machine_name
+    from lightning_spec.decoding.auto import machine_name
 
     print(
         f"  {len(prompts)} {args.source} prompts, greedy, max_new_tokens={args.max_new_tokens}, "

@@ -260,10 +260,10 @@ DOMAINS = {"chat": "MT-Bench", "code": "HumanEval", "math": "MMATH"}  # the eval
 
 def paired_delta(p: dict, points: list[dict], settings: Settings) -> str:
     """ΔMAL of ``p`` against the ``base`` point of equal steps, paired over the same rollouts (95% bootstrap CI over
-    prompts, ``evaluation.paired.compare``); empty for the base line or where that point is missing."""
+    prompts, ``paired.compare``); empty for the base line or where that point is missing."""
     import numpy as np
 
-    from lightning_spec.evaluation.paired import compare
+    from lightning_spec.paired import compare
 
     base = next((b for b in points if b["line"] == "base" and b["steps"] == p["steps"]), None)
     if p["line"] == "base" or base is None:

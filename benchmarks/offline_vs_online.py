@@ -34,7 +34,7 @@ from lightning_spec.data.rollout_writer import Draw, generate_rollouts, rollout_
 from lightning_spec.data.rollouts import load_rollout_set, load_rollouts
 from lightning_spec.data.sources import as_source
 from lightning_spec.evaluation.offline import offline_report
-from lightning_spec.evaluation.paired import compare
+from lightning_spec.paired import compare
 
 
 def untrained_drafter(target, block_size: int):

@@ -239,7 +239,7 @@ def paired(a: dict, b: dict) -> str:
     """ΔMAL of arm ``a`` over arm ``b`` on the same rollouts, with its 95% bootstrap CI over prompts."""
     import numpy as np
 
-    from lightning_spec.evaluation.paired import compare
+    from lightning_spec.paired import compare
 
     ja, jb = scored(a), scored(b)
     rows = ja["rows"]

@@ -30,11 +30,11 @@ EXEMPT: dict[tuple[str, str], str] = {
     ("lightning_spec/data/rollout_writer.py", "Rollouts"): "schema: `lightning-spec rollouts`",
     ("lightning_spec/sweeps/command.py", "Sweep"): "schema: `lightning-spec sweep`",
     # not a schema
-    ("lightning_spec/evaluation/adaptation.py", "Adaptation"): "the adapter's settings (the --adapt_* flags and its "
+    ("lightning_spec/decoding/adaptation.py", "Adaptation"): "the adapter's settings (the --adapt_* flags and its "
                                                            "other knobs), every field defaulted and named by callers",
     ("lightning_spec/decoding/engine.py", "Generation"): "a result record the engine fills, not an argument list",
-    ("lightning_spec/evaluation/benchmark.py", "DecodeReport"): "a result record the runner fills",
-    ("lightning_spec/evaluation/adaptation.py", "Decision"): "a result record: one window's decision, logged",
+    ("lightning_spec/decoding/timed.py", "DecodeReport"): "a result record the runner fills",
+    ("lightning_spec/decoding/adaptation.py", "Decision"): "a result record: one window's decision, logged",
 }
 
 

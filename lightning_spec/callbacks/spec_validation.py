@@ -20,8 +20,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning_spec.callbacks.base import EvaluationCallback, full_parameters
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.plans import Auto, Chain, parse_plan
+from lightning_spec.decoding.timed import DecodeReport, decode_prompts
 from lightning_spec.errors import UserError
-from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.tracking import tag_runs
@@ -49,10 +49,10 @@ class SpecDecodeValidation(EvaluationCallback):
         decoding: how the drafter decodes, a plan (``decoding/plans.py``): ``chain`` (the default), a mapping such
             as ``{kind: tree, nodes: 16, top_k: 4}`` or ``{kind: chain, stop_below: 0.2}``, or ``auto``: decode with
             the chain for ``val/mal``, and also, once training has started, with the plan decoding auto picks from
-            measured costs (``evaluation/auto/``: plain, n-gram lookup, the drafter's chains and trees),
+            measured costs (``decoding/auto/``: plain, n-gram lookup, the drafter's chains and trees),
             calibrated on ``calibration_prompts_per_domain`` other held-out prompts of every domain and picked over
             plain only when its speedup's lower confidence bound, on calibration prompts that did not choose it,
-            beats plain by the plan's ``margin`` (``evaluation.auto.decide``); those prompts decode with it (first
+            beats plain by the plan's ``margin`` (``decoding.auto.decide``); those prompts decode with it (first
             sampling config) and log ``val/auto/...`` and ``val/auto/speedup``.
         calibration_prompts_per_domain: held-out prompts of every domain (not among the decoded ones) that
             ``decoding: auto`` calibrates on; the data needs ``eval_prompts_per_domain`` >= ``prompts_per_domain`` +
@@ -90,7 +90,7 @@ class SpecDecodeValidation(EvaluationCallback):
         self.decoding = decoding  # as given (the YAML schema); ``plan`` is what it parses to
         self.plan = plan
         self.calibration_prompts_per_domain = calibration_prompts_per_domain
-        self.choice: Any = None  # decoding auto's last pick (evaluation/auto.Choice)
+        self.choice: Any = None  # decoding auto's last pick (decoding/auto.Choice)
         self._table_due = False  # a fit or validate ended with something to print
         self._train_seconds: float | None = None  # what max_time's Timer had counted when training ended
         self.offline_before = offline_before
@@ -220,7 +220,7 @@ class SpecDecodeValidation(EvaluationCallback):
                      domains: list[str], metrics: dict[str, float]) -> dict[str, float]:
         """Pick the fastest decoding on the calibration prompts (each rank measures its own machine), decode this
         rank's prompts with it under the first sampling config, and log ``val/auto/...``."""
-        from lightning_spec.evaluation.auto import choose_decoding
+        from lightning_spec.decoding.auto import choose_decoding
 
         sampling = self.sampling[0]
         calibration = [p["prompt_ids"] for p in self._prompts(trainer, calibration=True)]

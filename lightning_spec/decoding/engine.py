@@ -84,7 +84,7 @@ def draft(drafter: Any, state: Any, anchor: Tensor, context: list[int], sampling
     """A round's proposal after ``anchor`` (the last of the committed tokens ``context``): the drafter's chain (its
     first ``length`` drafts when given: a plan's shorter chain) or tree, with ``tree.ngram`` n-gram candidates merged
     in (``decoding/ngram.py``). The one place the engine and the offline replay
-    (``evaluation.offline.replay_tree_rounds``) get their proposals from."""
+    (``decoding.exact.replay_tree_rounds``) get their proposals from."""
     if tree is None:
         proposal = drafter.propose(state, anchor, sampling, generator)
         return proposal if length is None else proposal.truncated(length)

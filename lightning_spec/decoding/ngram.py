@@ -12,7 +12,7 @@ have: a chain of chosen tokens is a draft whose q is one-hot (``verify.rejection
 p(x) and otherwise draws from p without x), and a tree of chosen candidates is verified with the deterministic
 candidate rule (``TreeProposal`` with ``probs=None``). Given the output, such a round is deterministic: it accepts
 the longest root path the output follows, which is why the offline evaluator replays n-gram rounds exactly under
-every sampling config (``evaluation.offline.replay_tree_rounds``).
+every sampling config (``decoding.exact.replay_tree_rounds``).
 
 Two uses:
 - alone: ``generate(target, ids, n, drafter="ngram")`` (or an ``NgramDrafter`` with other settings), as a chain of

@@ -3,7 +3,7 @@
 Every way a prompt can be decoded is a small frozen dataclass registered here under its ``kind``: plain decoding, the
 drafter's chain (all K slots, fewer, or stopping where the drafter's confidence falls), one of its token trees (with
 n-gram nodes or not, stopping at a path value or not), n-gram lookup, and ``auto`` (decoding auto's choice among the
-others, ``evaluation/auto/``). ``generate(..., plan=...)`` runs one; ``parse_plan`` reads one from YAML or a command
+others, ``decoding/auto/``). ``generate(..., plan=...)`` runs one; ``parse_plan`` reads one from YAML or a command
 line (``decoding: {kind: tree, nodes: 16, top_k: 4, ngram: 2}``, or just ``decoding: chain``) and refuses a bad one
 in one sentence. A plan says what to run; the drafter is given beside it, and ``resolve`` turns the two into what
 the engine runs: the proposer, the tree (None: a chain) and the chain's length.
@@ -210,7 +210,7 @@ class Ngram(Plan):
 @dataclass(frozen=True)
 class Auto(Plan):
     """Decoding auto: the plan, among plain, n-gram lookup and the drafter's chains and trees, that is expected
-    fastest on this machine and sure enough to beat plain decoding by ``margin`` (``evaluation/auto/``). It is
+    fastest on this machine and sure enough to beat plain decoding by ``margin`` (``decoding/auto/``). It is
     resolved on calibration prompts (``choose_decoding``), never run directly."""
 
     kind: ClassVar[str] = "auto"
@@ -223,7 +223,7 @@ class Auto(Plan):
 
     def resolve(self, drafter: Proposer | None) -> Run:
         raise UserError("decoding 'auto' is chosen on calibration prompts first: call "
-                        "lightning_spec.evaluation.auto.choose_decoding(target, drafter, prompts) and decode with "
+                        "lightning_spec.decoding.auto.choose_decoding(target, drafter, prompts) and decode with "
                         "its .plan.")
 
 

@@ -1,7 +1,7 @@
 """The proposal contract: what every proposer implements and declares, trained drafters and n-gram lookup alike.
 
 A proposer drafts the tokens a round verifies. The engine (``engine.generate``), the offline evaluator
-(``evaluation/offline.py``), decoding auto (``evaluation/auto/``) and deploy-time adaptation call the methods
+(``evaluation/offline.py``), decoding auto (``decoding/auto/``) and deploy-time adaptation call the methods
 below and read two declarations, never a family's class or an exception, to learn what a proposer can do:
 
 - ``tree_growth`` (``TreeGrowth``): how ``propose_tree`` grows a token tree, which decides how the offline

@@ -19,7 +19,7 @@ Dynamic tree (``dynamic_tree``, for autoregressive drafters: EAGLE-3, MTP): EAGL
 drafter call per depth over the k nodes expanded there. Its nodes are chosen from q as well (top-k), so the same
 rule verifies it. Offline scoring needs the drafter's distributions off the output's path, which a teacher-forced
 forward does not give: under greedy decoding the offline evaluator replays each round's tree with the drafter
-(``evaluation.offline.replay_tree_rounds``); under sampling it refuses and points to real decoding.
+(``decoding.exact.replay_tree_rounds``); under sampling it refuses and points to real decoding.
 """
 
 from __future__ import annotations

@@ -387,7 +387,7 @@ class Drafter(nn.Module, Proposer):
         raise NotImplementedError
 
     def adaptation_scopes(self) -> dict[str, list[str]]:
-        """Deploy-time adaptation's update scopes (``evaluation/adaptation.py``) as the submodules each trains:
+        """Deploy-time adaptation's update scopes (``decoding/adaptation.py``) as the submodules each trains:
         ``head``, the drafter's own output side after its last decoder layer (the final norm, an own LM head);
         ``last``, that layer and the final norm. ``all`` (every parameter) is implied; a scope left out does not
         apply to the family."""

@@ -44,7 +44,7 @@ catnanami/D2-SD ``generation/d3_generator.py``; tested in tests/drafters/test_d2
 - ``TreeConfig``: ``nodes`` caps the draft nodes (the trunk first, then the branches by decreasing r(i), a branch
   cut where the budget ends); ``depth`` truncates every path at that slot (boundaries i < depth only);
   ``top_k`` is not used (the tree's width is ``branches``).
-- Offline, the tree is scored on greedy rollouts by replaying each round (``evaluation.offline.replay_tree_rounds``):
+- Offline, the tree is scored on greedy rollouts by replaying each round (``decoding.exact.replay_tree_rounds``):
   its branches are drafted from draft tokens off the output's path, which only the drafter itself can give.
 """
 

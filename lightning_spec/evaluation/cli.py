@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_spec.decoding.adaptation import Adaptation
 from lightning_spec.decoding.ngram import from_name
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
-from lightning_spec.evaluation.adaptation import Adaptation
 from lightning_spec.evaluation.inputs import (
     TargetLoad,
     calibration_prompts,
@@ -44,8 +44,8 @@ from lightning_spec.evaluation.online import (
     choose_decodings,
     online_result,
 )
-from lightning_spec.evaluation.paired import Bootstrap, Comparison, compare_reports
 from lightning_spec.evaluation.report import common_tree, log_mlflow, print_results, tree_dict, write_json
+from lightning_spec.paired import Bootstrap, Comparison, compare_reports
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.target import TargetOptions
 from lightning_spec.tracking import EVALUATE_EXPERIMENT
@@ -226,7 +226,7 @@ class Evaluate:
         tree: decode (online) or score (offline, exactly) rounds that verify a token tree instead of a chain, e.g.
             --tree '{nodes: 16, top_k: 4}', built by each family's tree builder; offline, best-first trees (DFlash,
             Medusa) are scored under any sampling, the others (EAGLE-3, MTP, D²SD, SpecBlock) on greedy rollouts.
-            Online, ``auto`` picks each drafter's fastest decoding from measured costs (``evaluation/auto/``: plain,
+            Online, ``auto`` picks each drafter's fastest decoding from measured costs (``decoding/auto/``: plain,
             n-gram lookup, its chain, a tree, a tree with n-gram candidates), calibrated on 2 held-out prompts of
             every source and picked over plain only when its speedup's 95% lower bound beats plain by 5%; the arm
             decodes with the pick and reports the tokens/s and speedup it expected beside those it measured.

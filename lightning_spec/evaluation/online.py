@@ -24,15 +24,15 @@ import numpy as np
 import torch
 
 from lightning_spec.decoding.plans import Run
+from lightning_spec.decoding.timed import DecodeReport, decode_prompts
 from lightning_spec.decoding.trees import TreeConfig
-from lightning_spec.evaluation.benchmark import DecodeReport, decode_prompts
-from lightning_spec.evaluation.paired import Bootstrap, Comparison, bootstrap_mal, compare, percentile_interval
 from lightning_spec.evaluation.report import common_tree, tree_dict
+from lightning_spec.paired import Bootstrap, Comparison, bootstrap_mal, compare, percentile_interval
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from lightning_spec.evaluation.adaptation import Adaptation, CostAwareAdapter
+    from lightning_spec.decoding.adaptation import Adaptation, CostAwareAdapter
     from lightning_spec.target import Target
 
 WARM_UP_TOKENS = 8  # tokens of the warm-up decode (first calls pay one-off costs that are not decoding speed)
@@ -79,7 +79,7 @@ class DrafterDecoding:
         checkpoint: the checkpoint or exported folder it was loaded from.
         drafter: the loaded drafter, bound to the target (None: plain decoding).
         setting: the requested tree (None: a chain; ``auto``: decoding auto picks, ``choose_decodings``).
-        pick: decoding auto's ``Choice`` (``evaluation/auto/``): the plan the drafter decodes with instead.
+        pick: decoding auto's ``Choice`` (``decoding/auto/``): the plan the drafter decodes with instead.
     """
 
     name: str
@@ -172,7 +172,7 @@ class AdaptingDecoding:
 
     def decode(self, target: Target, prompts: list[dict[str, Any]], sampling: SamplingConfig, max_new_tokens: int,
                seed: int) -> DecodeReport:
-        from lightning_spec.evaluation.adaptation import decode_adapting
+        from lightning_spec.decoding.adaptation import decode_adapting
 
         return decode_adapting(self.adapter, prompts, sampling, max_new_tokens, seed=seed)
 
@@ -184,7 +184,7 @@ class AdaptingDecoding:
 def adapting_arm(settings: Adaptation, of: DrafterDecoding, copy: Any, target: Target, seed: int) -> AdaptingDecoding:
     """The adapting arm ``<name>+adapt`` of ``of``: ``copy``, a second load of its checkpoint, adapting under
     ``settings`` (the ``--adapt_*`` flags)."""
-    from lightning_spec.evaluation.adaptation import CostAwareAdapter
+    from lightning_spec.decoding.adaptation import CostAwareAdapter
 
     adapter = CostAwareAdapter(copy, target, settings, tree=of.tree, seed=seed)
     return AdaptingDecoding(f"{of.name}+adapt", of.checkpoint, adapter)
@@ -194,7 +194,7 @@ def choose_decodings(decodings: list[DrafterDecoding], target: Target, calibrati
                      sampling: SamplingConfig, max_new_tokens: int, progress: bool) -> list[DrafterDecoding]:
     """Every decoding whose tree is ``auto`` with decoding auto's pick (``choose_decoding`` on ``calibration``,
     held-out prompts); the others as they are. Prints each pick."""
-    from lightning_spec.evaluation.auto import choose_decoding
+    from lightning_spec.decoding.auto import choose_decoding
 
     chosen = [dataclasses.replace(d, pick=choose_decoding(target, d.drafter, calibration, sampling, max_new_tokens,
                                                           progress=progress))

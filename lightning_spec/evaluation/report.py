@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_spec.decoding.trees import TreeConfig
-from lightning_spec.evaluation.paired import Comparison
+from lightning_spec.paired import Comparison
 
 
 def tree_dict(tree: TreeConfig | None) -> dict[str, Any] | None:

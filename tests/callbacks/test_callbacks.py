@@ -14,7 +14,7 @@ from helpers.fits import TINY
 
 from lightning_spec import SamplingConfig, generate
 from lightning_spec.callbacks import DomainReweighting, MetricsCallback, OfflineEvaluation, SpecDecodeValidation
-from lightning_spec.evaluation.benchmark import decode_prompts
+from lightning_spec.decoding.timed import decode_prompts
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums, slot_counts
 
 # ------------------------------------------------------------------------------------------- ratios of sums
@@ -242,7 +242,7 @@ def test_offline_before_scores_the_initial_weights_as_decoding_with_them_would(d
     evaluator's expectation: the budget's last round, cut short in decoding, can differ.)"""
     from helpers.families import build, trained
 
-    from lightning_spec.evaluation.benchmark import decode_prompts
+    from lightning_spec.decoding.timed import decode_prompts
 
     start = trained("dflash", diverse_target, prompts, k=3)
     rows = [{"prompt_ids": p, "domain": d} for p, d in zip(prompts, ["chat", "code", "chat"])]

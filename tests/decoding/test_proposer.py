@@ -12,11 +12,11 @@ import pytest
 from helpers.families import FAMILIES, build
 
 from lightning_spec import TreeConfig, UserError
+from lightning_spec.decoding.auto import candidates
 from lightning_spec.decoding.ngram import NgramDrafter, as_proposer
 from lightning_spec.decoding.plans import Tree
 from lightning_spec.decoding.proposer import Drafting, Proposer, TreeGrowth, chosen_rounds, evaluating
 from lightning_spec.drafters import DFlyDrafter
-from lightning_spec.evaluation.auto import candidates
 from lightning_spec.evaluation.offline import replayed
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_spec"

@@ -28,11 +28,12 @@ from helpers.trees import assert_greedy_tree_is_the_argmax_loop, committed_paths
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, offline_rounds
 from lightning_spec.data.rollouts import load_rollout_set
+from lightning_spec.decoding.exact import replay_tree_rounds
 from lightning_spec.decoding.plans import Tree
 from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree
 from lightning_spec.drafters import Anchors
-from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
+from lightning_spec.evaluation.offline import offline_report
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 VARIANTS = ["dflash_served", "dspark_served", "mtp_served"]  # a family below with other options: tested there
@@ -367,7 +368,7 @@ def test_decode_validation_takes_a_tree_from_yaml(tmp_path, monkeypatch):
     a tree decode."""
     import sys
 
-    import lightning_spec.evaluation.benchmark as benchmark
+    import lightning_spec.decoding.timed as benchmark
     from lightning_spec.cli import main
 
     monkeypatch.chdir(tmp_path)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_spec.evaluation.benchmark import DecodeReport
+from lightning_spec.decoding.timed import DecodeReport
 from lightning_spec.evaluation.online import OnlineRun, OnlineTimings, online_statistics
-from lightning_spec.evaluation.paired import Bootstrap
+from lightning_spec.paired import Bootstrap
 from lightning_spec.sampling import SamplingConfig
 
 PROMPTS = [{"id": f"p{i}", "domain": "xy"[i // 2], "prompt_ids": [1, 2, 3]} for i in range(4)]

@@ -12,8 +12,7 @@ import torch
 from helpers.offline import saved_drafters
 
 from lightning_spec import generate
-from lightning_spec.drafters import Eagle3Drafter, MedusaDrafter, SpecBlockDrafter
-from lightning_spec.evaluation.adaptation import (
+from lightning_spec.decoding.adaptation import (
     Adaptation,
     ArmStats,
     CostAwareAdapter,
@@ -21,6 +20,7 @@ from lightning_spec.evaluation.adaptation import (
     expected_saving,
     scope_parameters,
 )
+from lightning_spec.drafters import Eagle3Drafter, MedusaDrafter, SpecBlockDrafter
 
 
 def prompts(vocab: int, n: int, length: int = 10) -> list[list[int]]:
@@ -181,8 +181,8 @@ def test_update_time_is_inside_the_window_seconds(diverse_target, make_block_dra
     injected, every round of decoding takes 0.125 s and the update 0.25 s, exactly."""
     from helpers.clock import FakeClock
 
+    import lightning_spec.decoding.adaptation as adaptation
     import lightning_spec.decoding.engine as engine
-    import lightning_spec.evaluation.adaptation as adaptation
 
     clock = FakeClock()
     monkeypatch.setattr(engine, "time", clock)

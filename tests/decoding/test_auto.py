@@ -1,4 +1,4 @@
-"""``decoding: auto`` (``evaluation/auto/``): the setting whose speedup over plain decoding has the highest lower
+"""``decoding: auto`` (``decoding/auto/``): the setting whose speedup over plain decoding has the highest lower
 confidence bound over the calibration prompts, when that bound beats plain by the margin; else plain.
 
 - with the verify cost linear in the query tokens (a draft never pays) it keeps plain decoding; with a flat verify
@@ -25,8 +25,7 @@ import torch
 from helpers.decoding import MAX_NEW, random_prompts
 from helpers.families import trained
 
-from lightning_spec.decoding.plans import Chain, Ngram
-from lightning_spec.evaluation.auto import (
+from lightning_spec.decoding.auto import (
     MARGIN,
     PLAIN,
     Costs,
@@ -35,13 +34,13 @@ from lightning_spec.evaluation.auto import (
     choose_decoding,
     decide,
     estimate,
-    family_confidence,
     on_prompts,
     pick,
     speedup_bound,
-    t_quantile,
     with_bounds,
 )
+from lightning_spec.decoding.plans import Chain, Ngram
+from lightning_spec.paired import family_confidence, t_quantile
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -317,8 +316,8 @@ def test_under_sampling_settings_are_calibrated_with_the_exact_rounds(diverse_ta
 def test_the_bookkeeping_per_round_is_what_a_decode_spent_beyond_the_model():
     """``round_overhead``: a decode's seconds less its prefill and its rounds' modelled draft + verify, per round;
     settings not measured take the largest measured; a round never costs less than nothing."""
+    from lightning_spec.decoding.auto import round_overhead
     from lightning_spec.decoding.engine import Generation
-    from lightning_spec.evaluation.auto import round_overhead
 
     chain = Ngram(length=4)
     costs = Costs(verify={1: 1.0, 5: 3.0}, tree_verify={1: 1.0, 5: 3.0}, draft={PLAIN: 0.0, chain: 0.5})

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_spec.decoding.auto.costs import Costs
+from lightning_spec.decoding.exact import replay_tree_rounds, score_outputs
 from lightning_spec.decoding.plans import Plan
-from lightning_spec.decoding.proposer import chosen_rounds
-from lightning_spec.evaluation.auto.costs import Costs
-from lightning_spec.evaluation.offline import offline_report, replay_tree_rounds
+from lightning_spec.decoding.proposer import chosen_rounds, evaluating
 from lightning_spec.sampling import SamplingConfig
 
 
@@ -89,7 +89,11 @@ def _count(target: Any, drafter: Any, plan: Plan, outputs: list[tuple[list[int],
         return Estimate(plan, tokens, tuple(rounds), tuple(seconds))
     if tree is not None or (run.length or d.block_size) < d.block_size:  # the exact evaluator scores whole chains
         return None
-    rounds = offline_report(target, d, outputs, sampling).rounds.tolist()  # drawn chains: exact expected rounds
+    rounds = []  # drawn chains: exact expected rounds, one output at a time
+    with evaluating(d):
+        for prompt, response in outputs:
+            tau = score_outputs(target, d, [prompt], [response], sampling, 256, 1 << 24, {})[0] if response else [0.0]
+            rounds.append(float(tau[0]))
     per_round = per_round_draft + costs.verify_seconds(1 + d.block_size, False)
     return Estimate(plan, tokens, tuple(rounds), tuple(r * per_round for r in rounds))
 

@@ -4,13 +4,12 @@ to a 5% error as a whole (``decide``)."""
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
 from dataclasses import dataclass
 
+from lightning_spec.decoding.auto.candidates import PLAIN
+from lightning_spec.decoding.auto.estimate import Estimate
 from lightning_spec.decoding.plans import Plan
-from lightning_spec.evaluation.auto.candidates import PLAIN
-from lightning_spec.evaluation.auto.estimate import Estimate
+from lightning_spec.paired import family_confidence, ratio_bound
 
 CONFIDENCE = 0.95  # one-sided: a plan is picked when its speedup's lower bound at this confidence clears the margin
 MARGIN = 0.05  # what the bound must beat plain by: machine noise between calibration and decoding (plain decoding
@@ -18,57 +17,15 @@ MARGIN = 0.05  # what the bound must beat plain by: machine noise between calibr
 # prompts less like the calibration ones than they are like each other; 5% keeps a pick >= ~0.98x plain elsewhere
 
 
-def t_quantile(q: float, dof: int) -> float:
-    """Student's t quantile (P(T <= t) = q >= 0.5, ``dof`` >= 1 degrees of freedom), by bisection on the closed
-    form of P(|T| <= t) for integer degrees of freedom (Abramowitz & Stegun 26.7.3-4)."""
-    lo, hi = 0.0, 1e6
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_within(mid, dof) < 2 * q - 1 else (lo, mid)
-    return (lo + hi) / 2
-
-
-def _t_within(t: float, dof: int) -> float:
-    """P(|T| <= t) for Student's t with ``dof`` degrees of freedom; θ = atan(t / √dof)."""
-    theta = math.atan(t / math.sqrt(dof))
-    c2 = math.cos(theta) ** 2
-    total = 0.0
-    if dof % 2:  # odd: (2/π)(θ + sinθ (cosθ + (2/3) cos³θ + (2·4)/(3·5) cos⁵θ + ...)), (dof - 1) / 2 terms
-        term = math.sin(theta) * math.cos(theta)
-        for j in range((dof - 1) // 2):
-            total += term
-            term *= c2 * (2 * j + 2) / (2 * j + 3)
-        return 2 / math.pi * (theta + total)
-    term = 1.0  # even: sinθ (1 + (1/2) cos²θ + (1·3)/(2·4) cos⁴θ + ...), dof / 2 terms
-    for j in range(dof // 2):
-        total += term
-        term *= c2 * (2 * j + 1) / (2 * j + 2)
-    return math.sin(theta) * total
-
-
 def speedup_bound(plain: Estimate, other: Estimate, confidence: float = CONFIDENCE) -> float | None:
     """The one-sided lower confidence bound of ``other``'s speedup over plain decoding: the pooled speedup its
     ``tokens_per_s`` reports, R = Σ plain seconds / Σ other seconds (both decode the same outputs, so the tokens
     cancel), not a mean of per-prompt speedups (a plan fast on short prompts and slow on long ones is slower
-    overall). The bound is taken on log R by the delta method, paired over prompts: prompt i moves log R by
-    z_i = p_i / mean(p) - o_i / mean(o), so log R's standard error is sd(z) / √n and the bound is
-    R · exp(-t_{confidence, n-1} · sd(z) / √n). None from fewer than 2 prompts with tokens: one says nothing of how
-    the speedup varies from prompt to prompt."""
-    pairs = [(p, o) for p, o, t in zip(plain.prompt_seconds, other.prompt_seconds, plain.prompt_tokens)
-             if t > 0 and p > 0 and o > 0]
-    if len(pairs) < 2:
-        return None
-    mean_p, mean_o = statistics.fmean(p for p, _ in pairs), statistics.fmean(o for _, o in pairs)
-    spread = statistics.stdev(p / mean_p - o / mean_o for p, o in pairs) / math.sqrt(len(pairs))
-    return mean_p / mean_o * math.exp(-t_quantile(confidence, len(pairs) - 1) * spread)
-
-
-def family_confidence(confidence: float, plans: int) -> float:
-    """The confidence each of ``plans`` bounds is taken at so that all of them hold together at ``confidence``
-    (Šidák: confidence ** (1 / m)). ``pick`` takes the best of m bounds: at 95% each, a plan no faster than plain
-    clears one of 20 by chance far more often than 5% of the time (13.6% in the simulation of
-    tests/evaluation/test_auto.py); at the corrected level, at most 5%."""
-    return confidence ** (1 / max(plans, 1))
+    overall). The bound is ``paired.ratio_bound`` over the prompts with tokens (a t bound on log R by the delta
+    method, paired over prompts). None from fewer than 2 such prompts: one says nothing of how the speedup varies
+    from prompt to prompt."""
+    pairs = [(p, o) for p, o, t in zip(plain.prompt_seconds, other.prompt_seconds, plain.prompt_tokens) if t > 0]
+    return ratio_bound([p for p, _ in pairs], [o for _, o in pairs], confidence)
 
 
 def with_bounds(estimates: list[Estimate], confidence: float = CONFIDENCE, joint: bool = True) -> list[Estimate]:

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from lightning_spec.decoding.auto.candidates import PLAIN
 from lightning_spec.decoding.engine import Generation, draft
 from lightning_spec.decoding.plans import Plan
-from lightning_spec.evaluation.auto.candidates import PLAIN
 from lightning_spec.sampling import SamplingConfig
 
 

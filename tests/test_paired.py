@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_spec.evaluation.offline import OfflineReport
-from lightning_spec.evaluation.paired import bootstrap_mal, compare, compare_reports, resample_weights
+from lightning_spec.paired import bootstrap_mal, compare, compare_reports, resample_weights
 
 
 def synthetic(rng, prompts=40, samples=3, mal=(2.0, 2.3)):

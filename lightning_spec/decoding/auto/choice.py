@@ -6,13 +6,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_spec.decoding.auto.candidates import PLAIN, candidates
+from lightning_spec.decoding.auto.costs import Costs, machine_name, measure_costs, round_overhead
+from lightning_spec.decoding.auto.estimate import Estimate, _count, _with_overheads, output_features
+from lightning_spec.decoding.auto.judge import CONFIDENCE, MARGIN, Verdict, decide, with_bounds
 from lightning_spec.decoding.engine import _as_ids, generate
 from lightning_spec.decoding.plans import Plan
 from lightning_spec.errors import UserError
-from lightning_spec.evaluation.auto.candidates import PLAIN, candidates
-from lightning_spec.evaluation.auto.costs import Costs, machine_name, measure_costs, round_overhead
-from lightning_spec.evaluation.auto.estimate import Estimate, _count, _with_overheads, output_features
-from lightning_spec.evaluation.auto.judge import CONFIDENCE, MARGIN, Verdict, decide, family_confidence, with_bounds
+from lightning_spec.paired import family_confidence
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 

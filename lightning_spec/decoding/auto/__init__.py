@@ -4,9 +4,9 @@ plain decoding only when it is sure enough to be faster.
 
 A plan's speed is tokens per round over seconds per round, and both are measured, not assumed:
 - tokens per round: the plan's rounds scored exactly on calibration outputs, the target's own answers to a few
-  prompts (``evaluation.offline.replay_tree_rounds`` replays every round and gives its size, so proposals whose size
+  prompts (``decoding.exact``: ``replay_tree_rounds`` replays every round and gives its size, so proposals whose size
   varies, such as n-gram lookups that find nothing, are costed round by round; drawn chains under sampling are
-  scored by the exact evaluator, ``offline_report``);
+  scored from one teacher-forced forward, ``decoding.exact.score_outputs``);
 - seconds per round: the proposal's time plus the target's verify forward over the anchor and the proposal's nodes,
   both timed on this machine against a warm KV cache (``measure_costs``; the target's times are kept for the
   process, per machine, dtype, thread count and target), plus the loop's own bookkeeping per round, measured as
@@ -32,27 +32,25 @@ bookkeeping of speculative plans not decoded (they take the largest measured), a
 calibration ones. ``benchmarks/decode_speed.py`` reports measured over expected as engine efficiency.
 
 One job a file: ``candidates.py`` (the plans compared), ``costs.py`` (what a round costs here), ``estimate.py`` (a
-plan's rounds and seconds per calibration prompt), ``judge.py`` (the bounds and the pick), ``choice.py``
-(``choose_decoding`` and its ``Choice``).
+plan's rounds and seconds per calibration prompt), ``judge.py`` (the bounds, from ``lightning_spec/paired.py``, and
+the pick), ``choice.py`` (``choose_decoding`` and its ``Choice``).
 """
 
-from lightning_spec.evaluation.auto.candidates import PLAIN, candidates
-from lightning_spec.evaluation.auto.choice import PROBES, Choice, choose_decoding
-from lightning_spec.evaluation.auto.costs import Costs, machine_name, measure_costs, round_overhead
-from lightning_spec.evaluation.auto.estimate import Estimate, estimate, output_features
-from lightning_spec.evaluation.auto.judge import (
-    CONFIDENCE,
-    MARGIN,
-    Verdict,
-    decide,
-    family_confidence,
-    on_prompts,
-    pick,
-    speedup_bound,
-    t_quantile,
-    with_bounds,
+from lightning_spec.decoding.auto.candidates import PLAIN, candidates
+from lightning_spec.decoding.auto.choice import PROBES, Choice, choose_decoding
+from lightning_spec.decoding.auto.costs import Costs, machine_name, measure_costs, round_overhead
+from lightning_spec.decoding.auto.estimate import Estimate, estimate, output_features
+from lightning_spec.decoding.auto.judge import (
+           CONFIDENCE,
+           MARGIN,
+           Verdict,
+           decide,
+           on_prompts,
+           pick,
+           speedup_bound,
+           with_bounds,
 )
 
 __all__ = ["CONFIDENCE", "MARGIN", "PLAIN", "PROBES", "Choice", "Costs", "Estimate", "Verdict", "candidates",
-           "choose_decoding", "decide", "estimate", "family_confidence", "machine_name", "measure_costs", "on_prompts",
-           "output_features", "pick", "round_overhead", "speedup_bound", "t_quantile", "with_bounds"]
+           "choose_decoding", "decide", "estimate", "machine_name", "measure_costs", "on_prompts", "output_features",
+           "pick", "round_overhead", "speedup_bound", "with_bounds"]
