@@ -256,11 +256,12 @@ def main() -> None:
     summary["train_cpu_hours"] = sum(cpu.get(k, 0.0) for k in ("features-drafter", "fit-drafter")) / 3600
     save()
     report = out / "offline.json"
-    trees = "[null, {nodes: 8, top_k: 4}, {nodes: 16, top_k: 4}, {nodes: 32, top_k: 6}]"
+    plans = ("[chain, {kind: tree, nodes: 8, top_k: 4}, {kind: tree, nodes: 16, top_k: 4}, "
+             "{kind: tree, nodes: 32, top_k: 6}]")
     if not report.exists() or report.stat().st_mtime < checkpoint.resolve().stat().st_mtime:
         step("offline", [*LS, "evaluate", "--mode=offline", f"--rollouts={evaluation}",
                          f"--drafters=[{checkpoint}, {checkpoint}, {checkpoint}, {checkpoint}]",
-                         "--names=[chain, tree8, tree16, tree32]", f"--trees={trees}", f"--output={report}",
+                         "--names=[chain, tree8, tree16, tree32]", f"--decodings={plans}", f"--output={report}",
                          "--progress=false"], logs, cpu)
     result = json.loads(report.read_text())
     summary["offline"] = {name: {"mal": arm["mal"], "mal_ci": result["comparison"]["arms"][name]["mal_ci"]}

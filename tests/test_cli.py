@@ -398,7 +398,7 @@ def test_a_command_reads_the_same_options_from_a_yaml_file_and_from_flags(in_tmp
     flags build one and the same command (nested classes instantiated, the rest at their defaults), and
     ``run_command`` returns what its ``run()`` returns."""
     from lightning_spec.cli import run_command
-    from lightning_spec.decoding.trees import TreeConfig
+    from lightning_spec.decoding.plans import Tree
     from lightning_spec.evaluation.cli import Evaluate
     from lightning_spec.target import TargetOptions
 
@@ -406,15 +406,15 @@ def test_a_command_reads_the_same_options_from_a_yaml_file_and_from_flags(in_tmp
     monkeypatch.setattr(Evaluate, "run", lambda self: ran.append(self) or "ran")
     values = {"drafters": ["runs/a/last.ckpt", "runs/b/last.ckpt"], "mode": "online", "names": ["a", "b"],
               "baseline": "b", "target_options": {"revision": "main"}, "sources": ["mt-bench"], "temperature": 0.5,
-              "tree": {"nodes": 8, "top_k": 2}, "adapt_scopes": ["head"]}
+              "decoding": {"kind": "tree", "nodes": 8, "top_k": 2}}
     Path("evaluate.yaml").write_text(yaml.safe_dump(values))
     flags = [f"--{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in values.items()]
     assert run_command("evaluate", ["-c", "evaluate.yaml"]) == run_command("evaluate", flags) == "ran"
     from_file, from_flags = ran
     assert from_file == from_flags
-    assert from_file.tree == TreeConfig(nodes=8, top_k=2) and from_file.target_options == TargetOptions("main")
-    assert (from_file.prompts_per_source, from_file.adapt_lr, from_file.output) == (8, 1e-4, "evaluation.json")
-    assert from_file.adaptation() is None and from_file.bootstrap().baseline == "b"
+    assert from_file.plans() == [Tree(nodes=8, top_k=2)] * 2 and from_file.target_options == TargetOptions("main")
+    assert (from_file.prompts_per_source, from_file.output) == (8, "evaluation.json")
+    assert from_file.bootstrap().baseline == "b"
 
 
 # ------------------------------------------------------------------------------------------ errors by kind

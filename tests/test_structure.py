@@ -30,8 +30,8 @@ EXEMPT: dict[tuple[str, str], str] = {
     ("lightning_spec/data/rollout_writer.py", "Rollouts"): "schema: `lightning-spec rollouts`",
     ("lightning_spec/sweeps/command.py", "Sweep"): "schema: `lightning-spec sweep`",
     # not a schema
-    ("lightning_spec/decoding/adaptation.py", "Adaptation"): "the adapter's settings (the --adapt_* flags and its "
-                                                           "other knobs), every field defaulted and named by callers",
+    ("lightning_spec/decoding/plans.py", "Adapt"): "the adapting plan: how it decodes and the adapter's knobs, "
+                                                   "every field defaulted and named by callers",
     ("lightning_spec/decoding/engine.py", "Generation"): "a result record the engine fills, not an argument list",
     ("lightning_spec/decoding/timed.py", "DecodeReport"): "a result record the runner fills",
     ("lightning_spec/decoding/adaptation.py", "Decision"): "a result record: one window's decision, logged",

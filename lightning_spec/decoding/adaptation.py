@@ -38,15 +38,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_spec.decoding.engine import Generation, generate
 from lightning_spec.decoding.exact import replay_tree_rounds
+from lightning_spec.decoding.plans import SCOPES, Adapt
 from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.decoding.timed import DecodeReport
 from lightning_spec.decoding.trees import TreeConfig
@@ -56,7 +56,9 @@ from lightning_spec.objectives import CE, Objective
 from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
 
-SCOPES = ("head", "last", "all")
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
+
 
 
 # ---------------------------------------------------------------------------------------------------- scopes
@@ -154,11 +156,12 @@ class Decision:
 # ---------------------------------------------------------------------------------------------------- scoring
 @torch.no_grad()
 def window_rounds(
-    target: Any, drafter: Any, ids: Tensor, mask: Tensor, out: Any, sampling: SamplingConfig,
+    target: Target, drafter: Drafter, ids: Tensor, mask: Tensor, out: Any, sampling: SamplingConfig,
     tree: TreeConfig | None, chunk: int,
 ) -> float:
     """Exact expected rounds τ of one decoded window (1, S) with response ``mask`` (1, S), from the target forward
-    ``out`` (features and final hidden states), as the offline evaluator computes them (``offline.py``)."""
+    ``out`` (features and final hidden states), as ``exact.score_outputs`` computes them, from the forward the
+    update shares."""
     if tree is not None and drafter.tree_growth is not TreeGrowth.BEST_FIRST:  # replayed, greedy only
         prompt_len = int(mask[0].nonzero()[0])
         seq = ids[0].tolist()
@@ -188,63 +191,6 @@ def _prompt_list(input_ids: Any) -> list[int]:
     return torch.as_tensor(input_ids).reshape(-1).tolist()
 
 
-@dataclass(frozen=True)
-class Adaptation:
-    """The settings of a ``CostAwareAdapter`` (``adaptation.py``): the ``--adapt_*`` flags every drafter's adapting
-    copy runs with, and the adapter's other knobs at their defaults.
-
-    Args:
-        scopes: the update scopes to choose among, from ``head``, ``last``, ``all``; a scope with no parameters
-            for the drafter is skipped (``CostAwareAdapter.skipped``).
-        lr: the update's learning rate.
-        steps: optimizer steps per update.
-        horizon_tokens: H, the tokens still to decode over which an update's gain counts.
-        exploration: c of the UCB bonus, in MAL units.
-        force: apply this arm after every window whatever the rule (``none``: never adapt); still measured.
-        optimizer: ``adamw`` or ``sgd``; one per scope, its state kept across windows.
-        weight_decay: AdamW weight decay.
-        max_grad_norm: clip the update's gradient norm (None: no clipping).
-        ema: weight of the newest observation in the running estimates (gain, cost, MAL, seconds per round).
-        score_chunk: anchors per drafter forward when scoring a window (memory, not results).
-    """
-
-    scopes: Sequence[str] = ("head", "last", "all")
-    lr: float = 1e-4
-    steps: int = 2
-    horizon_tokens: float = 4096
-    exploration: float = 0.1
-    force: str | None = None
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    ema: float = 0.3
-    score_chunk: int = 64
-
-
-def check_settings(settings: Adaptation) -> None:
-    """Refuse settings the adapter cannot run with, in one sentence naming the ``--adapt_*`` flag, before it binds
-    the drafter."""
-    checks = [
-        (math.isfinite(settings.lr) and settings.lr > 0, "lr (--adapt_lr)", settings.lr,
-         "a learning rate > 0, e.g. 1e-4"),
-        (settings.steps >= 1, "steps (--adapt_steps)", settings.steps, "at least 1 optimizer step per update"),
-        (settings.optimizer in ("adamw", "sgd"), "optimizer", settings.optimizer, "adamw or sgd"),
-        (settings.horizon_tokens > 0, "horizon_tokens (--adapt_horizon)", settings.horizon_tokens,
-         "a number of tokens > 0"),
-        (settings.exploration >= 0, "exploration (--adapt_exploration)", settings.exploration, "a UCB constant >= 0"),
-        (0 < settings.ema <= 1, "ema", settings.ema, "a weight in (0, 1]"),
-        (settings.score_chunk >= 1, "score_chunk", settings.score_chunk, "at least 1 anchor"),
-    ]
-    for ok, name, value, wanted in checks:
-        if not ok:
-            raise UserError(f"adapter {name} is {value!r}; it must be {wanted}.")
-    scopes = settings.scopes
-    unknown = [s for s in scopes if s not in SCOPES]
-    if unknown or not scopes:
-        raise UserError(f"adapt scopes (--adapt_scopes) {list(scopes)!r} must be a non-empty list from "
-                        f"{', '.join(SCOPES)}.")
-
-
 # ---------------------------------------------------------------------------------------------------- adapter
 class CostAwareAdapter:
     """A drafter and its target in deployment: decode, then update the drafter on the verified window when the
@@ -253,29 +199,20 @@ class CostAwareAdapter:
     Args:
         drafter: the drafter to adapt, in place (load a copy for a side-by-side comparison).
         target: its target (a ``Target``); the target decides every token.
-        settings: the bandit's and the update's knobs (``Adaptation``: scopes, learning rate, steps, optimizer,
-            horizon, exploration, EMA weight, a forced arm, the scoring chunk); None: the defaults.
-        tree: decode token trees (``TreeConfig``) instead of chains, as ``generate(tree=...)``.
+        plan: the ``adapt`` plan (``decoding/plans.py``): how it decodes between updates (a chain or a tree), and
+            the bandit's and the update's knobs (scopes, learning rate, steps, optimizer, horizon, exploration, EMA
+            weight, a forced arm, the scoring chunk); None: the defaults.
         seed: seeds the update steps' anchor draws.
     """
 
-    def __init__(
-        self,
-        drafter: nn.Module,
-        target: Any,
-        settings: Adaptation | None = None,
-        tree: TreeConfig | dict | None = None,
-        seed: int = 0,
-    ) -> None:
-        settings = settings if settings is not None else Adaptation()
-        check_settings(settings)
-        scopes, force = settings.scopes, settings.force
-        self.drafter, self.target = drafter, target
-        self.lr, self.steps, self.optimizer, self.weight_decay = (settings.lr, settings.steps, settings.optimizer,
-                                                                  settings.weight_decay)
-        self.max_grad_norm, self.horizon_tokens = settings.max_grad_norm, settings.horizon_tokens
-        self.exploration, self.ema = settings.exploration, settings.ema
-        self.tree, self.score_chunk, self.seed = TreeConfig.coerce(tree), settings.score_chunk, seed
+    def __init__(self, drafter: nn.Module, target: Target, plan: Adapt | None = None, seed: int = 0) -> None:
+        plan = plan if plan is not None else Adapt()
+        scopes, force = plan.scopes, plan.force
+        self.drafter, self.target, self.plan = drafter, target, plan
+        self.lr, self.steps, self.optimizer, self.weight_decay = plan.lr, plan.steps, plan.optimizer, plan.weight_decay
+        self.max_grad_norm, self.horizon_tokens = plan.max_grad_norm, plan.horizon_tokens
+        self.exploration, self.ema = plan.exploration, plan.ema
+        self.tree, self.score_chunk, self.seed = plan.decoding.resolve(drafter).tree, plan.score_chunk, seed
         if self.tree is not None:
             drafter.check_tree()
         drafter.use_target(target)
@@ -290,7 +227,7 @@ class CostAwareAdapter:
                 self.skipped.append(scope)
         self._params = {s: [params[n] for n in names] for s, names in self.scopes.items()}
         if force is not None and force != "none" and force not in self.scopes:
-            raise UserError(f"adapt force={force!r} (--adapt_force) is not an available scope of "
+            raise UserError(f"decoding.force={force!r} of kind 'adapt' is not an available scope of "
                             f"{type(drafter).__name__} ({', '.join(self.scopes) or 'none'}); force one of them or "
                             "'none'.")
         self.force = force

@@ -15,6 +15,7 @@ docs/trees.md, "Adding a decoding mode".
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -225,6 +226,100 @@ class Auto(Plan):
         raise UserError("decoding 'auto' is chosen on calibration prompts first: call "
                         "lightning_spec.decoding.auto.choose_decoding(target, drafter, prompts) and decode with "
                         "its .plan.")
+
+
+SCOPES = ("head", "last", "all")  # what an adapting drafter may update (decoding/adaptation.py, scope_parameters)
+
+
+@register
+@dataclass(frozen=True)
+class Adapt(Plan):
+    """A drafter that adapts while it decodes (``decoding/adaptation.py``; SpecBlock, arXiv 2605.07243): after each
+    prompt it may update itself on the tokens the target verified, when a bandit over update scopes expects the
+    time saved to beat the update's measured cost; its update time counts in its tokens/s. It decodes with its own
+    copy of the drafter (``CostAwareAdapter``), never through ``generate`` alone.
+
+    Args:
+        decoding: how it decodes between updates: ``chain`` (all K slots) or a ``tree`` plan.
+        scopes: the update scopes it chooses among: ``head`` (the drafter's output norm and heads), ``last`` (its last
+            decoder layer and final norm), ``all``; a scope the family has no parameters for is skipped.
+        lr: the update's learning rate.
+        steps: optimizer steps per update.
+        horizon_tokens: H, the tokens over which an update's MAL gain is expected to pay.
+        exploration: the UCB constant c, in MAL units.
+        force: apply this scope after every prompt whatever the rule (``none``: never update); still measured.
+        optimizer: ``adamw`` or ``sgd``; one per scope, its state kept across prompts.
+        weight_decay: the optimizer's weight decay.
+        max_grad_norm: clip the update's gradient norm (null: no clipping).
+        ema: the weight of the newest observation in the running estimates (gain, cost, MAL, seconds per round).
+        score_chunk: anchors per drafter forward when it scores a window (memory, not results).
+    """
+
+    kind: ClassVar[str] = "adapt"
+    decoding: Plan = Chain()
+    scopes: tuple[str, ...] = SCOPES
+    lr: float = 1e-4
+    steps: int = 2
+    horizon_tokens: float = 4096
+    exploration: float = 0.1
+    force: str | None = None
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    ema: float = 0.3
+    score_chunk: int = 64
+
+    def __post_init__(self) -> None:
+        inner = parse_plan(self.decoding)
+        if not (inner == Chain() or (isinstance(inner, Tree) and not inner.stop_below)):
+            raise UserError(f"decoding.decoding of kind 'adapt' must be a full chain (kind chain) or a tree without "
+                            f"stop_below, the rounds the adapter scores exactly; got {inner.to_dict()}.")
+        object.__setattr__(self, "decoding", inner)
+        if isinstance(self.scopes, list):
+            object.__setattr__(self, "scopes", tuple(self.scopes))
+        checks = [  # (holds, field, its value, what it must be)
+            (_is_number(self.lr) and math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a number > 0"),
+            (_is_int(self.steps) and self.steps >= 1, "steps", self.steps, "an int >= 1"),
+            (self.optimizer in ("adamw", "sgd"), "optimizer", self.optimizer, "adamw or sgd"),
+            (_is_number(self.horizon_tokens) and self.horizon_tokens > 0, "horizon_tokens", self.horizon_tokens,
+             "a number > 0"),
+            (_is_number(self.exploration) and self.exploration >= 0, "exploration", self.exploration, "a number >= 0"),
+            (_is_number(self.ema) and 0 < self.ema <= 1, "ema", self.ema, "a weight in (0, 1]"),
+            (_is_int(self.score_chunk) and self.score_chunk >= 1, "score_chunk", self.score_chunk, "an int >= 1"),
+            (isinstance(self.scopes, tuple) and bool(self.scopes) and set(self.scopes) <= set(SCOPES), "scopes",
+             self.scopes, f"a non-empty list from {', '.join(SCOPES)}"),
+            (self.force in (None, "none", *SCOPES), "force", self.force, f"null, none or one of {', '.join(SCOPES)}"),
+        ]
+        for ok, name, value, wanted in checks:
+            if not ok:
+                raise UserError(f"decoding.{name} of kind 'adapt' must be {wanted}, got {value!r}.")
+
+    @property
+    def verifies_tree(self) -> bool:
+        return self.decoding.verifies_tree
+
+    @property
+    def label(self) -> str:
+        return f"adapt ({self.decoding.label})"
+
+    def to_dict(self) -> dict[str, Any]:
+        mine, default = dataclasses.asdict(self), dataclasses.asdict(Adapt())
+        changed = {name: list(v) if isinstance(v, tuple) else v for name, v in mine.items()
+                   if name != "decoding" and v != default[name]}
+        return {"kind": self.kind, "decoding": self.decoding.to_dict(), **changed}
+
+    def resolve(self, drafter: Proposer | None) -> Run:
+        raise UserError("decoding 'adapt' changes its drafter as it decodes: decode with "
+                        "lightning_spec.decoding.adaptation.CostAwareAdapter(drafter, target, plan), or give the plan "
+                        "to lightning-spec evaluate --mode online.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_plan(value: Plan | dict | str | None, default: str = "chain") -> Plan:

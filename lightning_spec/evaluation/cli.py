@@ -2,12 +2,14 @@
 
     lightning-spec evaluate --mode offline --rollouts rollouts/t1 --drafters '[a.ckpt, b.ckpt]'
     lightning-spec evaluate --mode online --target smollm2-135m-instruct --drafters '[a.ckpt]' \\
-        --sources '[mt-bench, humaneval, mmath]' --prompts_per_source 8 --max_new_tokens 128 --temperature 0
+        --sources '[mt-bench, humaneval, mmath]' --prompts_per_source 8 --max_new_tokens 128 --temperature 0 \\
+        --decoding '{kind: tree, nodes: 16, top_k: 4}'
 
 Offline: exact expected rounds per rollout (``offline.py``), pooled MAL per domain, AR_k, and with several
-drafters ΔMAL against the baseline with a bootstrap CI over prompts (``paired.py``). Online: real decoding with
-every drafter and plain decoding of the same prompts, interleaved prompt by prompt in one process (MAL,
-tokens/s, speedup). Both print a per-domain table and write a JSON file; ``--mlflow true`` logs one MLflow run
+drafters ΔMAL against the baseline with a bootstrap CI over prompts (``lightning_spec/paired.py``). Online: real
+decoding with every drafter and plain decoding of the same prompts, interleaved prompt by prompt in one process
+(MAL, tokens/s, speedup). How each drafter decodes is one plan (``--decoding``, or ``--decodings`` per drafter;
+``decoding/plans.py``). Both print a per-domain table and write a JSON file; ``--mlflow true`` logs one MLflow run
 per drafter. Checkpoints given the same ``--names`` entry are seeds of one arm: their rounds are averaged per
 rollout before the bootstrap.
 
@@ -23,9 +25,8 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_spec.decoding.adaptation import Adaptation
 from lightning_spec.decoding.ngram import from_name
-from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.decoding.plans import Adapt, Auto, Chain, Plain, Plan, parse_plan
 from lightning_spec.errors import UserError
 from lightning_spec.evaluation.inputs import (
     TargetLoad,
@@ -37,29 +38,26 @@ from lightning_spec.evaluation.inputs import (
     trained_checkpoint,
 )
 from lightning_spec.evaluation.offline import OfflineReport, offline_report
-from lightning_spec.evaluation.online import (
-    DrafterDecoding,
-    OnlineRun,
-    adapting_arm,
-    choose_decodings,
-    online_result,
-)
-from lightning_spec.evaluation.report import common_tree, log_mlflow, print_results, tree_dict, write_json
+from lightning_spec.evaluation.online import OnlineRun, choose_decodings, decoding_of, online_result
+from lightning_spec.evaluation.report import common_plan, log_mlflow, print_results, write_json
 from lightning_spec.paired import Bootstrap, Comparison, compare_reports
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.target import TargetOptions
 from lightning_spec.tracking import EVALUATE_EXPERIMENT
 
 
-def arm_names(drafters: list[str], names: list[str] | None) -> list[str]:
+def arm_names(drafters: list[str], names: list[str] | None, plans: list[Plan]) -> list[str]:
     """One name per checkpoint; equal names form one arm. Default: the file or folder name, or the whole path
-    where two checkpoints share it (``last.ckpt`` of two runs)."""
+    where two checkpoints share it (``last.ckpt`` of two runs), and the plan's label where one checkpoint decodes
+    with several plans (``last (chain)``, ``last (adapt (chain))``)."""
     if names is not None:
         if len(names) != len(drafters):
             raise UserError(f"--names has {len(names)} entries for {len(drafters)} --drafters; give one per drafter.")
         return list(names)
-    stems = [Path(d).stem if Path(d).suffix == ".ckpt" else Path(d).name for d in drafters]
-    return [s if stems.count(s) == 1 else str(d) for s, d in zip(stems, drafters)]
+    stems = {d: Path(d).stem if Path(d).suffix == ".ckpt" else Path(d).name for d in drafters}
+    base = [stems[d] if list(stems.values()).count(stems[d]) == 1 else str(d) for d in drafters]
+    return [f"{b} ({p.label})" if len({q for c, q in zip(base, plans) if c == b}) > 1 else b
+            for b, p in zip(base, plans)]
 
 
 def sampling_config(temperature: float | None, top_p: float | None, top_k: int | None) -> SamplingConfig | None:
@@ -75,11 +73,11 @@ def sampling_config(temperature: float | None, top_p: float | None, top_k: int |
 
 @dataclass(frozen=True)
 class Entry:
-    """One ``--drafters`` entry: the arm it belongs to, its checkpoint, and its tree (None: a chain)."""
+    """One ``--drafters`` entry: the arm it belongs to, its checkpoint, and how it decodes."""
 
     name: str
     checkpoint: str
-    tree: TreeConfig | Literal["auto"] | None = None
+    plan: Plan = Chain()
 
 
 @dataclass(frozen=True)
@@ -120,11 +118,16 @@ def run_offline(rollouts: str, entries: list[Entry], target: str | None, how: Ta
                                    sampling_name="--temperature (--top_p, --top_k)")
     reports: dict[str, list[OfflineReport]] = {}
     for entry in entries:
-        drafter = open_drafter(entry.checkpoint, model)
+        run = entry.plan.resolve(open_drafter(entry.checkpoint, model))
+        if run.length is not None and run.length < run.proposer.block_size:
+            raise UserError(f"--mode offline scores a drafter's whole chain; decoding {entry.plan.label!r} of "
+                            f"{entry.checkpoint} drafts {run.length} of its {run.proposer.block_size}: drop "
+                            "decoding.length or decode it with --mode online.")
         reports.setdefault(entry.name, []).append(offline_report(
-            model, drafter, data, sampling, batch_size=options.batch_size, progress=options.progress, tree=entry.tree,
+            model, run.proposer, data, sampling, batch_size=options.batch_size, progress=options.progress,
+            tree=run.tree,
         ))
-        del drafter  # one drafter in memory at a time
+        del run  # one drafter in memory at a time
     comparison = compare_reports(reports, bootstrap.baseline, bootstrap.n_resamples, bootstrap.confidence,
                                  bootstrap.seed)
     first = next(iter(reports.values()))[0]
@@ -133,7 +136,7 @@ def run_offline(rollouts: str, entries: list[Entry], target: str | None, how: Ta
         "target": spec,
         "target_fingerprint": model.fingerprint,
         "sampling": sampling.to_dict(),
-        "tree": common_tree([e.tree for e in entries]),
+        "decoding": common_plan([e.plan for e in entries]),
         "rollouts": rollouts,
         "rows": {
             "prompt_id": first.prompt_keys,
@@ -160,31 +163,27 @@ def _offline_arm(reports: list[OfflineReport], entries: list[Entry], comparison:
         "accept_rate": (accepted / reached.clamp_min(1e-12)).tolist(),
         "seconds": sum(r.seconds.get("total", 0.0) for r in reports),
         "rounds": torch.stack([r.rounds for r in reports]).mean(0).tolist(),
-        "tree": tree_dict(entries[0].tree),
+        "decoding": entries[0].plan.to_dict(),
     }
 
 
 # --------------------------------------------------------------------------------------------------- online
 def run_online(entries: list[Entry], target: str | None, how: TargetLoad, options: OnlineOptions,
-               bootstrap: Bootstrap, adaptation: Adaptation | None = None) -> tuple[dict[str, Any], Comparison]:
-    """Real decoding of the prompts by plain decoding and every checkpoint, interleaved prompt by prompt
-    (``online.py``). ``adaptation`` adds an arm ``<name>+adapt`` per checkpoint: its own copy, adapted while it
-    decodes the prompts in order (``adaptation.py``), its update time counted in its seconds."""
-    from lightning_spec.checkpoint import load_drafter
-
+               bootstrap: Bootstrap) -> tuple[dict[str, Any], Comparison]:
+    """Real decoding of the prompts by plain decoding and every checkpoint with its plan, interleaved prompt by
+    prompt (``online.py``). Every entry loads its own drafter, so an ``adapt`` plan adapts a copy no other arm
+    decodes with; ``auto`` plans are resolved on held-out calibration prompts first."""
     # default: the first checkpoint's target
     spec, model = open_target(target, trained_checkpoint([e.checkpoint for e in entries]), how)
     prompts = open_prompts(model, spec, options.sources, options.prompts_per_source, options.seed)
-    decodings = [DrafterDecoding(e.name, e.checkpoint, open_drafter(e.checkpoint, model), e.tree) for e in entries]
-    if any(e.tree == "auto" for e in entries):
+    decodings = [decoding_of(e.name, e.checkpoint, open_drafter(e.checkpoint, model), e.plan, model, options.seed)
+                 for e in entries]
+    if any(isinstance(e.plan, Auto) for e in entries):
         calibration = calibration_prompts(model, options.sources, options.prompts_per_source, options.seed, prompts)
         decodings = choose_decodings(decodings, model, calibration, options.sampling, options.max_new_tokens,
                                      options.progress)
-    arms = list(decodings)
-    if adaptation is not None:  # a second, adapting copy of every drafter
-        arms += [adapting_arm(adaptation, d, load_drafter(d.checkpoint, target=model), model, options.seed)
-                 for d in decodings]
-    run = OnlineRun(model, arms, prompts, options.sampling, options.max_new_tokens, options.seed, options.progress)
+    run = OnlineRun(model, decodings, prompts, options.sampling, options.max_new_tokens, options.seed,
+                    options.progress)
     return online_result(run, run.run(), bootstrap, spec, options.sources)
 
 
@@ -223,27 +222,20 @@ class Evaluate:
         target_dtype: float32 (CPU default), bfloat16 (GPUs), or auto: bf16 where the device multiplies it natively.
         device: where the target and drafters run.
         progress: show progress bars.
-        tree: decode (online) or score (offline, exactly) rounds that verify a token tree instead of a chain, e.g.
-            --tree '{nodes: 16, top_k: 4}', built by each family's tree builder; offline, best-first trees (DFlash,
-            Medusa) are scored under any sampling, the others (EAGLE-3, MTP, D²SD, SpecBlock) on greedy rollouts.
-            Online, ``auto`` picks each drafter's fastest decoding from measured costs (``decoding/auto/``: plain,
-            n-gram lookup, its chain, a tree, a tree with n-gram candidates), calibrated on 2 held-out prompts of
-            every source and picked over plain only when its speedup's 95% lower bound beats plain by 5%; the arm
-            decodes with the pick and reports the tokens/s and speedup it expected beside those it measured.
-        trees: one tree setting per drafter instead of ``tree`` (null: a chain), e.g. the same checkpoint twice as
-            a chain and as a tree: --drafters '[a.ckpt, a.ckpt]' --names '[chain, tree]'
-            --trees '[null, {nodes: 16, top_k: 4}]' (a paired comparison of the two).
-        adapt: online: also decode with an adapting copy of every drafter, arm '<name>+adapt': after each prompt
-            it may update itself on the verified tokens when the expected time saved beats the update's
-            measured cost (a UCB bandit over update scopes; SpecBlock, arXiv 2605.07243). Its seconds include
-            the updates.
-        adapt_scopes: the update scopes the adapter chooses among: head (the drafter's output norm / heads),
-            last (last decoder layer + final norm), all.
-        adapt_lr: the adapter's learning rate (AdamW).
-        adapt_steps: optimizer steps per update.
-        adapt_horizon: tokens over which an update's MAL gain is expected to pay (the saving it is weighed by).
-        adapt_exploration: the UCB constant, in MAL units.
-        adapt_force: apply this scope after every prompt whatever the saving ('none': never update).
+        decoding: how every drafter decodes, one plan (``decoding/plans.py``): ``chain`` (the default), a mapping
+            such as '{kind: tree, nodes: 16, top_k: 4, ngram: 2}' or '{kind: chain, stop_below: 0.2}', or, online
+            only, ``auto`` (each drafter's fastest plan from measured costs, ``decoding/auto/``: plain, n-gram lookup,
+            its chains and trees, calibrated on 2 held-out prompts of every source and picked over plain only when
+            its speedup's 95% lower bound beats plain by the plan's margin; the arm reports the speed it expected
+            beside what it measured), ``plain``, ``ngram`` and ``adapt`` (the drafter adapting while it decodes:
+            after each prompt it may update itself on the verified tokens when the expected time saved beats the
+            update's measured cost, a UCB bandit over update scopes, SpecBlock arXiv 2605.07243; its seconds
+            include the updates; '{kind: adapt, decoding: {kind: tree, nodes: 8}, lr: 1e-3}'). Offline, chains and
+            trees are scored exactly: best-first trees (DFlash, Medusa) under any sampling, the others (EAGLE-3,
+            MTP, D²SD, SpecBlock) on greedy rollouts.
+        decodings: one plan per drafter instead of ``decoding``, e.g. one checkpoint as a chain, as a tree and
+            adapting, a paired comparison of the three: --drafters '[a.ckpt, a.ckpt, a.ckpt]'
+            --decodings '[chain, {kind: tree, nodes: 16, top_k: 4}, adapt]' (null: a chain).
     """
 
     drafters: list[str]
@@ -271,15 +263,8 @@ class Evaluate:
     target_dtype: str = "float32"
     device: str = "cpu"
     progress: bool = True
-    tree: TreeConfig | Literal["auto"] | None = None
-    trees: list[TreeConfig | Literal["auto"] | None] | None = None
-    adapt: bool = False
-    adapt_scopes: list[str] = field(default_factory=lambda: ["head", "last", "all"])
-    adapt_lr: float = 1e-4
-    adapt_steps: int = 2
-    adapt_horizon: int = 4096
-    adapt_exploration: float = 0.1
-    adapt_force: str | None = None
+    decoding: dict | str | None = None
+    decodings: list[dict | str | None] | None = None
 
     # The fields above are the command's flags and YAML keys (``lightning-spec evaluate``, ``cli.run_command``);
     # the methods below group them into the objects the evaluators take.
@@ -292,8 +277,7 @@ class Evaluate:
             result, comparison = run_offline(self.rollouts, entries, self.target, how, self.offline(sampling),
                                              self.bootstrap())
         elif self.mode == "online":
-            result, comparison = run_online(entries, self.target, how, self.online(sampling), self.bootstrap(),
-                                            self.adaptation())
+            result, comparison = run_online(entries, self.target, how, self.online(sampling), self.bootstrap())
         else:
             raise UserError(f"--mode must be offline or online, got {self.mode!r}.")
         print_results(result, comparison)
@@ -305,41 +289,34 @@ class Evaluate:
 
     def arms(self) -> tuple[list[Entry], SamplingConfig | None]:
         """Every check of the options that needs no file, in one place: the checkpoints as arm entries (name, path,
-        tree) and the sampling flags' config (None: none given)."""
-        tree = self.tree if self.tree == "auto" else TreeConfig.coerce(self.tree)
-        drafters, trees = self.drafters, self.trees
+        plan) and the sampling flags' config (None: none given)."""
+        drafters = self.drafters
         if not drafters:
             raise UserError("--drafters is empty; pass one or more checkpoints, e.g. --drafters '[runs/a/last.ckpt]'.")
         if self.n_resamples < 1 or not 0 < self.confidence < 1:
             raise UserError(f"--n_resamples ({self.n_resamples}) must be >= 1 and --confidence ({self.confidence}) "
                             "in (0, 1).")
-        labels = arm_names(drafters, self.names)
-        if trees is not None and tree is not None:
-            raise UserError("pass --tree (one setting for every drafter) or --trees (one per drafter), not both.")
-        if trees is not None and len(trees) != len(drafters):
-            raise UserError(f"--trees has {len(trees)} settings for {len(drafters)} drafters; give one per drafter "
-                            "(null for a chain).")
-        per_drafter = ([t if t == "auto" else TreeConfig.coerce(t) for t in trees] if trees is not None
-                       else [tree] * len(drafters))
-        if "auto" in per_drafter and (self.mode != "online" or self.adapt):
-            raise UserError("--tree auto picks a decoding by its measured speed: use it with --mode online and "
-                            "without --adapt.")
-        sampling = sampling_config(self.temperature, self.top_p, self.top_k)
-        if self.adapt and self.mode != "online":
-            raise UserError("--adapt true adapts drafters while they decode; use it with --mode online.")
-        for drafter, setting in zip(drafters, per_drafter):
-            if from_name(drafter) is None:
-                continue
-            if self.adapt:
-                raise UserError(f"--drafters {drafter!r} is n-gram lookup, which has no weights to adapt; drop it from "
-                                "--drafters or run without --adapt true.")
-            if setting == "auto":
-                raise UserError(f"--drafters {drafter!r} is n-gram lookup, which --tree auto already weighs for every "
-                                "drafter; give it a chain (null) or a tree in --trees.")
-        taken = [n for n in labels if self.adapt and n.endswith("+adapt") and n[: -len("+adapt")] in labels]
-        if taken:
-            raise UserError(f"--names {taken[0]!r} is also the name of an adapting arm (--adapt true); rename it.")
-        return [Entry(n, d, t) for n, d, t in zip(labels, drafters, per_drafter)], sampling
+        plans = self.plans()
+        for drafter, plan in zip(drafters, plans):
+            if self.mode == "offline" and isinstance(plan, (Plain, Auto, Adapt)):
+                raise UserError(f"decoding {plan.kind!r} is measured by real decoding; score chains and trees with "
+                                "--mode offline, or use --mode online.")
+            if from_name(drafter) is not None and isinstance(plan, (Auto, Adapt)):
+                why = "has no weights to adapt" if isinstance(plan, Adapt) else "is among what decoding auto weighs"
+                raise UserError(f"--drafters {drafter!r} is n-gram lookup, which {why}; give it a chain or a tree.")
+        return ([Entry(n, d, p) for n, d, p in zip(arm_names(drafters, self.names, plans), drafters, plans)],
+                sampling_config(self.temperature, self.top_p, self.top_k))
+
+    def plans(self) -> list[Plan]:
+        """Each drafter's plan: ``decodings``' entry, or ``decoding`` for all (default: the chain)."""
+        if self.decodings is None:
+            return [parse_plan(self.decoding)] * len(self.drafters)
+        if self.decoding is not None:
+            raise UserError("pass --decoding (one plan for every drafter) or --decodings (one per drafter), not both.")
+        if len(self.decodings) != len(self.drafters):
+            raise UserError(f"--decodings has {len(self.decodings)} plans for {len(self.drafters)} drafters; give one "
+                            "per drafter (null for a chain).")
+        return [parse_plan(p) for p in self.decodings]
 
     def bootstrap(self) -> Bootstrap:
         """How the arms are compared: the baseline and the bootstrap over prompts."""
@@ -357,11 +334,3 @@ class Evaluate:
             raise UserError("--prompts_per_source and --max_new_tokens must be >= 1.")
         return OnlineOptions(sampling or SamplingConfig(), self.sources, self.prompts_per_source, self.max_new_tokens,
                              self.seed, self.progress)
-
-    def adaptation(self) -> Adaptation | None:
-        """The adapting copies' settings with ``--adapt true`` (None: no adapting arms)."""
-        if not self.adapt:
-            return None
-        return Adaptation(scopes=self.adapt_scopes, lr=self.adapt_lr, steps=self.adapt_steps,
-                          horizon_tokens=self.adapt_horizon, exploration=self.adapt_exploration,
-                          force=self.adapt_force)

@@ -146,6 +146,6 @@ def calibration_prompts(target: Target, sources: list[str], per_source: int, see
             held_out.setdefault(p["domain"], []).append(p["prompt_ids"])
     empty = sorted({p["domain"] for p in more} - set(held_out))
     if empty:
-        raise UserError(f"--tree auto calibrates on prompts beyond --prompts_per_source and the {', '.join(empty)} "
+        raise UserError(f"decoding auto calibrates on prompts beyond --prompts_per_source and the {', '.join(empty)} "
                         "prompts have none left; lower --prompts_per_source.")
     return [ids for domain in sorted(held_out) for ids in held_out[domain][:per_domain]]

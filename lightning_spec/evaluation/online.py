@@ -3,9 +3,10 @@ prompt by prompt in one process, so a load change on the machine hits every arm 
 
 Three parts, each usable alone:
 
-- what decodes: one ``Decoding`` per checkpoint: a ``DrafterDecoding`` (a drafter decoding chains, trees, or what
-  decoding auto picked; plain decoding is one without a drafter) or an ``AdaptingDecoding`` (a copy of a drafter
-  adapting while it decodes, ``adaptation.py``). The runner only asks each to decode.
+- what decodes: one ``Decoding`` per checkpoint and plan (``decoding_of``): a ``DrafterDecoding`` (a drafter decoding
+  with a plan, or with what decoding auto picked; plain decoding is one without a drafter) or an
+  ``AdaptingDecoding`` (a drafter adapting while it decodes, an ``adapt`` plan, ``decoding/adaptation.py``). The
+  runner only asks each to decode.
 - the timed loop: ``OnlineRun.run()`` warms every decoding up, decodes prompt by prompt and returns the raw record,
   ``OnlineTimings`` (tokens, rounds and seconds per decoding and prompt, acceptance counts per slot).
 - the statistics: ``online_statistics(timings, ...)``, a pure function of that record: per arm MAL, tokens/s and the
@@ -18,21 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from lightning_spec.decoding.plans import Run
+from lightning_spec.decoding.adaptation import CostAwareAdapter, decode_adapting
+from lightning_spec.decoding.plans import Adapt, Auto, Chain, Plain, Plan, Run
+from lightning_spec.decoding.proposer import Proposer
 from lightning_spec.decoding.timed import DecodeReport, decode_prompts
 from lightning_spec.decoding.trees import TreeConfig
-from lightning_spec.evaluation.report import common_tree, tree_dict
+from lightning_spec.evaluation.report import common_plan
 from lightning_spec.paired import Bootstrap, Comparison, bootstrap_mal, compare, percentile_interval
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from lightning_spec.decoding.adaptation import Adaptation, CostAwareAdapter
+    from lightning_spec.decoding.auto import Choice
     from lightning_spec.target import Target
 
 WARM_UP_TOKENS = 8  # tokens of the warm-up decode (first calls pay one-off costs that are not decoding speed)
@@ -44,6 +47,7 @@ class Decoding(Protocol):
 
     name: str  # its arm: checkpoints given one name are seeds of one arm
     checkpoint: str
+    plan: Plan  # how it was asked to decode
 
     @property
     def tree(self) -> TreeConfig | None:
@@ -71,36 +75,42 @@ class Decoding(Protocol):
 
 @dataclass
 class DrafterDecoding:
-    """A checkpoint's drafter decoding chains or trees, or what decoding auto picked for it (``choose_decodings``);
-    without a drafter, plain decoding.
+    """A checkpoint's drafter decoding with a plan (``decoding/plans.py``), or with what decoding auto picked for it
+    (``choose_decodings``); without a drafter, plain decoding.
 
     Args:
         name: its arm.
         checkpoint: the checkpoint or exported folder it was loaded from.
         drafter: the loaded drafter, bound to the target (None: plain decoding).
-        setting: the requested tree (None: a chain; ``auto``: decoding auto picks, ``choose_decodings``).
-        pick: decoding auto's ``Choice`` (``decoding/auto/``): the plan the drafter decodes with instead.
+        plan: how it decodes (``auto``: decoding auto picks, ``choose_decodings``).
+        choice: decoding auto's ``Choice`` (``decoding/auto/``): the plan it decodes with instead.
     """
 
     name: str
     checkpoint: str
-    drafter: Any
-    setting: TreeConfig | Literal["auto"] | None = None
-    pick: Any = None
+    drafter: Proposer | None
+    plan: Plan = Chain()
+    choice: Choice | None = None
 
     def __post_init__(self) -> None:
-        if self.drafter is not None and self.setting is not None and self.setting != "auto":
-            self.drafter.check_tree()
+        if not isinstance(self.plan, Auto):  # a plan the drafter cannot run is refused before anything decodes
+            run = self.run
+            if run.tree is not None and run.proposer is not None:
+                run.proposer.check_tree()
+
+    @property
+    def decodes(self) -> Plan:
+        """The plan it decodes with: its own, or decoding auto's pick."""
+        if self.choice is not None:
+            return self.choice.plan
+        if isinstance(self.plan, Auto):
+            raise ValueError(f"arm {self.name!r} decodes with decoding auto, which choose_decodings resolves first.")
+        return self.plan
 
     @property
     def run(self) -> Run:
-        """What ``generate`` runs: the drafter's chain or tree, or decoding auto's pick (a plan of the drafter, n-gram
-        lookup or plain decoding)."""
-        if self.pick is not None:
-            return self.pick.plan.resolve(self.drafter)
-        if self.setting == "auto":
-            raise ValueError(f"arm {self.name!r} decodes with --tree auto, which choose_decodings resolves first.")
-        return Run(self.drafter, self.setting)
+        """What ``generate`` runs for it: a plan of the drafter, n-gram lookup or plain decoding."""
+        return self.decodes.resolve(self.drafter)
 
     @property
     def tree(self) -> TreeConfig | None:
@@ -124,33 +134,33 @@ class DrafterDecoding:
 
     def decode(self, target: Target, prompts: list[dict[str, Any]], sampling: SamplingConfig, max_new_tokens: int,
                seed: int) -> DecodeReport:
-        if self.pick is not None:
-            return decode_prompts(target, self.drafter, prompts, sampling, max_new_tokens, seed=seed,
-                                  plan=self.pick.plan)
-        return decode_prompts(target, self.drafter, prompts, sampling, max_new_tokens, seed=seed, tree=self.setting)
+        return decode_prompts(target, self.drafter, prompts, sampling, max_new_tokens, seed=seed, plan=self.decodes)
 
     def arm_details(self, seeds: list[Decoding]) -> dict[str, Any]:
         """Decoding auto's pick of the arm's first checkpoint, the speed it expected on its calibration prompts and
         the lower bound it was picked on (the arm's measured figures sit beside them)."""
-        if self.pick is None:
+        if self.choice is None:
             return {}
-        choice = self.pick
-        return {"decoding": {"picked": choice.plan.label, "plan": choice.plan.to_dict(),
-                             "expected_mal": choice.expected.mal,
-                             "expected_tokens_per_s": choice.expected.tokens_per_s,
-                             "expected_speedup": choice.expected_speedup, "lcb": choice.expected.lcb,
-                             "confidence": choice.confidence, "margin": choice.margin,
-                             "calibration_prompts": choice.prompts, "machine": choice.machine}}
+        choice = self.choice
+        return {"auto": {"picked": choice.plan.label, "plan": choice.plan.to_dict(),
+                         "expected_mal": choice.expected.mal, "expected_tokens_per_s": choice.expected.tokens_per_s,
+                         "expected_speedup": choice.expected_speedup, "lcb": choice.expected.lcb,
+                         "confidence": choice.confidence, "margin": choice.margin,
+                         "calibration_prompts": choice.prompts, "machine": choice.machine}}
 
 
 @dataclass
 class AdaptingDecoding:
-    """A checkpoint's own copy of its drafter, adapting while it decodes the prompts in order (``adaptation.py``):
-    each prompt is its next window, its update time counted in its seconds."""
+    """A checkpoint's drafter adapting while it decodes the prompts in order (an ``adapt`` plan,
+    ``decoding/adaptation.py``): each prompt is its next window, its update time counted in its seconds."""
 
     name: str
     checkpoint: str
     adapter: CostAwareAdapter
+
+    @property
+    def plan(self) -> Plan:
+        return self.adapter.plan
 
     @property
     def tree(self) -> TreeConfig | None:
@@ -168,12 +178,10 @@ class AdaptingDecoding:
                 seed: int) -> None:
         """Warmed up without adapting: the warm-up is no window."""
         decode_prompts(target, self.adapter.drafter, prompts, sampling, max_new_tokens, seed=seed,
-                       tree=self.adapter.tree)
+                       plan=self.adapter.plan.decoding)
 
     def decode(self, target: Target, prompts: list[dict[str, Any]], sampling: SamplingConfig, max_new_tokens: int,
                seed: int) -> DecodeReport:
-        from lightning_spec.decoding.adaptation import decode_adapting
-
         return decode_adapting(self.adapter, prompts, sampling, max_new_tokens, seed=seed)
 
     def arm_details(self, seeds: list[Decoding]) -> dict[str, Any]:
@@ -181,27 +189,26 @@ class AdaptingDecoding:
         return {"adaptation": [s.adapter.summary() for s in seeds]}
 
 
-def adapting_arm(settings: Adaptation, of: DrafterDecoding, copy: Any, target: Target, seed: int) -> AdaptingDecoding:
-    """The adapting arm ``<name>+adapt`` of ``of``: ``copy``, a second load of its checkpoint, adapting under
-    ``settings`` (the ``--adapt_*`` flags)."""
-    from lightning_spec.decoding.adaptation import CostAwareAdapter
+def decoding_of(name: str, checkpoint: str, drafter: Proposer, plan: Plan, target: Target, seed: int) -> Decoding:
+    """How one checkpoint decodes under ``plan``: an adapting copy for an ``adapt`` plan (``drafter`` is adapted in
+    place: load it for this arm alone), otherwise the drafter with the plan."""
+    if isinstance(plan, Adapt):
+        return AdaptingDecoding(name, checkpoint, CostAwareAdapter(drafter, target, plan, seed=seed))
+    return DrafterDecoding(name, checkpoint, drafter, plan)
 
-    adapter = CostAwareAdapter(copy, target, settings, tree=of.tree, seed=seed)
-    return AdaptingDecoding(f"{of.name}+adapt", of.checkpoint, adapter)
 
-
-def choose_decodings(decodings: list[DrafterDecoding], target: Target, calibration: list[list[int]],
-                     sampling: SamplingConfig, max_new_tokens: int, progress: bool) -> list[DrafterDecoding]:
-    """Every decoding whose tree is ``auto`` with decoding auto's pick (``choose_decoding`` on ``calibration``,
+def choose_decodings(decodings: list[Decoding], target: Target, calibration: list[list[int]],
+                     sampling: SamplingConfig, max_new_tokens: int, progress: bool) -> list[Decoding]:
+    """Every decoding whose plan is ``auto`` with decoding auto's pick (``choose_decoding`` on ``calibration``,
     held-out prompts); the others as they are. Prints each pick."""
     from lightning_spec.decoding.auto import choose_decoding
 
-    chosen = [dataclasses.replace(d, pick=choose_decoding(target, d.drafter, calibration, sampling, max_new_tokens,
-                                                          progress=progress))
-              if d.setting == "auto" else d for d in decodings]
+    chosen = [dataclasses.replace(d, choice=choose_decoding(target, d.drafter, calibration, sampling, max_new_tokens,
+                                                            margin=d.plan.margin, progress=progress))
+              if isinstance(d.plan, Auto) else d for d in decodings]
     for d in chosen:
-        if d.pick is not None:
-            print(d.pick.describe())
+        if isinstance(d, DrafterDecoding) and d.choice is not None:
+            print(d.choice.describe())
     return chosen
 
 
@@ -252,7 +259,7 @@ class OnlineRun:
     max_new_tokens: int
     seed: int = 0
     progress: bool = True
-    plain: Decoding = field(default_factory=lambda: DrafterDecoding("plain", "", None))
+    plain: Decoding = field(default_factory=lambda: DrafterDecoding("plain", "", None, Plain()))
 
     @property
     def rows(self) -> list[Decoding]:
@@ -347,14 +354,14 @@ def online_result(run: OnlineRun, timings: OnlineTimings, bootstrap: Bootstrap, 
     for name, figures in stats.arms.items():
         seeds = [d for d in run.decodings if d.name == name]
         arms[name] = {"checkpoints": [d.checkpoint for d in seeds], **figures, "parameters": seeds[0].parameters,
-                      "tree": tree_dict(seeds[0].tree), **seeds[0].arm_details(seeds)}
+                      "decoding": seeds[0].plan.to_dict(), **seeds[0].arm_details(seeds)}
     return {
         "mode": "online",
         "target": spec,
         "target_fingerprint": run.target.fingerprint,
         "precision": run.target.precision,
         "sampling": run.sampling.to_dict(),
-        "tree": common_tree([d.tree for d in run.decodings]),
+        "decoding": common_plan([d.plan for d in run.decodings]),
         "sources": [str(s) for s in sources],
         "prompts": len(run.prompts),
         "max_new_tokens": run.max_new_tokens,

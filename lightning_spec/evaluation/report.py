@@ -4,46 +4,39 @@ its ``Comparison``; none computes a figure."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_spec.decoding.trees import TreeConfig
+from lightning_spec.decoding.plans import Plan, parse_plan
 from lightning_spec.paired import Comparison
 
 
-def tree_dict(tree: TreeConfig | None) -> dict[str, Any] | None:
-    """A tree setting as the JSON records it (None: a chain)."""
-    return dataclasses.asdict(tree) if tree else None
+def common_plan(plans: list[Plan]) -> dict[str, Any] | None:
+    """The one plan every arm decodes with, as the JSON records it, or None (per-arm plans: see each arm)."""
+    return plans[0].to_dict() if len(set(plans)) == 1 else None
 
 
-def common_tree(trees: list[TreeConfig | None]) -> dict[str, Any] | None:
-    """The one tree setting every drafter decodes with, or None (chains, or per-arm settings: see each arm)."""
-    return dataclasses.asdict(trees[0]) if trees[0] is not None and len(set(trees)) == 1 else None
+def plan_label(plan: dict[str, Any]) -> str:
+    """A recorded plan's short name (``Plan.label``): ``chain``, ``tree 16/top 4 + 2 n-gram``, ..."""
+    return parse_plan(plan).label
 
 
 def arm_label(arm: dict[str, Any]) -> str:
-    """How an arm decoded: decoding auto's pick, or its tree setting."""
-    if arm.get("decoding"):
-        return f"auto: {arm['decoding']['picked']}"
-    return _tree_label(arm.get("tree"))
+    """How an arm decoded: decoding auto's pick, or its plan."""
+    if arm.get("auto"):
+        return f"auto: {arm['auto']['picked']}"
+    return plan_label(arm["decoding"])
 
 
 def auto_line(name: str, arm: dict[str, Any]) -> str:
     """One line for an arm decoding auto picked for: expected (on its calibration prompts) against measured."""
-    d = arm["decoding"]
+    d = arm["auto"]
     bound = f", {d['confidence']:.0%} lower bound {d['lcb']:.2f}x" if d["picked"] != "plain" else ""
     return (f"{name}: decoding auto picked {d['picked']}: expected {d['expected_tokens_per_s']:.1f} tokens/s, "
             f"{d['expected_speedup']:.2f}x plain{bound} (on {d['calibration_prompts']} calibration prompts); "
             f"measured {arm['tokens_per_s']:.1f} tokens/s, {arm['speedup']:.2f}x plain")
-
-
-def _tree_label(tree: dict[str, Any] | None) -> str:
-    if tree is None:
-        return "chain"
-    return "tree {nodes}/{top_k}".format(**tree) + (f" + {tree['ngram']} n-gram" if tree.get("ngram") else "")
 
 
 def _ci(ci: tuple[float, float] | list[float]) -> str:
@@ -65,10 +58,8 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     mode = result["mode"]
     s = result["sampling"]
     how = "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g} top_p={s['top_p']:g} top_k={s['top_k']}"
-    if result.get("tree"):
-        how += ", tree of {nodes} nodes (top {top_k})".format(**result["tree"])
-        if result["tree"].get("ngram"):
-            how += f", up to {result['tree']['ngram']} of them n-gram candidates"
+    if result.get("decoding"):
+        how += f", decoding {plan_label(result['decoding'])}"
     what = (f"{comparison.rows} rollouts of {comparison.prompts} prompts" if mode == "offline"
             else f"{comparison.prompts} prompts, real decoding, {result.get('precision', '')}")
     console.print(f"{mode} MAL (tokens per target forward, bonus included), {how}, {what}")
@@ -90,8 +81,7 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     for col in ["drafter", "MAL", f"{pct} CI", "ΔMAL", f"{pct} CI of Δ", "p"]:
         width = max(map(len, names)) if col == "drafter" else None  # names in full, the figures wrap instead
         summary.add_column(col, justify="left" if col == "drafter" else "right", min_width=width)
-    per_arm = result.get("tree") is None and any(arm.get("tree") or arm.get("decoding")
-                                                 for arm in result["arms"].values())
+    per_arm = result.get("decoding") is None
     if per_arm:
         summary.add_column("decoding", justify="right")
     if mode == "online":
@@ -112,7 +102,7 @@ def print_results(result: dict[str, Any], comparison: Comparison, file: Any = No
     if mode == "online":
         console.print(f"plain decoding: {result['plain']['tokens_per_s']:.1f} tokens/s (same prompts, same process)")
         for name, arm in result["arms"].items():
-            if arm.get("decoding"):  # decoding auto's pick: what it expected on its calibration prompts, and got
+            if arm.get("auto"):  # decoding auto's pick: what it expected on its calibration prompts, and got
                 console.print(auto_line(name, arm))
             for a in arm.get("adaptation", []):  # an adapting arm: what it spent its update time on
                 applied = ", ".join(f"{s} {v['updates']}" for s, v in a["arms"].items())

@@ -2,7 +2,7 @@
 target still decides every token (greedy output = plain greedy, token for token) while the drafter's weights move;
 the measured gain of an update is exact (it equals the realised MAL change on a repeated window); the decision rule
 on hand values; the scopes' parameter names per family; the update's time inside ``Generation.seconds``; and
-``evaluate --mode online --adapt true`` end to end."""
+``evaluate --mode online --decodings '[chain, adapt]'`` end to end."""
 
 import json
 import math
@@ -13,13 +13,13 @@ from helpers.offline import saved_drafters
 
 from lightning_spec import generate
 from lightning_spec.decoding.adaptation import (
-    Adaptation,
     ArmStats,
     CostAwareAdapter,
     decide,
     expected_saving,
     scope_parameters,
 )
+from lightning_spec.decoding.plans import Adapt
 from lightning_spec.drafters import Eagle3Drafter, MedusaDrafter, SpecBlockDrafter
 
 
@@ -45,7 +45,7 @@ def test_greedy_output_is_plain_greedy_while_the_drafter_adapts(diverse_target, 
     drafter = make_block_drafter(diverse_target, block_size=3) if family == "block" else eagle3(diverse_target)
     flags = {n: p.requires_grad for n, p in drafter.named_parameters()}
     before = weights(drafter)
-    adapter = CostAwareAdapter(drafter, diverse_target, Adaptation(lr=1e-2, steps=2, force=scope))
+    adapter = CostAwareAdapter(drafter, diverse_target, Adapt(lr=1e-2, steps=2, force=scope))
     for prompt in prompts(diverse_target.vocab_size, 4):
         out = adapter.generate(prompt, 16)
         assert out.tokens == generate(diverse_target, prompt, 16).tokens
@@ -60,8 +60,8 @@ def test_greedy_output_is_plain_greedy_while_the_drafter_adapts(diverse_target, 
 
 def test_greedy_output_with_a_tree_is_plain_greedy(diverse_target, make_block_drafter):
     drafter = make_block_drafter(diverse_target, block_size=3)
-    adapter = CostAwareAdapter(drafter, diverse_target, Adaptation(lr=1e-2, force="head"),
-                               tree={"nodes": 8, "top_k": 2})
+    adapter = CostAwareAdapter(drafter, diverse_target,
+                               Adapt(decoding={"kind": "tree", "nodes": 8, "top_k": 2}, lr=1e-2, force="head"))
     for prompt in prompts(diverse_target.vocab_size, 3):
         assert adapter.generate(prompt, 12).tokens == generate(diverse_target, prompt, 12).tokens
     assert [d.measured_arm for d in adapter.history] == [None, "head", "head"]
@@ -73,7 +73,7 @@ def test_measured_gain_is_the_realised_mal_change_on_a_repeated_window(tiny_targ
     scored on window w decodes it as window w - 1 was decoded: the exact offline gain must equal MAL_w - MAL_{w-1}
     of real decoding. The drafter memorises the window, so MAL must rise."""
     drafter = make_block_drafter(tiny_target, block_size=3)
-    adapter = CostAwareAdapter(drafter, tiny_target, Adaptation(lr=1e-2, steps=4, force="all"))
+    adapter = CostAwareAdapter(drafter, tiny_target, Adapt(lr=1e-2, steps=4, force="all"))
     (prompt,) = prompts(300, 1, length=12)
     for _ in range(6):
         adapter.generate(prompt, 32)
@@ -88,7 +88,7 @@ def test_measured_gain_is_the_realised_mal_change_on_a_repeated_window(tiny_targ
 
 def test_untried_scopes_come_first_then_the_rule(tiny_target, make_block_drafter):
     drafter = make_block_drafter(tiny_target, block_size=3)
-    adapter = CostAwareAdapter(drafter, tiny_target, Adaptation(lr=1e-2, steps=2))
+    adapter = CostAwareAdapter(drafter, tiny_target, Adapt(lr=1e-2, steps=2))
     (prompt,) = prompts(300, 1, length=12)
     for _ in range(4):
         adapter.generate(prompt, 16)
@@ -168,11 +168,13 @@ def test_scopes_of_other_families_and_empty_scopes(diverse_target):
     adapter = CostAwareAdapter(medusa, diverse_target)
     assert adapter.skipped == ["head", "last"] and list(adapter.scopes) == ["all"]
     with pytest.raises(ValueError, match="not an available scope of MedusaDrafter"):
-        CostAwareAdapter(medusa, diverse_target, Adaptation(force="last"))
-    with pytest.raises(ValueError, match="adapt scopes"):
-        CostAwareAdapter(medusa, diverse_target, Adaptation(scopes=["everything"]))
-    with pytest.raises(ValueError, match="--adapt_lr"):
-        CostAwareAdapter(medusa, diverse_target, Adaptation(lr=0.0))
+        CostAwareAdapter(medusa, diverse_target, Adapt(force="last"))
+    with pytest.raises(ValueError, match="decoding.scopes of kind 'adapt' must be a non-empty list"):
+        Adapt(scopes=["everything"])
+    with pytest.raises(ValueError, match="decoding.lr of kind 'adapt' must be a number > 0"):
+        Adapt(lr=0.0)
+    with pytest.raises(ValueError, match="decoding.decoding of kind 'adapt' must be a full chain"):
+        Adapt(decoding={"kind": "chain", "length": 2})
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -188,7 +190,7 @@ def test_update_time_is_inside_the_window_seconds(diverse_target, make_block_dra
     monkeypatch.setattr(engine, "time", clock)
     monkeypatch.setattr(adaptation, "time", clock)
     drafter = make_block_drafter(diverse_target, block_size=3)
-    adapter = CostAwareAdapter(drafter, diverse_target, Adaptation(lr=1e-2, force="head"))
+    adapter = CostAwareAdapter(drafter, diverse_target, Adapt(lr=1e-2, force="head"))
     real = adapter._update
 
     def slow(*args, **kwargs):
@@ -215,20 +217,21 @@ def test_evaluate_online_with_adaptation(in_tmp, tiny_target, capsys):
     from lightning_spec.cli import main
 
     (a,) = saved_drafters(tiny_target, in_tmp, seeds=(0,))
-    main(["evaluate", "--mode", "online", "--drafters", f"[{a}]", "--sources", "[mt-bench, humaneval]",
+    main(["evaluate", "--mode", "online", "--drafters", f"[{a}, {a}]", "--sources", "[mt-bench, humaneval]",
           "--prompts_per_source", "2", "--max_new_tokens", "8", "--temperature", "0", "--n_resamples", "100",
-          "--adapt", "true", "--adapt_lr", "1e-2", "--adapt_horizon", "100000", "--output", "online.json",
+          "--decodings", "[chain, {kind: adapt, lr: 1e-2, horizon_tokens: 100000}]", "--output", "online.json",
           "--progress", "false"])
     out = capsys.readouterr().out
     result = json.loads((in_tmp / "online.json").read_text())
-    assert set(result["arms"]) == {"drafter0", "drafter0+adapt"}
-    plain, adapted = result["arms"]["drafter0"], result["arms"]["drafter0+adapt"]
+    assert set(result["arms"]) == {"drafter0 (chain)", "drafter0 (adapt (chain))"}  # one checkpoint, two plans
+    plain, adapted = result["arms"]["drafter0 (chain)"], result["arms"]["drafter0 (adapt (chain))"]
     assert adapted["tokens"] == plain["tokens"]  # greedy: the target decides the same tokens
     assert adapted["tokens_per_s"] > 0 and adapted["speedup"] > 0 and 1.0 <= adapted["mal"] <= 4.0
     (summary,) = adapted["adaptation"]
     assert summary["windows"] == 4 and sum(s["updates"] for s in summary["arms"].values()) >= 3  # each tried once
     assert "adaptation" not in plain and adapted["checkpoints"] == [a]
-    assert "drafter0+adapt" in out and "s adapting" in out
+    assert adapted["decoding"] == {"kind": "adapt", "decoding": {"kind": "chain"}, "lr": 0.01, "horizon_tokens": 100000}
+    assert "drafter0 (adapt (chain))" in out and "s adapting" in out
 
 
 def test_adapt_needs_online_mode(in_tmp, tiny_target, capsys):
@@ -236,5 +239,5 @@ def test_adapt_needs_online_mode(in_tmp, tiny_target, capsys):
 
     (a,) = saved_drafters(tiny_target, in_tmp, seeds=(0,))
     with pytest.raises(SystemExit) as exit_:
-        main(["evaluate", "--drafters", f"[{a}]", "--rollouts", "r", "--adapt", "true"])
+        main(["evaluate", "--drafters", f"[{a}]", "--rollouts", "r", "--decoding", "adapt"])
     assert exit_.value.code == 2 and "--mode online" in capsys.readouterr().err

@@ -368,7 +368,7 @@ def test_decode_validation_reports_decoding_autos_pick_after_a_fit(tmp_path, mon
 def test_decode_validation_refuses_an_unknown_decoding():
     from lightning_spec.callbacks import SpecDecodeValidation
 
-    with pytest.raises(ValueError, match="decoding.kind must be one of plain, chain, tree, ngram, auto, got 'fastest'"):
+    with pytest.raises(ValueError, match="decoding.kind must be one of plain, chain, tree, ngram, auto, adapt, got 'f"):
         SpecDecodeValidation(decoding="fastest")
     with pytest.raises(ValueError, match="calibration_prompts_per_domain=0 must be >= 1"):
         SpecDecodeValidation(decoding="auto", calibration_prompts_per_domain=0)
@@ -413,8 +413,8 @@ def test_decode_validation_calibrates_on_held_out_prompts_of_every_domain(calm_t
 
 
 def test_evaluate_calibrates_on_held_out_prompts_of_every_source(calm_tok):
-    """``lightning-spec evaluate --tree auto``: 2 prompts of every source after the evaluated ones, with the target's
-    chat-template arguments (they used to be built without them)."""
+    """``lightning-spec evaluate --decoding auto``: 2 prompts of every source after the evaluated ones, with the
+    target's chat-template arguments (they used to be built without them)."""
     from lightning_spec.evaluation.inputs import calibration_prompts, open_prompts
 
     target = SimpleNamespace(tokenizer=calm_tok, chat_template_kwargs={"mood": "[calm]"})
@@ -426,7 +426,7 @@ def test_evaluate_calibrates_on_held_out_prompts_of_every_source(calm_tok):
 
 
 def test_evaluate_online_decodes_each_drafter_with_decoding_autos_pick(tmp_path, monkeypatch, tiny_target, capsys):
-    """``lightning-spec evaluate --mode online --trees '[auto, null]'``: the first arm decodes with its pick, which
+    """``lightning-spec evaluate --mode online --decodings '[auto, null]'``: the first arm decodes with its pick, which
     the JSON and the output name with the speedup it expected; the second keeps its chain. Offline, auto is one
     sentence."""
     import json
@@ -440,20 +440,21 @@ def test_evaluate_online_decodes_each_drafter_with_decoding_autos_pick(tmp_path,
     monkeypatch.setattr(sys, "argv", ["lightning-spec"])
     (path,) = saved_drafters(tiny_target, tmp_path, seeds=(0,))
     main(["evaluate", "--mode", "online", "--drafters", f"[{path}, {path}]", "--names", "[auto, chain]",
-          "--trees", "[auto, null]", "--sources", "[mt-bench]", "--prompts_per_source", "2", "--max_new_tokens", "6",
-          "--n_resamples", "20", "--output", "on.json", "--progress", "false"])
+          "--decodings", "[auto, null]", "--sources", "[mt-bench]", "--prompts_per_source", "2",
+          "--max_new_tokens", "6", "--n_resamples", "20", "--output", "on.json", "--progress", "false"])
     out = capsys.readouterr().out
     arms = json.loads((tmp_path / "on.json").read_text())["arms"]
-    assert "decoding auto: " in out and f"auto: {arms['auto']['decoding']['picked']}" in out  # the table says so
-    picked = arms["auto"]["decoding"]
+    assert "decoding auto: " in out and f"auto: {arms['auto']['auto']['picked']}" in out  # the table says so
+    picked = arms["auto"]["auto"]
     assert picked["expected_speedup"] >= 1.0 and arms["auto"]["tokens"] > 0 and picked["calibration_prompts"] == 2
     # expected (on the calibration prompts) against measured, in the printout
     assert f"auto: decoding auto picked {picked['picked']}: expected {picked['expected_tokens_per_s']:.1f}" in out
     assert f"measured {arms['auto']['tokens_per_s']:.1f} tokens/s, {arms['auto']['speedup']:.2f}x plain" in out
-    assert "decoding" not in arms["chain"] and arms["chain"]["tree"] is None
+    assert "auto" not in arms["chain"] and arms["chain"]["decoding"] == {"kind": "chain"}
+    assert arms["auto"]["decoding"] == {"kind": "auto"}
     with pytest.raises(SystemExit):
-        main(["evaluate", "--mode", "offline", "--rollouts", "r", "--drafters", f"[{path}]", "--tree", "auto"])
-    assert "use it with --mode online" in capsys.readouterr().err
+        main(["evaluate", "--mode", "offline", "--rollouts", "r", "--drafters", f"[{path}]", "--decoding", "auto"])
+    assert "use --mode online" in capsys.readouterr().err
 
 
 def test_every_speed_table_can_state_the_dtypes_greedy_guarantee():

@@ -17,7 +17,7 @@ from helpers.families import FAMILIES, build, trained
 from helpers.sampling import NEW, PROMPT, assert_matches, empirical, exact_joint
 
 from lightning_spec import SamplingConfig, generate
-from lightning_spec.decoding.plans import PLANS, Auto, Chain, Ngram, Plain, Tree, parse_plan
+from lightning_spec.decoding.plans import PLANS, Adapt, Auto, Chain, Ngram, Plain, Tree, parse_plan
 from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.errors import UserError
 
@@ -36,15 +36,19 @@ def test_a_plan_is_read_from_a_name_a_mapping_or_itself():
     assert parse_plan({"kind": "tree", "nodes": 8, "top_k": 2, "ngram": 2}) == Tree(nodes=8, top_k=2, ngram=2)
     assert parse_plan({"kind": "chain", "stop_below": 0.2}) == Chain(stop_below=0.2)
     assert parse_plan(Ngram(length=4)) == Ngram(length=4)
-    assert list(PLANS) == ["plain", "chain", "tree", "ngram", "auto"]
-    for plan in (Plain(), Chain(length=3, stop_below=0.1), Tree(nodes=8, ngram=2), Ngram(nodes=8), Auto(margin=0.1)):
+    assert list(PLANS) == ["plain", "chain", "tree", "ngram", "auto", "adapt"]
+    adapt = Adapt(decoding=Tree(nodes=8), scopes=("head",), lr=1e-3)
+    for plan in (Plain(), Chain(length=3, stop_below=0.1), Tree(nodes=8, ngram=2), Ngram(nodes=8), Auto(margin=0.1),
+                 adapt):
         assert parse_plan(plan.to_dict()) == plan
+    assert adapt.to_dict() == {"kind": "adapt", "decoding": {"kind": "tree", "nodes": 8}, "scopes": ["head"],
+                               "lr": 1e-3}
     assert Tree(nodes=8).to_dict() == {"kind": "tree", "nodes": 8}
 
 
 @pytest.mark.parametrize("value,message", [
-    ({"kind": "beam"}, "decoding.kind must be one of plain, chain, tree, ngram, auto, got 'beam'"),
-    ({"nodes": 4}, "decoding.kind must be one of plain, chain, tree, ngram, auto, got None"),
+    ({"kind": "beam"}, "decoding.kind must be one of plain, chain, tree, ngram, auto, adapt, got 'beam'"),
+    ({"nodes": 4}, "decoding.kind must be one of plain, chain, tree, ngram, auto, adapt, got None"),
     ({"kind": "tree", "width": 4}, "decoding kind 'tree' has no field 'width'; its fields are nodes, top_k, depth"),
     ({"kind": "plain", "length": 4}, "decoding kind 'plain' has no field 'length'; it has no fields"),
     ({"kind": "chain", "length": 0}, "decoding.length must be an int >= 1 or null for kind 'chain', got 0"),

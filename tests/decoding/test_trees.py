@@ -274,8 +274,9 @@ def test_offline_trees_are_refused_where_they_cannot_be_scored_exactly(diverse_t
 
 
 def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_target, capsys):
-    """``lightning-spec evaluate --tree``: offline it scores the tree exactly (the rounds ``offline_rounds(tree=)``
-    gives), online it decodes with it; both record it in the JSON and say so in the table's title."""
+    """``lightning-spec evaluate --decoding '{kind: tree, ...}'``: offline it scores the tree exactly (the rounds
+    ``offline_rounds(tree=)`` gives), online it decodes with it; both record the plan in the JSON and say so in the
+    table's title."""
     import json
     import sys
 
@@ -292,26 +293,27 @@ def test_evaluate_takes_a_tree_offline_and_online(tmp_path, monkeypatch, tiny_ta
                 "prompt_ids": prompt_ids(tiny_target.tokenizer, [{"role": "user", "content": text}])}
                for i, text in enumerate(["hello", "2+2?"])]
     generate_rollouts(tiny_target, prompts, Draw(T1, 2, 10, seed=0), tmp_path / "t1", batch_size=4, progress=False)
-    tree = "{nodes: 4, top_k: 2}"
-    main(["evaluate", "--mode", "offline", "--rollouts", "t1", "--drafters", f"[{path}]", "--tree", tree,
+    tree = "{kind: tree, nodes: 4, top_k: 2}"
+    main(["evaluate", "--mode", "offline", "--rollouts", "t1", "--drafters", f"[{path}]", "--decoding", tree,
           "--n_resamples", "50", "--output", "off.json", "--progress", "false"])
-    assert "tree of 4 nodes (top 2)" in capsys.readouterr().out
+    assert "decoding tree 4/top 2" in capsys.readouterr().out
     result = json.loads((tmp_path / "off.json").read_text())
-    assert result["tree"] == {"nodes": 4, "top_k": 2, "depth": None, "ngram": 0, "stop_below": 0.0}
+    assert result["decoding"] == {"kind": "tree", "nodes": 4, "top_k": 2}
     drafter, rollouts = load_drafter(path, target=tiny_target), load_rollout_set(tmp_path / "t1")
     want = offline_rounds(tiny_target, drafter, rollouts, tree=TreeConfig(nodes=4, top_k=2))
     assert result["arms"]["drafter0"]["rounds"] == pytest.approx(want.tolist())
-    main(["evaluate", "--mode", "online", "--drafters", f"[{path}]", "--tree", tree, "--sources", "[mt-bench]",
+    main(["evaluate", "--mode", "online", "--drafters", f"[{path}]", "--decoding", tree, "--sources", "[mt-bench]",
           "--prompts_per_source", "2", "--max_new_tokens", "6", "--n_resamples", "50", "--output", "on.json",
           "--progress", "false"])
     result = json.loads((tmp_path / "on.json").read_text())
-    assert result["tree"]["nodes"] == 4 and result["arms"]["drafter0"]["tokens"] > 0
+    assert result["decoding"]["nodes"] == 4 and result["arms"]["drafter0"]["tokens"] > 0
 
 
 def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, monkeypatch, tiny_target, capsys):
-    """``--trees``: one setting per drafter, so one checkpoint scored as a chain and as a tree is a paired comparison;
-    each arm's rounds are those of its own setting, and online each arm decodes with its own (its speedup has a
-    paired interval). Both ``--tree`` and ``--trees``, or a count that does not match, are one sentence."""
+    """``--decodings``: one plan per drafter, so one checkpoint scored as a chain and as a tree is a paired comparison;
+    each arm's rounds are those of its own plan, and online each arm decodes with its own (its speedup has a paired
+    interval). Both ``--decoding`` and ``--decodings``, a count that does not match, or a plan offline cannot score
+    are one sentence."""
     import json
     import sys
 
@@ -328,14 +330,15 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
                 "prompt_ids": prompt_ids(tiny_target.tokenizer, [{"role": "user", "content": text}])}
                for i, text in enumerate(["hello", "2+2?", "a poem"])]
     generate_rollouts(tiny_target, prompts, Draw(GREEDY, 1, 10, seed=0), tmp_path / "g", batch_size=4, progress=False)
-    arms = ["--drafters", f"[{path}, {path}]", "--names", "[chain, tree]", "--trees", "[null, {nodes: 6, top_k: 3}]",
+    arms = ["--drafters", f"[{path}, {path}]", "--names", "[chain, tree]",
+            "--decodings", "[null, {kind: tree, nodes: 6, top_k: 3}]",
             "--n_resamples", "50", "--progress", "false"]
     main(["evaluate", "--mode", "offline", "--rollouts", "g", "--output", "off.json", *arms])
     out = capsys.readouterr().out
-    assert "tree 6/3" in out and "chain" in out
+    assert "tree 6/top 3" in out and "chain" in out
     result = json.loads((tmp_path / "off.json").read_text())
-    assert result["tree"] is None
-    assert result["arms"]["tree"]["tree"] == {"nodes": 6, "top_k": 3, "depth": None, "ngram": 0, "stop_below": 0.0}
+    assert result["decoding"] is None
+    assert result["arms"]["tree"]["decoding"] == {"kind": "tree", "nodes": 6, "top_k": 3}
     drafter, rollouts = load_drafter(path, target=tiny_target), load_rollout_set(tmp_path / "g")
     tree = offline_rounds(tiny_target, drafter, rollouts, tree=TreeConfig(nodes=6, top_k=3)).tolist()
     chain = offline_rounds(tiny_target, drafter, rollouts).tolist()
@@ -353,14 +356,19 @@ def test_evaluate_compares_a_chain_with_a_tree_of_the_same_drafter(tmp_path, mon
     experiment = client.get_experiment_by_name(f"lightning_spec: {result['target']}, evaluate")  # one per target
     runs = client.search_runs([experiment.experiment_id])
     decoding = {r.data.tags["lightning_spec.arm"]: r.data.params["decoding"] for r in runs}
-    assert decoding == {"chain": "chain", "tree": "tree 6/3"}
+    assert decoding == {"chain": "chain", "tree": "tree 6/top 3"}
     assert all(r.data.metrics["online/speedup_lo"] <= r.data.metrics["online/speedup"] for r in runs)
     with pytest.raises(SystemExit):
-        main(["evaluate", "--mode", "offline", "--rollouts", "g", "--tree", "{nodes: 4}", *arms])
+        main(["evaluate", "--mode", "offline", "--rollouts", "g", "--decoding", "{kind: tree, nodes: 4}", *arms])
     assert "not both" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["evaluate", "--mode", "offline", "--rollouts", "g", "--drafters", f"[{path}]", "--trees", "[null, null]"])
+        main(["evaluate", "--mode", "offline", "--rollouts", "g", "--drafters", f"[{path}]", "--decodings",
+              "[null, null]"])
     assert "one per drafter" in capsys.readouterr().err
+    for plan, words in [("plain", "measured by real decoding"), ("{kind: chain, length: 1}", "whole chain")]:
+        with pytest.raises(SystemExit):
+            main(["evaluate", "--mode", "offline", "--rollouts", "g", "--drafters", f"[{path}]", "--decoding", plan])
+        assert words in capsys.readouterr().err
 
 
 def test_decode_validation_takes_a_tree_from_yaml(tmp_path, monkeypatch):

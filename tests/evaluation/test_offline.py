@@ -400,8 +400,8 @@ def test_evaluate_scores_ngram_lookup_beside_the_checkpoints(in_tmp, tiny_target
     assert arm["parameters"] == 0 and arm["tokens"] > 0 and 1.0 <= arm["mal"] <= 4.0 and len(arm["accept_rate"]) == 3
     for argv, words in [
         (["--mode", "online", "--drafters", "[ngram]"], "--target is needed"),
-        (["--mode", "online", "--drafters", f"[{a}, ngram]", "--adapt", "true"], "no weights to adapt"),
-        (["--mode", "online", "--drafters", f"[{a}, ngram]", "--trees", "[null, auto]"], "already weighs"),
+        (["--mode", "online", "--drafters", f"[{a}, ngram]", "--decoding", "adapt"], "no weights to adapt"),
+        (["--mode", "online", "--drafters", f"[{a}, ngram]", "--decodings", "[null, auto]"], "decoding auto weighs"),
         (["--drafters", "[ngram:0]", "--rollouts", str(rollout_folder)], "ngram:K with K >= 1"),
     ]:
         with pytest.raises(SystemExit) as exit_:
