@@ -45,6 +45,7 @@ class DraftVocab(nn.Module):
         self.size_wanted = size
         self.register_buffer("ids", torch.zeros(0, dtype=torch.long), persistent=True)
         self.register_buffer("ready", torch.tensor(size is None), persistent=True)
+        self._rows: tuple[tuple, Tensor] | None = None  # head_weight's gathered rows and what they were taken from
 
     def build(self, vocab_size: int) -> None:
         """Size the buffers for a target of ``vocab_size`` tokens (the ids of a reduced vocabulary come later)."""
@@ -79,9 +80,18 @@ class DraftVocab(nn.Module):
         return draft_ids if self.full else self.ids.to(draft_ids.device)[draft_ids]
 
     def head_weight(self, lm_head: nn.Module) -> Tensor:
-        """The frozen LM head rows of the draft vocabulary: (Vd, H)."""
+        """The frozen LM head rows of the draft vocabulary: (Vd, H). Gathered once and kept while neither the head
+        nor the ids change (a decoding slot would otherwise copy Vd x H values to read them once: 17% of an
+        EAGLE-3 chain on the CPU); gathered afresh where a gradient must reach the head."""
         w = lm_head.weight
-        return w if self.full else w.index_select(0, self.ids.to(w.device))
+        if self.full:
+            return w
+        if w.requires_grad and torch.is_grad_enabled():
+            return w.index_select(0, self.ids.to(w.device))
+        key = (w.data_ptr(), w._version, w.dtype, w.device, self.ids.data_ptr(), self.ids._version)
+        if self._rows is None or self._rows[0] != key:
+            self._rows = (key, w.detach().index_select(0, self.ids.to(w.device)))
+        return self._rows[1]
 
     def logits(self, hidden: Tensor, lm_head: nn.Module) -> Tensor:
         """(..., H) -> (..., Vd) through the frozen head; used for draft and target logits alike."""

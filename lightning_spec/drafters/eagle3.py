@@ -54,6 +54,8 @@ from lightning_spec.drafters.layers import (
     RMSNorm,
     TargetShape,
     chain_attention,
+    fused_weight,
+    gated_mlp,
     init_weights,
     low_mid_high_layers,
     rope,
@@ -79,6 +81,7 @@ class Eagle3Layer(nn.Module):
         self.gate_proj = nn.Linear(hidden, shape.intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, shape.intermediate, bias=False)
         self.down_proj = nn.Linear(shape.intermediate, hidden, bias=False)
+        self.fused: dict[str, tuple[tuple, Tensor]] = {}  # decoding's stacked projections (``fused_weight``)
 
     def _input(self, emb: Tensor, u: Tensor) -> Tensor:
         return torch.cat([self.input_norm(emb), self.hidden_norm(u)], dim=-1)  # (N, T, 2H)
@@ -96,16 +99,21 @@ class Eagle3Layer(nn.Module):
     def qkv(self, emb: Tensor, u: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor, Tensor]:
         """Query (N, heads, T, D), key and value (N, kv_heads, T, D) of entries (e, u) at positions ``pos``."""
         x = self._input(emb, u)
-        q = rope(self._heads(self.q_proj(x), self.heads), pos[:, None], theta)
-        k = rope(self._heads(self.k_proj(x), self.kv_heads), pos[:, None], theta)
-        return q, k, self._heads(self.v_proj(x), self.kv_heads)
+        w = fused_weight(self.fused, "qkv", self.q_proj, self.k_proj, self.v_proj)
+        if w is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:  # one product while decoding (and scoring without gradients)
+            q, k, v = (x @ w.t()).split([self.q_proj.out_features, self.k_proj.out_features,
+                                         self.v_proj.out_features], dim=-1)
+        q = rope(self._heads(q, self.heads), pos[:, None], theta)
+        k = rope(self._heads(k, self.kv_heads), pos[:, None], theta)
+        return q, k, self._heads(v, self.kv_heads)
 
     def finish(self, u: Tensor, attn: Tensor) -> Tensor:
         """u (N, T, H), attention output (N, heads, T, D) -> the layer's output (N, T, H)."""
         n, _, t, _ = attn.shape
         h = u + self.o_proj(attn.transpose(1, 2).reshape(n, t, -1))
-        x = self.post_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return h + gated_mlp(self, self.fused, self.post_norm(h))
 
 
 @dataclass

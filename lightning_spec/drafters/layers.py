@@ -16,6 +16,7 @@ imports ``base.py`` (the contract), this file, and ``block.py`` when it extends 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -42,11 +43,39 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def fused_weight(cache: dict[str, tuple[tuple, Tensor]], name: str, *linears: nn.Linear) -> Tensor | None:
+    """The weights of ``linears`` stacked along their outputs (Σ out, in), built once into ``cache[name]`` and kept
+    while none of them changes, so that a decoding step runs one product where it ran several (one dispatch, one
+    pass over the input); None where a gradient must reach them (training keeps the separate products)."""
+    weights = [linear.weight for linear in linears]
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return None
+    key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+    held = cache.get(name)
+    if held is None or held[0] != key:
+        held = cache[name] = (key, torch.cat([w.detach() for w in weights]))
+    return held[1]
+
+
+def gated_mlp(layer: nn.Module, cache: dict[str, tuple[tuple, Tensor]], x: Tensor) -> Tensor:
+    """Llama's MLP, down(silu(gate(x)) * up(x)), with gate and up as one product where no gradient is needed."""
+    w = fused_weight(cache, "gate_up", layer.gate_proj, layer.up_proj)
+    if w is None:
+        return layer.down_proj(F.silu(layer.gate_proj(x)) * layer.up_proj(x))
+    gate, up = (x @ w.t()).chunk(2, dim=-1)
+    return layer.down_proj(F.silu(gate) * up)
+
+
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(d: int, theta: float, device: torch.device) -> Tensor:
+    """theta^(-2i/D), i < D/2 (D/2,) float32: computed once per head size, base and device."""
+    return 1.0 / theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+
+
 def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     """Rotary embedding (half-split convention, as HF Llama). x (..., T, D), pos broadcastable to (..., T)."""
     d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # (D/2,)
-    ang = pos.float()[..., None] * inv  # (..., T, D/2)
+    ang = pos.float()[..., None] * _inverse_frequencies(d, theta, x.device)  # (..., T, D/2)
     cos, sin = ang.cos(), ang.sin()
     cos, sin = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -116,6 +145,7 @@ class DraftLayer(nn.Module):
         self.gate_proj = nn.Linear(hidden, shape.intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, shape.intermediate, bias=False)
         self.down_proj = nn.Linear(shape.intermediate, hidden, bias=False)
+        self.fused: dict[str, tuple[tuple, Tensor]] = {}  # decoding's stacked projections (``fused_weight``)
 
     def query(self, x: Tensor, pos: Tensor, theta: float) -> Tensor:
         """Rotated queries of ``x`` (N, T, H) (already input-normed) at positions ``pos`` (N, T): (N, heads, T, D)."""
@@ -126,8 +156,10 @@ class DraftLayer(nn.Module):
     def kv(self, x: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
         """Keys (rotated) and values of ``x`` (N, T, H) at positions ``pos`` (N, T): each (N, kv_heads, T, D)."""
         n, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2))
-        v = self.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        w = fused_weight(self.fused, "kv", self.k_proj, self.v_proj)
+        k, v = (self.k_proj(x), self.v_proj(x)) if w is None else (x @ w.t()).chunk(2, dim=-1)
+        k = self.k_norm(k.view(n, t, self.kv_heads, self.head_dim).transpose(1, 2))
+        v = v.view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return rope(k, pos[:, None], theta), v
 
     def forward(
@@ -152,8 +184,7 @@ class DraftLayer(nn.Module):
         """The residual stream h (N, T, H) and its attention output (N, heads, T, D) -> the layer's output (N, T, H)."""
         n, _, t, _ = attn.shape
         h = h + self.o_proj(attn.transpose(1, 2).reshape(n, t, -1))
-        x = self.post_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return h + gated_mlp(self, self.fused, self.post_norm(h))
 
 
 def block_attention(

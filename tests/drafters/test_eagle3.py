@@ -199,3 +199,38 @@ def test_chain_attention_equals_a_dense_masked_attention():
     no_own = chain_attention(q, ctx_k, ctx_v, None, own_k[:, :, :, :0], own_v[:, :, :, :0])
     torch.testing.assert_close(no_own, F.scaled_dot_product_attention(
         q, ctx_k.repeat_interleave(r, 1), ctx_v.repeat_interleave(r, 1)))
+
+
+def test_decoding_reuses_stacked_weights_and_head_rows_until_they_change(diverse_target):
+    """Decoding stacks q/k/v and gate/up into one product each and gathers the head's draft-vocabulary rows once
+    (``fused_weight``, ``DraftVocab.head_weight``): a slot then equals the separate products, the cached tensors are
+    reused from slot to slot, rebuilt after an optimizer step or a new vocabulary, and training (gradients on)
+    never reads them, so its gradients reach every projection."""
+    torch.manual_seed(0)
+    d = Eagle3Drafter(block_size=K, draft_vocab_size=48)
+    d.bind(diverse_target)
+    d.vocab.set_from_counts(torch.rand(diverse_target.vocab_size))
+    ids = torch.randint(0, diverse_target.vocab_size, (1, 12))
+    feats = diverse_target(ids, layers=d.target_layers, logits=False).features
+    hidden = diverse_target.config.hidden_size
+    layer, emb, u, pos = d.layer, torch.randn(1, 3, hidden), torch.randn(1, 3, hidden), torch.arange(3)[None]
+    with torch.no_grad():
+        stacked = layer.qkv(emb, u, pos, d.rope_theta)
+        cached = {name: held[1] for name, held in layer.fused.items()}
+        rows = d.vocab.head_weight(diverse_target.lm_head)
+        assert set(cached) == {"qkv"} and d.vocab.head_weight(diverse_target.lm_head) is rows
+    separate = layer.qkv(emb, u, pos, d.rope_theta)  # gradients on: the separate products
+    for a, b in zip(stacked, separate):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+    state = d.begin(feats, ids)
+    with torch.no_grad():
+        d.propose(state, ids[0, -1:], GREEDY)
+        assert layer.fused["qkv"][1] is cached["qkv"] and set(layer.fused) == {"qkv", "gate_up"}
+        layer.q_proj.weight.add_(1.0)  # an update: the stacked weight is rebuilt from the new values
+        rebuilt = layer.qkv(emb, u, pos, d.rope_theta)
+        assert layer.fused["qkv"][1] is not cached["qkv"] and not torch.allclose(rebuilt[0], stacked[0])
+        d.vocab.set_from_counts(torch.rand(diverse_target.vocab_size))
+        assert not torch.equal(d.vocab.head_weight(diverse_target.lm_head), rows)
+    out = d({"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}, feats)
+    out.head(out.hidden, None).logsumexp(-1).sum().backward()
+    assert all(p.grad is not None for p in (layer.q_proj.weight, layer.k_proj.weight, layer.gate_proj.weight))
