@@ -2,11 +2,12 @@
 
 Every way a prompt can be decoded is a small frozen dataclass registered here under its ``kind``: plain decoding, the
 drafter's chain (all K slots, fewer, or stopping where the drafter's confidence falls), one of its token trees (with
-n-gram nodes or not, stopping at a path value or not), n-gram lookup, and ``auto`` (decoding auto's choice among the
-others, ``decoding/auto/``). ``generate(..., plan=...)`` runs one; ``parse_plan`` reads one from YAML or a command
-line (``decoding: {kind: tree, nodes: 16, top_k: 4, ngram: 2}``, or just ``decoding: chain``) and refuses a bad one
-in one sentence. A plan says what to run; the drafter is given beside it, and ``resolve`` turns the two into what
-the engine runs: the proposer, the tree (None: a chain) and the chain's length.
+n-gram nodes or not, stopping at a path value or not), n-gram lookup, ``auto`` (decoding auto's choice among the
+others, ``decoding/auto/``) and ``adapt`` (a drafter that updates itself while it decodes, ``decoding/adaptation.py``).
+``generate(..., plan=...)`` runs one; ``parse_plan`` reads one from YAML or a command line (``decoding: {kind: tree,
+nodes: 16, top_k: 4, ngram: 2}``, or just ``decoding: chain``) and refuses a bad one in one sentence. A plan says
+what to run; the drafter is given beside it, and ``resolve`` turns the two into what the engine runs: the proposer,
+the tree (None: a chain) and the chain's length.
 
 Adding a mode is one class here (or in a file of its own that registers it), its tests, and nothing else:
 docs/trees.md, "Adding a decoding mode".
