@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.engine import generate, resolve_run
+from lightning_spec.decoding.plans import Plan
 from lightning_spec.metrics import ratio, slot_counts
 from lightning_spec.sampling import SamplingConfig
 
@@ -92,24 +93,22 @@ def decode_prompts(
     measure_plain: bool = False,
     seed: int = 0,
     progress: Any = None,
-    tree: Any = None,
-    plan: Any = None,
+    plan: Plan | dict | str | None = None,
 ) -> DecodeReport:
     """Decode every prompt (dicts with ``prompt_ids`` and ``domain``) with the drafter, and optionally plain.
 
     Seeds are per prompt (``prompt["seed"]`` when given, else ``seed + i``) so runs are reproducible and
     plain/speculative see the same prompts.
-    ``progress`` is an optional callable advanced once per prompt; ``tree`` (a ``TreeConfig``) decodes with a
-    token tree per round (slot k = tree depth k in the acceptance counts); ``plan`` (``decoding/plans.py``) says how
-    to decode instead of ``tree``.
+    ``progress`` is an optional callable advanced once per prompt; ``plan`` (``decoding/plans.py``; None: the chain)
+    says how to decode (a tree's slot k is its depth k in the acceptance counts).
     """
-    run = resolve_run(drafter, tree, plan)
+    run = resolve_run(drafter, None, plan)
     block_size = (run.length or run.proposer.block_size) if run.proposer is not None else 1
     report = DecodeReport(torch.zeros(block_size, dtype=torch.float64), torch.zeros(block_size, dtype=torch.float64))
     for i, prompt in enumerate(prompts):
         prompt_seed = prompt.get("seed", seed + i)
         gen = generate(target, prompt["prompt_ids"], max_new_tokens, sampling, drafter=drafter, seed=prompt_seed,
-                       tree=tree, plan=plan)
+                       plan=plan)
         report.add(gen, prompt["domain"], tree=run.tree is not None)
         report.answers.append((list(map(int, prompt["prompt_ids"])), list(gen.tokens), prompt["domain"]))
         if measure_plain:
