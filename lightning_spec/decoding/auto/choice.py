@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from lightning_spec.decoding.auto.candidates import PLAIN, candidates
 from lightning_spec.decoding.auto.costs import Costs, machine_name, measure_costs, round_overhead
 from lightning_spec.decoding.auto.estimate import Estimate, _count, _with_overheads, output_features
-from lightning_spec.decoding.auto.judge import CONFIDENCE, MARGIN, Verdict, decide, with_bounds
+from lightning_spec.decoding.auto.judge import CONFIDENCE, MARGIN, Verdict, decide, on_prompts, with_bounds
 from lightning_spec.decoding.engine import _as_ids, generate
 from lightning_spec.decoding.plans import Plan
 from lightning_spec.errors import UserError
@@ -37,11 +38,26 @@ class Choice:
 
     @property
     def expected(self) -> Estimate:
-        return next(e for e in self.estimates if e.plan == self.plan)
+        """The pick's figures on the calibration prompts that did not choose it (the split rule), else on all of
+        them. The prompts that chose a plan favour it by the choice itself (the winner's curse): counting them
+        would expect more than held-out prompts give."""
+        return self._held_out(next(e for e in self.estimates if e.plan == self.plan))
 
     @property
     def plain(self) -> Estimate:
+        """Plain decoding's figures on the prompts ``expected`` is taken on."""
+        return self._held_out(self._plain_everywhere)
+
+    @property
+    def _plain_everywhere(self) -> Estimate:
         return next(e for e in self.estimates if e.plan == PLAIN)
+
+    def _held_out(self, estimate: Estimate) -> Estimate:
+        v = self.verdict
+        if v is None or not v.confirm or self.plan == PLAIN:
+            return estimate
+        return dataclasses.replace(on_prompts(estimate, list(v.confirm)),
+                                   lcb=1.0 if estimate.plan == PLAIN else v.confirmed)
 
     @property
     def expected_speedup(self) -> float:
@@ -55,7 +71,7 @@ class Choice:
     @property
     def prompts(self) -> int:
         """Calibration prompts that count in the bounds (an answer of no token counts in none)."""
-        return sum(t > 0 for t in self.plain.prompt_tokens)
+        return sum(t > 0 for t in self._plain_everywhere.prompt_tokens)
 
     def generate(self, target: Any, input_ids: Any, max_new_tokens: int, sampling: Any = None, seed: int | None = None
                  ) -> Any:
@@ -103,7 +119,7 @@ class Choice:
     def table(self) -> str:
         """Every plan's estimate, fastest first, with its lower bound."""
         rows = sorted(self.estimates, key=lambda e: -e.tokens_per_s)
-        plain = self.plain.tokens_per_s
+        plain = self._plain_everywhere.tokens_per_s
         lines = [f"  {'plan':<36}{'MAL':>6}{'tokens/s':>10}{'/ plain':>9}{'LCB':>8}"]
         lines += [f"  {e.plan.label:<36}{e.mal:>6.2f}{e.tokens_per_s:>10.2f}{e.tokens_per_s / plain:>8.2f}x"
                   + (f"{e.lcb:>7.2f}x" if e.lcb is not None else f"{'-':>8}")

@@ -68,6 +68,7 @@ class Verdict:
     candidate: Plan | None = None
     confirmed: float | None = None  # the candidate's lower bound on the prompts it was not chosen on
     confirm_prompts: int = 0
+    confirm: tuple[int, ...] = ()  # those prompts' indices among the calibration prompts
 
 
 def decide(estimates: list[Estimate], margin: float = MARGIN, confidence: float = CONFIDENCE) -> Verdict:
@@ -86,9 +87,9 @@ def decide(estimates: list[Estimate], margin: float = MARGIN, confidence: float 
     ranked = [e for e in with_bounds([on_prompts(e, choose) for e in estimates], confidence, joint=False)
               if e.plan != PLAIN and e.lcb is not None and e.seconds < plain_seconds]
     if not ranked:  # no plan was faster than plain on the prompts it would be chosen on
-        return Verdict(PLAIN, None, None, len(confirm))
+        return Verdict(PLAIN, None, None, len(confirm), tuple(confirm))
     candidate = max(ranked, key=lambda e: e.lcb).plan  # the first listed among equals
     chosen = next(e for e in estimates if e.plan == candidate)
     bound = speedup_bound(on_prompts(plain, confirm), on_prompts(chosen, confirm), confidence)
     picked = candidate if bound is not None and bound > 1 + margin else PLAIN
-    return Verdict(picked, candidate, bound, len(confirm))
+    return Verdict(picked, candidate, bound, len(confirm), tuple(confirm))
