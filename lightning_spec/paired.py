@@ -53,15 +53,6 @@ def _clusters(keys: Sequence[str], strata: Sequence[str] | None) -> tuple[np.nda
     return ids, [np.asarray(groups[s]) for s in sorted(groups)]
 
 
-def resample_weights(
-    keys: Sequence[str], strata: Sequence[str] | None, n_resamples: int, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Cluster index per row (R,) and bootstrap counts (B, C): how often each cluster is drawn in each
-    resample; within every stratum the counts sum to the stratum's number of clusters."""
-    ids, groups = _clusters(keys, strata)
-    return ids, _draw(groups, int(ids.max()) + 1, n_resamples, np.random.default_rng(seed))
-
-
 def _draw(groups: list[np.ndarray], c: int, b: int, rng: np.random.Generator) -> np.ndarray:
     counts = np.zeros((b, c), dtype=np.float64)
     for group in groups:

@@ -18,7 +18,8 @@ the last drafted one is the bonus and ends the round. Everything that depends on
   over batch and positions: each is a linear recurrence of order K + 1 (a banded unit-triangular system),
   solved blockwise (``solve_band``) and chained across blocks by a parallel (Hillis-Steele) scan in
   ⌈log2(S / (K + 1))⌉ batched matrix products: L = 4096, K = 7 takes ~5 ms per sequence on one CPU core, against
-  ~0.4 s for ``chain_dp_reference``, the plain loop of the paper's pseudo-code kept for the parity tests.
+  ~0.4 s for the plain loop of the paper's pseudo-code (``chain_dp_reference`` in tests/helpers/rounds.py, the
+  parity tests' reference).
 - ``target_table``: what the chain needs from the target at every position: p_t(x_t) under the sampling config
   and, for EDR's cost, p_t on the draft vocabulary, its mass outside it and the non-EOS mass.
 - ``slot_statistics``: A and the EOS-aware cost c of every slot of a drafter's forward (differentiable).
@@ -124,15 +125,6 @@ def _suffix_affine(m: Tensor, b: Tensor) -> Tensor:
     return b
 
 
-def _companion(first_row: Tensor) -> Tensor:
-    """(N, S, W) -> (N, S, W, W): the given first row over a sub-diagonal of ones (a shift register)."""
-    w = first_row.shape[-1]
-    shift = torch.diag(torch.ones(w - 1, dtype=first_row.dtype, device=first_row.device), -1)
-    m = shift.expand(*first_row.shape[:-1], w, w).clone()
-    m[..., 0, :] = first_row
-    return m
-
-
 def solve_band(coef: Tensor, rhs: Tensor) -> Tensor:
     """x[i] = rhs[i] + Σ_{j=1}^{W} coef[i, j-1]·x[i+j] for i = S-1..0, x = 0 beyond S: (N, S, W), (N, S) -> (N, S).
 
@@ -206,66 +198,6 @@ def chain_dp(accept: Tensor, cost: Tensor, ch: Chain) -> ChainValues:
         rounds=(first * (1 + value)).sum(-1),
         generations=first.sum(-1),
         tokens=(first * ch.length.double()).sum(-1),
-    )
-
-
-def chain_dp_reference(accept: Tensor, cost: Tensor, ch: Chain) -> ChainValues:
-    """The same quantities by the plain loops of the paper's pseudo-code (EDR Alg. 1 and App. C.2).
-    For parity tests and timing only: a Python loop over positions, far too slow for training batches."""
-    a_all, c_all = accept.double().tolist(), cost.double().tolist()
-    n, s, k = accept.shape
-    value, start = torch.zeros(n, s, dtype=torch.float64), torch.zeros(n, s, dtype=torch.float64)
-    reach, adv = torch.zeros(n, s, k, dtype=torch.float64), torch.zeros(n, s, k, dtype=torch.float64)
-    ok, first, bonus = ch.start_ok.tolist(), ch.first.tolist(), ch.bonus.tolist()
-    exists, term = ch.exists.tolist(), ch.terminal.tolist()
-    for i in range(n):
-        v = [0.0] * (s + k + 2)
-        for a0 in reversed(range(s)):  # backward
-            if not ok[i][a0]:
-                continue
-            cont = 1.0 + v[a0 + k + 1] if bonus[i][a0] else 0.0
-            for h in reversed(range(k)):
-                if not exists[i][a0][h] or term[i][a0][h]:
-                    cont = 0.0  # the generation has ended: nothing after it costs anything
-                    continue
-                t = a0 + 1 + h
-                a, c = a_all[i][a0][h], c_all[i][a0][h]
-                adv[i, a0, h] = cont - v[t]
-                cont = c + a * cont + (1 - a) * v[t]
-            v[a0] = cont
-        mass_in = [0.0] * (s + k + 2)
-        for a0 in range(s):  # forward
-            if first[i][a0]:
-                mass_in[a0] += 1.0
-            if not ok[i][a0]:
-                continue
-            mass = 1.0
-            for h in range(k):
-                if not exists[i][a0][h]:
-                    mass = 0.0
-                    break
-                reach[i, a0, h] = mass
-                if term[i][a0][h]:
-                    mass = 0.0
-                    break
-                a = a_all[i][a0][h]
-                mass_in[a0 + 1 + h] += mass_in[a0] * mass * (1 - a)
-                mass *= a
-            if bonus[i][a0]:
-                mass_in[a0 + k + 1] += mass_in[a0] * mass
-        value[i] = torch.tensor(v[:s], dtype=torch.float64)
-        start[i] = torch.tensor(mass_in[:s], dtype=torch.float64)
-    start = start * ch.start_ok
-    first_d = ch.first.double()
-    return ChainValues(
-        value=value,
-        start=start,
-        reach=reach,
-        occupancy=start[..., None] * reach,
-        advantage=adv,
-        rounds=(first_d * (1 + value)).sum(-1),
-        generations=first_d.sum(-1),
-        tokens=(first_d * ch.length.double()).sum(-1),
     )
 
 

@@ -4,9 +4,10 @@ whole prompts within domains, averages an arm's seeds per rollout, and refuses u
 import numpy as np
 import pytest
 import torch
+from helpers.paired import resample_weights
 
 from lightning_spec.evaluation.offline import OfflineReport
-from lightning_spec.paired import bootstrap_mal, compare, compare_reports, resample_weights
+from lightning_spec.paired import bootstrap_mal, compare, compare_reports
 
 
 def synthetic(rng, prompts=40, samples=3, mal=(2.0, 2.3)):

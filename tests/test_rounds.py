@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.rounds import generations
+from helpers.rounds import chain_dp_reference, generations
 from torch.overrides import TorchFunctionMode
 
 import lightning_spec
-from lightning_spec.rounds import chain, chain_dp, chain_dp_reference
+from lightning_spec.rounds import chain, chain_dp
 
 # ------------------------------------------------------------------ an independent reading of the chain
 
