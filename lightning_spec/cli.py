@@ -14,9 +14,11 @@ rich progress bar, and a checkpoint (drafter only) with ``last.ckpt``, rewritten
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -185,9 +187,29 @@ def run_features(argv: list[str]) -> None:
                 echo=lambda text: print(text, file=sys.stderr, flush=True))
 
 
+class _NoAdvertisements(logging.Filter):
+    """Drops Lightning's "💡 Tip: ... try installing litlogger / litmodels" lines (``logger_connector.py``,
+    ``callback_connector.py``): advertisements for its cloud services, printed into every fit."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip:")
+
+
+_QUIET = _NoAdvertisements()
+
+
+def quiet_dependencies() -> None:
+    """Keep out of a run's output what our dependencies print there that neither we nor the user can act on: Lightning's
+    advertisements, and the deprecation warning its ``utilities/_pytree.py`` raises against torch >= 2.10's pytree
+    API at every fit (Lightning's to fix: it tests ``isinstance(spec, LeafSpec)``)."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_QUIET)  # the same filter once
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
 def main(args: list[str] | None = None) -> None:
     from jsonargparse import ArgumentError
 
+    quiet_dependencies()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     argv = list(sys.argv[1:] if args is None else args)

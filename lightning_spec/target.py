@@ -114,6 +114,7 @@ class Target(nn.Module):
         self._layers_loaded = not any(p.is_meta for p in self.base.parameters())  # False: head-only (export)
         self._sharded = False  # shard_layers: each rank holds a shard of the decoder layers
         self._fast: FastForward | None = None  # built by the first new_cache on the fast path
+        self.train(False)  # frozen from the start: a model summary taken before fit's first train() shows it so
         _LIVE.add(self)
 
     def train(self, mode: bool = True) -> Target:

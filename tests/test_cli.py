@@ -112,6 +112,26 @@ def test_a_drafter_that_cannot_be_logged_does_not_fail_the_finished_fit(in_tmp, 
     assert list(in_tmp.glob("runs/*/*/checkpoints/last.ckpt"))
 
 
+def test_a_first_fit_prints_the_target_frozen_and_no_dependency_noise(in_tmp, capfd, caplog):
+    """The model summary shows the frozen target in eval mode, and neither Lightning's cloud advertisements ("💡
+    Tip: ... litlogger") nor its ``_pytree`` deprecation warning reach the output (``cli.quiet_dependencies``)."""
+    import logging
+    import warnings
+
+    caplog.set_level(logging.INFO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert exit_code(["fit", "-c", str(TINY), "--trainer.max_steps=1", "--trainer.callbacks=[]",
+                          "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                          "--trainer.enable_model_summary=true"]) == 0
+    out, err = capfd.readouterr()
+    summary = next(line for line in (out + err).splitlines() if " target " in line and "Target" in line)
+    assert "eval" in summary and " train " not in summary
+    assert "Tip:" not in out + err and "litlogger" not in out + err
+    assert "Trainer.fit` stopped" in caplog.text and "Tip:" not in caplog.text  # its other lines still reach it
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+
+
 def test_fit_tiny_logs_an_mlflow_run(in_tmp, capsys):
     import mlflow
 
