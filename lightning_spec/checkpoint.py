@@ -18,7 +18,7 @@ import inspect
 import json
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from lightning_spec.drafters.base import Drafter, drafter_record, init_arguments
 from lightning_spec.errors import UserError
 from lightning_spec.export import codec_for, export_drafter, is_serving_folder, read_serving_folder
 from lightning_spec.target import TargetOptions, live_target, load_target
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 CKPT_KEY = "lightning_spec"
 PACKAGE = "lightning_spec"
@@ -142,7 +145,7 @@ def drafter_classes() -> dict[str, type[Drafter]]:
     return found
 
 
-def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Any, what: str) -> Drafter:
+def _bind(meta: dict[str, Any], state: dict[str, torch.Tensor], target: Target | None, what: str) -> Drafter:
     cls = drafter_classes().get(meta["drafter_class"]) if isinstance(meta["drafter_class"], str) else None
     if cls is None:  # looked up, never imported: a file cannot pick code to run
         raise UserError(
@@ -256,7 +259,7 @@ def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) ->
     return {"path": str(path), "drafter_class": meta["drafter_class"], "parent": meta.get("parent")}
 
 
-def load_drafter(path: str | Path, target: Any = None) -> Drafter:
+def load_drafter(path: str | Path, target: Target | str | None = None) -> Drafter:
     """Rebuild a drafter from ``path`` (a ``.ckpt`` from ``fit`` or a folder from ``save_drafter``).
 
     ``target`` (a ``Target``, name, folder or model) defaults to a target already loaded in this process with the

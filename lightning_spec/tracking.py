@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import SaveConfigCallback
@@ -41,6 +41,9 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_spec.errors import UserError
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 MLFLOW_RUN_KEY = "mlflow_run_id"  # checkpoint key: the MLflow run that wrote it (continued by `fit --ckpt_path`)
 # One experiment per target: ``{target}`` in an experiment name is the run's target (``experiment_name``). A name
@@ -361,7 +364,7 @@ def tag_runs(loggers: Iterable[Logger], key: str, value: str) -> None:
 DRAFTER_TAG = "drafter_model"  # run tag: the models:/ URI of the run's logged drafter (what to download and serve)
 
 
-def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Any, target_spec: str) -> list[str]:
+def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Target, target_spec: str) -> list[str]:
     """Log the drafter of ``ckpt`` (a finished fit's last checkpoint) to each MLflow run as its logged model, a
     folder with a card (one copy: the run itself holds no second one); returns the lines ``fit`` prints about it.
     Rank 0 only (the caller's)."""

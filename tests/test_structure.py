@@ -6,6 +6,8 @@ YAML schema, one flag or key per parameter. A new wide function takes grouped op
 The scan reads the package's source with ``ast`` (as ``test_declared.py`` does): a function's lines run from its
 ``def`` to its last line, docstring included; its parameters are every positional, keyword-only and ``*``/``**``
 parameter but ``self`` and ``cls``.
+
+Typed seams (issue 47, item 3): no parameter or field named ``target``, ``drafter`` or ``tree`` is annotated ``Any``.
 """
 
 from __future__ import annotations
@@ -117,3 +119,30 @@ def test_the_scan_finds_a_wide_or_long_function_and_a_wide_dataclass():
     source = wide + method + long + fields
     assert over_budget(source) == [("f", 2, 12), ("g", MAX_LINES + 1, 0), ("D", 0, 11)]
     assert ("C.m", 2, 10) in measure(source)  # self is not counted: 10 fits
+
+
+def untyped_seams(source: str) -> list[str]:
+    """Parameters named ``target``, ``drafter`` or ``tree`` annotated ``Any`` in ``source``: the seams where a
+    ``Target``, a ``Proposer`` (or a ``Drafter``) and a ``TreeConfig`` pass between rooms."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+                if arg.arg in ("target", "drafter", "tree") and isinstance(arg.annotation, ast.Name) \
+                        and arg.annotation.id == "Any":
+                    found.append(f"{node.name}({arg.arg}: Any) line {node.lineno}")
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and node.target.id in ("target", "drafter", "tree") and isinstance(node.annotation, ast.Name) \
+                and node.annotation.id == "Any":
+            found.append(f"{node.target.id}: Any line {node.lineno}")
+    return found
+
+
+def test_targets_drafters_and_trees_are_typed_where_they_pass():
+    """``target: Any``, ``drafter: Any`` and ``tree: Any`` are gone from the package's signatures and fields: a
+    reader sees what crosses each seam (``Target``, ``Proposer``, ``TreeConfig``), the checker what may."""
+    found = {str(p.relative_to(PACKAGE.parent)): untyped_seams(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+    assert not {path: seams for path, seams in found.items() if seams}
+    assert untyped_seams("def f(target: Any, tree: TreeConfig): ...\nclass C:\n    drafter: Any\n") == [
+        "f(target: Any) line 1", "drafter: Any line 3"]

@@ -28,12 +28,15 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_spec.data.chat import prompt_ids
 from lightning_spec.decoding.batched import sample_batch
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 
 @dataclass
@@ -142,7 +145,7 @@ class LocalEngine(Engine):
 
     name = "local"  # a shard per batch (shard_rows = 1: each ``run`` yield is a batch)
 
-    def __init__(self, target: Any, batch_size: int = 8) -> None:
+    def __init__(self, target: Target, batch_size: int = 8) -> None:
         if batch_size < 1:
             raise UserError(f"--batch_size={batch_size} must be at least 1.")
         self.target, self.batch_size = target, batch_size

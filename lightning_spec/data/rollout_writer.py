@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import datasets
 from torch import Tensor
@@ -44,6 +44,9 @@ from lightning_spec.files import atomic_write, atomic_write_json, writable_dir
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.target import TargetOptions, load_target
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 SHARD_SECONDS = 30.0  # the longest finished conversations wait in memory before a shard holds them
 
@@ -101,7 +104,7 @@ class Draw:
 # ---------------------------------------------------------------------------------------- resume or start
 
 
-def _run_meta(target: Any, draw: Draw, engine: Engine) -> dict[str, Any]:
+def _run_meta(target: Target, draw: Draw, engine: Engine) -> dict[str, Any]:
     """What a folder's run records in ``shards/run.json``: what a resumed run must match (``_RESUME_KEYS``)."""
     return {
         "target": target.name,
@@ -286,7 +289,7 @@ def _source_label(source: Any) -> Any:
 
 
 def generate_rollouts(
-    target: Any,
+    target: Target,
     prompts: Sequence[Any],
     draw: Draw,
     out_dir: str | os.PathLike,
@@ -367,7 +370,7 @@ def _save_dataset(out: Path, table: dict[str, list]) -> datasets.Dataset:
     return dataset
 
 
-def _folder_meta(target: Any, wanted: dict[str, Any], n_per_prompt: int,
+def _folder_meta(target: Target, wanted: dict[str, Any], n_per_prompt: int,
                  sources: Sequence[Any] | None) -> dict[str, Any]:
     """``rollouts.json``: the run's settings, the target's tokenizer and vocabulary, the sources, when."""
     tokenizer = target.tokenizer

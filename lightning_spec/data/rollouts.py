@@ -30,13 +30,16 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
 
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 FORMAT = 2
 READS = (1, 2)  # format 1: no messages/turns (first turns only)
@@ -102,7 +105,7 @@ def load_rollouts(folder: str | os.PathLike) -> tuple[datasets.Dataset, dict[str
     return datasets.load_from_disk(str(path)), meta
 
 
-def check_compatible(meta: dict[str, Any], target: Any, sampling: SamplingConfig, folder: str | None = None) -> None:
+def check_compatible(meta: dict[str, Any], target: Target, sampling: SamplingConfig, folder: str | None = None) -> None:
     """Refuse rollouts drawn from another target (weight fingerprint) or under another sampling config.
 
     ``target`` is a ``Target`` (its ``fingerprint`` and ``name`` are compared); ``folder`` names the rollouts
@@ -127,7 +130,7 @@ def check_compatible(meta: dict[str, Any], target: Any, sampling: SamplingConfig
         )
 
 
-def check_rollouts(meta: dict[str, Any] | None, target: Any, sampling: SamplingConfig, source: str = "") -> None:
+def check_rollouts(meta: dict[str, Any] | None, target: Target, sampling: SamplingConfig, source: str = "") -> None:
     """Refuse rollouts drawn from another target or under another sampling config (``check_compatible``);
     rollouts without metadata (a list of pairs, a bare dataset) cannot be checked."""
     if meta is not None:

@@ -9,17 +9,20 @@ row see exactly its own prompt at its own positions, so row ``i`` decodes what `
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_spec.decoding.engine import generate
 from lightning_spec.sampling import SamplingConfig
 
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
+
 
 @torch.no_grad()
 def sample_batch(
-    target: Any,
+    target: Target,
     prompts: Sequence[Sequence[int]],
     seeds: Sequence[int],
     sampling: SamplingConfig,
@@ -80,7 +83,7 @@ def sample_batch(
     return [(responses[r], finished[r]) for r in range(n)]
 
 
-def _pad_id(target: Any) -> int:
+def _pad_id(target: Target) -> int:
     """The id left padding uses (masked, so any id would do): the tokenizer's pad token, else its EOS, else 0
     (``Target.tokenizer`` is None for a target built without one)."""
     tok = target.tokenizer

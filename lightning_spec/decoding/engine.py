@@ -16,7 +16,7 @@ from __future__ import annotations
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -27,6 +27,10 @@ from lightning_spec.decoding.proposals import ChainProposal, Proposal
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.proposer import Proposer
+    from lightning_spec.target import Target
 
 
 @dataclass
@@ -79,7 +83,7 @@ def _as_ids(input_ids: Any, vocab_size: int, device: torch.device) -> Tensor:
     return ids[None]  # (1, S)
 
 
-def draft(drafter: Any, state: Any, anchor: Tensor, context: list[int], sampling: SamplingConfig,
+def draft(drafter: Proposer, state: Any, anchor: Tensor, context: list[int], sampling: SamplingConfig,
           tree: TreeConfig | None, generator: torch.Generator | None = None, length: int | None = None) -> Proposal:
     """A round's proposal after ``anchor`` (the last of the committed tokens ``context``): the drafter's chain (its
     first ``length`` drafts when given: a plan's shorter chain) or tree, with ``tree.ngram`` n-gram candidates merged
@@ -97,7 +101,7 @@ def draft(drafter: Any, state: Any, anchor: Tensor, context: list[int], sampling
     return merged
 
 
-def resolve_run(drafter: Any, tree: TreeConfig | dict | None, plan: Plan | dict | str | None) -> Run:
+def resolve_run(drafter: Proposer | str | None, tree: TreeConfig | dict | None, plan: Plan | dict | str | None) -> Run:
     """What ``generate`` runs: ``plan`` resolved with ``drafter`` (``decoding/plans.py``), or, without a plan, the
     drafter's chain (``tree=None``) or tree as given (plain decoding without a drafter)."""
     if plan is None:
@@ -108,7 +112,7 @@ def resolve_run(drafter: Any, tree: TreeConfig | dict | None, plan: Plan | dict 
     return parse_plan(plan).resolve(as_proposer(drafter))
 
 
-def _check_request(drafter: Any, tree: TreeConfig | None, trace: bool, max_new_tokens: Any) -> None:
+def _check_request(drafter: Proposer | None, tree: TreeConfig | None, trace: bool, max_new_tokens: Any) -> None:
     """Refuse a ``generate`` call that cannot run, before the target is touched."""
     if tree is not None and drafter is None:
         raise UserError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
@@ -127,7 +131,7 @@ def _generator(seed: int | None, sampling: SamplingConfig) -> torch.Generator | 
     return None
 
 
-def _prefill(target: Any, drafter: Any, ids: Tensor, layers: list[int], cache: Any) -> Any:
+def _prefill(target: Target, drafter: Proposer | None, ids: Tensor, layers: list[int], cache: Any) -> Any:
     """Prefill the target cache with the prompt (1, S) but its last token (the first round's anchor); the
     drafter's state begun on those positions' features (None without a drafter)."""
     state = None
@@ -160,11 +164,11 @@ def _trace_round(gen: Generation, logits: Tensor, nodes: Tensor, drafted: int, s
 
 @torch.no_grad()
 def generate(
-    target: Any,
+    target: Target,
     input_ids: Any,
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
-    drafter: Any = None,
+    drafter: Proposer | str | None = None,
     seed: int | None = None,
     tree: TreeConfig | dict | None = None,
     trace: bool = False,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -35,6 +35,10 @@ from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
 from lightning_spec.decoding.proposer import Drafting, Proposer, TreeGrowth
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.trees import TreeConfig
+    from lightning_spec.target import Target
 
 
 def lookup(context: list[int], length: int, count: int = 1, max_ngram: int = 3, min_ngram: int = 1
@@ -111,7 +115,7 @@ def merge(tokens: list[int], parents: list[int], paths: list[list[int]], budget:
     return out_tokens, out_parents
 
 
-def merge_into(proposal: TreeProposal, context: list[int], tree: Any) -> TreeProposal:
+def merge_into(proposal: TreeProposal, context: list[int], tree: TreeConfig) -> TreeProposal:
     """A family's tree with up to ``tree.ngram`` nodes of n-gram candidates after ``context`` (anchor last)
     merged in, within ``tree.nodes`` (``merge``). The family's nodes must have been chosen (``probs`` None): a
     drawn tree is verified against the distribution it was drawn from, which n-gram nodes do not have."""
@@ -162,7 +166,7 @@ class NgramDrafter(Proposer):
     def __repr__(self) -> str:
         return f"NgramDrafter(block_size={self.block_size}, max_ngram={self.max_ngram}, min_ngram={self.min_ngram})"
 
-    def use_target(self, target: Any) -> None:
+    def use_target(self, target: Target) -> None:
         self.target_vocab = target.vocab_size
 
     def begin(self, features: Tensor | None, input_ids: Tensor) -> NgramState:
@@ -183,7 +187,7 @@ class NgramDrafter(Proposer):
             probs[torch.arange(len(state.drafted)), tokens] = 1.0
         return ChainProposal(tokens, probs)
 
-    def propose_tree(self, state: NgramState, anchor: Tensor, sampling: SamplingConfig, tree: Any,
+    def propose_tree(self, state: NgramState, anchor: Tensor, sampling: SamplingConfig, tree: TreeConfig,
                      generator=None) -> TreeProposal:
         """A trie of up to ``tree.top_k`` continuations, at most ``tree.nodes`` nodes, ``tree.depth`` (default
         ``block_size``) deep."""

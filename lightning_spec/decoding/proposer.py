@@ -22,13 +22,17 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from lightning_spec.decoding.proposals import ChainProposal, TreeProposal
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.trees import TreeConfig
+    from lightning_spec.target import Target
 
 
 class TreeGrowth(enum.Enum):
@@ -65,7 +69,7 @@ class Proposer:
     tree_growth: TreeGrowth = TreeGrowth.NONE
     drafting: Drafting = Drafting.DRAWN
 
-    def use_target(self, target: Any) -> None:
+    def use_target(self, target: Target) -> None:
         """Bind the proposer to the target it drafts for (vocabulary, features, the embedding it shares)."""
         raise NotImplementedError(f"{type(self).__name__} must implement use_target")
 
@@ -79,7 +83,7 @@ class Proposer:
         with the distributions they were drawn from when ``drafting`` is DRAWN and sampling is on."""
         raise NotImplementedError(f"{type(self).__name__} must implement propose")
 
-    def propose_tree(self, state: Any, anchor: Tensor, sampling: SamplingConfig, tree: Any,
+    def propose_tree(self, state: Any, anchor: Tensor, sampling: SamplingConfig, tree: TreeConfig,
                      generator=None) -> TreeProposal:
         """A ``TreeProposal`` after ``anchor`` under the ``TreeConfig`` ``tree``, grown as ``tree_growth`` says."""
         self.check_tree()
@@ -109,7 +113,7 @@ class Proposer:
             )
 
 
-def chosen_rounds(proposer: Proposer, tree: Any) -> bool:
+def chosen_rounds(proposer: Proposer, tree: TreeConfig | None) -> bool:
     """Whether every node of a round is chosen, not drawn: n-gram drafts, or a best-first tree (its top-k nodes
     are verified with the deterministic candidate rule). Given the output such a round is deterministic under
     every sampling config, so a replay of it is exact."""

@@ -7,7 +7,7 @@ same prompts runs in the same process through the same engine, so the speedup is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -16,6 +16,10 @@ from lightning_spec.decoding.engine import generate, resolve_run
 from lightning_spec.decoding.plans import Plan
 from lightning_spec.metrics import ratio, slot_counts
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.proposer import Proposer
+    from lightning_spec.target import Target
 
 
 @dataclass
@@ -85,8 +89,8 @@ class DecodeReport:
 
 
 def decode_prompts(
-    target: Any,
-    drafter: Any,
+    target: Target,
+    drafter: Proposer | str | None,
     prompts: list[dict[str, Any]],
     sampling: SamplingConfig,
     max_new_tokens: int,

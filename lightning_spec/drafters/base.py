@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,10 @@ from lightning_spec.decoding.proposer import Proposer, TreeGrowth
 from lightning_spec.decoding.trees import best_first_tree, dynamic_tree, tree_probs
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.trees import TreeConfig
+    from lightning_spec.target import Target
 
 
 # ------------------------------------------------------------------------------------------ draft vocabulary
@@ -258,7 +262,7 @@ class Drafter(nn.Module, Proposer):
         self._register_load_state_dict_pre_hook(_rename_old_vocab_keys)
 
     # -------------------------------------------------------------------------------------------- binding
-    def bind(self, target: Any) -> None:
+    def bind(self, target: Target) -> None:
         """Attach the frozen target whose embedding and LM head the drafter uses. The first time, choose the default
         target layers, size the draft vocabulary and ``build`` the family's target-shaped layers; later binds (the
         same weights loaded again, ``use_target``) only check the layers."""
@@ -278,7 +282,7 @@ class Drafter(nn.Module, Proposer):
         ``layers.low_mid_high_layers``, or the last layer)."""
         raise NotImplementedError(f"{type(self).__name__} must implement default_target_layers")
 
-    def build(self, target: Any) -> None:
+    def build(self, target: Target) -> None:
         """Make the family's target-shaped layers (``layers.TargetShape.of(target)``) and initialise them; called once,
         from the first ``bind``, after ``vocab`` was sized. A family that extends another calls ``super().build``
         first, then adds its own."""
@@ -290,7 +294,7 @@ class Drafter(nn.Module, Proposer):
             raise RuntimeError("This drafter is not bound to a target yet; call drafter.bind(target) first.")
         return self._target[0]
 
-    def use_target(self, target: Any) -> None:
+    def use_target(self, target: Target) -> None:
         """Decode or score with ``target``: it must be the bound target or another copy of the same weights (equal
         fingerprints; ``load_drafter`` without a target may have bound one), which is then bound instead."""
         bound = self.target
@@ -405,7 +409,7 @@ class Drafter(nn.Module, Proposer):
 
     @torch.no_grad()
     def propose_tree(
-        self, state: Any, anchor: Tensor, sampling: SamplingConfig, tree: Any, generator=None
+        self, state: Any, anchor: Tensor, sampling: SamplingConfig, tree: TreeConfig, generator=None
     ) -> TreeProposal:
         """A ``TreeProposal`` after ``anchor`` (``decoding/trees.py``): the best-first top-k tree over
         ``position_logits`` (``TreeGrowth.BEST_FIRST``) or EAGLE-2's dynamic tree (``DYNAMIC``), both over the draft

@@ -12,7 +12,7 @@ one forward, slot t predicting x_{n+t} through the target's frozen head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput
 from lightning_spec.drafters.layers import DraftLayer, RMSNorm, TargetShape, init_weights, spread_layers
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 
 class LengthHead(nn.Module):
@@ -143,7 +146,7 @@ class ParallelBlockDrafter(Drafter):
     def adaptation_scopes(self) -> dict[str, list[str]]:
         return {"head": ["norm"], "last": [f"layers.{self.num_layers - 1}", "norm"]}
 
-    def build(self, target: Any) -> None:
+    def build(self, target: Target) -> None:
         shape = TargetShape.of(target, self.intermediate_size)
         hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)
@@ -170,7 +173,7 @@ class ParallelBlockDrafter(Drafter):
                     nn.init.zeros_(layer.bias)
 
     @torch.no_grad()
-    def _init_weights(self, target: Any) -> None:
+    def _init_weights(self, target: Target) -> None:
         init_weights(self, self.num_layers, target, [self.norm])
         table = target.embed_tokens.weight
         start = table.mean(0) if self.mask_token_id is None else table[self.mask_token_id]
@@ -179,7 +182,7 @@ class ParallelBlockDrafter(Drafter):
             self._copy_target_layers(target)
 
     @torch.no_grad()
-    def _copy_target_layers(self, target: Any) -> None:
+    def _copy_target_layers(self, target: Target) -> None:
         """Draft layer i <- target layer L - num_layers + i (HF Llama/Qwen names: q/k/v/o_proj, gate/up/down_proj,
         input_layernorm, post_attention_layernorm)."""
         hf_name = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -64,6 +64,9 @@ from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
 from lightning_spec.drafters.block import BlockDraftState, ParallelBlockDrafter
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.trees import TreeConfig
 
 # Prefix lengths draw from their own stream, seeded from the example's anchor seed plus this salt (a large odd
 # number), so they do not reuse the uniforms that picked the anchors.
@@ -260,7 +263,7 @@ class D2SDDrafter(ParallelBlockDrafter):
 
     @torch.no_grad()
     def propose_tree(
-        self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, tree: Any, generator=None
+        self, state: BlockDraftState, anchor: Tensor, sampling: SamplingConfig, tree: TreeConfig, generator=None
     ) -> TreeProposal:
         """D²SD's tree after ``anchor`` (the module docstring, step 4): the DFlash trunk, the ``branches`` most
         likely rejection boundaries re-drafted by the VP-drafter in one pass, merged into one shared-prefix tree of

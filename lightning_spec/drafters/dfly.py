@@ -21,7 +21,7 @@ acts on the final normed state the head reads, and e is the target's frozen embe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.block import ChainedBlockDrafter, previous_tokens
 from lightning_spec.drafters.layers import RMSNorm, TargetShape
 from lightning_spec.errors import UserError
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 
 class HiddenCorrection(nn.Module):
@@ -84,7 +87,7 @@ class DFlyDrafter(ChainedBlockDrafter):
         self.correction_size = correction_size
         self.left_to_right = hidden_correction
 
-    def build(self, target: Any) -> None:
+    def build(self, target: Target) -> None:
         super().build(target)
         shape = TargetShape.of(target)
         # fusion logits (draft layers, target layers) at DFlare's distance prior: draft layer d prefers the target

@@ -20,7 +20,7 @@ t - 1.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,9 @@ from torch import Tensor, nn
 from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.block import ChainedBlockDrafter, previous_tokens
 from lightning_spec.errors import UserError
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 
 class DominoDrafter(ChainedBlockDrafter):
@@ -73,7 +76,7 @@ class DominoDrafter(ChainedBlockDrafter):
         self.correction_rank = correction_rank
         self.pure_draft_prefix_len = pure_draft_prefix_len
 
-    def build(self, target: Any) -> None:
+    def build(self, target: Target) -> None:
         super().build(target)
         hidden = target.hidden_size
         gru = self.gru_size or max(1, hidden // 4)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +52,9 @@ from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.block import BlockDraftState, ParallelBlockDrafter
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 MARKOV_KINDS = ("vanilla", "rnn")
 
@@ -205,7 +208,7 @@ class DSparkDrafter(ParallelBlockDrafter):
         return self.block_size - 1  # the anchor slot is a prediction: [anchor, MASK x (K - 1)]
 
     # ------------------------------------------------------------------------------------------- building
-    def build(self, target: Any) -> None:
+    def build(self, target: Target) -> None:
         super().build(target)
         hidden, vd = target.hidden_size, self.vocab.ids.numel()
         # the anchor slot is a prediction: K - 1 mask vectors (the block body built K, all equal at init; one shared

@@ -41,7 +41,7 @@ and decoding attend to exactly the same entries.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,10 @@ from lightning_spec.drafters.layers import (
     rope,
 )
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.trees import TreeConfig
+    from lightning_spec.target import Target
 
 
 class Eagle3Layer(nn.Module):
@@ -180,7 +184,7 @@ class Eagle3Drafter(Drafter):
         own = ["lm_head"] if self.own_head else []
         return {"head": ["norm", *own], "last": ["layer", "norm", *own]}
 
-    def build(self, target: Any) -> None:
+    def build(self, target: Target) -> None:
         shape = TargetShape.of(target, self.intermediate_size)
         hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)  # 3H -> H
@@ -340,7 +344,7 @@ class Eagle3Drafter(Drafter):
                              state=chain.state)
         return branch, self._slot(branch, self.vocab.to_target(tokens.to(chain.u.device)))
 
-    def propose_tree(self, state: Eagle3State, anchor: Tensor, sampling: SamplingConfig, tree: Any,
+    def propose_tree(self, state: Eagle3State, anchor: Tensor, sampling: SamplingConfig, tree: TreeConfig,
                      generator=None) -> TreeProposal:
         proposal = super().propose_tree(state, anchor, sampling, tree, generator)
         self.adopt(state, anchor, proposal)

@@ -19,13 +19,16 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_spec.drafters.base import Drafter
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -95,7 +98,7 @@ class TargetShape:
     rope_theta: float
 
     @classmethod
-    def of(cls, target: Any, intermediate_size: int | None = None) -> TargetShape:
+    def of(cls, target: Target, intermediate_size: int | None = None) -> TargetShape:
         cfg = target.config
         heads = cfg.num_attention_heads
         rope_params = getattr(cfg, "rope_parameters", None) or {}
@@ -111,7 +114,7 @@ class TargetShape:
 
 
 @torch.no_grad()
-def init_weights(module: nn.Module, depth: int, target: Any, head_norms: list[RMSNorm]) -> None:
+def init_weights(module: nn.Module, depth: int, target: Target, head_norms: list[RMSNorm]) -> None:
     """Every family's start: N(0, 0.02) for each matrix of ``module``, the residual outputs (o_proj, down_proj)
     divided by sqrt(2 * depth) (GPT-2's scaling for ``depth`` layers), and each norm in ``head_norms`` (those that
     feed the frozen LM head) at the target's own final norm scale."""

@@ -23,7 +23,7 @@ best-first tree over their top-k (Medusa's tree is a product of the heads' top-k
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from lightning_spec.drafters.base import Anchors, DraftOutput
 from lightning_spec.drafters.layers import LastHiddenDrafter
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 
 @dataclass
@@ -88,7 +91,7 @@ class MedusaDrafter(LastHiddenDrafter):
             raise UserError(f"drafter.num_layers must be >= 1, got {num_layers}.")
         self.num_layers = num_layers
 
-    def build(self, target: Any) -> None:
+    def build(self, target: Target) -> None:
         hidden = target.hidden_size
         self.medusa = nn.ModuleList(
             nn.Sequential(*(ResBlock(hidden) for _ in range(self.num_layers))) for _ in range(self.block_size)

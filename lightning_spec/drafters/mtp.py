@@ -47,7 +47,7 @@ Trees: MTP grows EAGLE-2's dynamic tree: ``tree_step`` continues chosen rows of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -66,6 +66,10 @@ from lightning_spec.drafters.layers import (
 )
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.trees import TreeConfig
+    from lightning_spec.target import Target
 
 
 class MTPModule(nn.Module):
@@ -160,7 +164,7 @@ class MTPDrafter(LastHiddenDrafter):
         self.qk_norm = qk_norm
         self.normed_chain = normed_chain
 
-    def build(self, target: Any) -> None:
+    def build(self, target: Target) -> None:
         shape = TargetShape.of(target, self.intermediate_size)
         self.rope_theta = shape.rope_theta
         self.mtp = nn.ModuleList(MTPModule(shape, self.qk_norm) for _ in range(self.num_modules))
@@ -334,7 +338,7 @@ class MTPDrafter(LastHiddenDrafter):
         ids = self.vocab.to_target(tokens.to(chain.hidden.device))[None]  # (1, A)
         return branch, self.head(self.advance(branch, ids))[0]  # (A, Vd)
 
-    def propose_tree(self, state: MTPState, anchor: Tensor, sampling: SamplingConfig, tree: Any,
+    def propose_tree(self, state: MTPState, anchor: Tensor, sampling: SamplingConfig, tree: TreeConfig,
                      generator=None) -> TreeProposal:
         proposal = super().propose_tree(state, anchor, sampling, tree, generator)
         self.adopt(state, anchor, proposal)

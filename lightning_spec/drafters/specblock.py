@@ -80,7 +80,7 @@ Choices where the paper leaves room (tested in tests/drafters/test_specblock*.py
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,10 @@ from lightning_spec.drafters.layers import DraftLayer, RMSNorm, TargetShape, ini
 from lightning_spec.drafters.specblock_rank import RankHead, block_tree
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.trees import TreeConfig
+    from lightning_spec.target import Target
 
 TTT_SALT = 0x2545F4914F6CDD1D  # anchor_seed ^ TTT_SALT seeds an example's block starts, apart from its anchors
 
@@ -178,7 +182,7 @@ class SpecBlockDrafter(Drafter):
     def adaptation_scopes(self) -> dict[str, list[str]]:
         return {"head": ["norm", "rank_head"], "last": [f"layers.{self.num_layers - 1}", "norm"]}
 
-    def build(self, target: Any) -> None:
+    def build(self, target: Target) -> None:
         shape = TargetShape.of(target, self.intermediate_size)
         hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.condition_proj = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)
@@ -466,7 +470,7 @@ class SpecBlockDrafter(Drafter):
 
     @torch.no_grad()
     def propose_tree(
-        self, state: SpecBlockState, anchor: Tensor, sampling: SamplingConfig, tree: Any, generator=None
+        self, state: SpecBlockState, anchor: Tensor, sampling: SamplingConfig, tree: TreeConfig, generator=None
     ) -> TreeProposal:
         """SpecBlock's tree after ``anchor`` by block expansion (``block_tree``; B = 1: ``rank_tree``): at most
         ``tree.nodes`` draft nodes, depth ``tree.depth`` (None: ``block_size``), ``tree.top_k`` blocks started per

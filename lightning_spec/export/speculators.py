@@ -36,7 +36,7 @@ vLLM (``make serve-check``), DSpark's and MTP's against the speculators library'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,13 +44,16 @@ from lightning_spec.drafters import DFlashDrafter, Drafter, DSparkDrafter, Eagle
 from lightning_spec.errors import UserError
 from lightning_spec.export.common import layer_config, read_json, record, take, vocab_ids, vocab_tensors
 
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
+
 VERSION = "0.9.0"  # the speculators release whose format this writes
 
 MLP = {"gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
 ATTN = {m: f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
-def speculators_config(algorithm: str, tokens: int, verifier: str, target: Any) -> dict[str, Any]:
+def speculators_config(algorithm: str, tokens: int, verifier: str, target: Target) -> dict[str, Any]:
     archs = list(getattr(target.config, "architectures", None) or [type(target.model).__name__])
     return {
         "algorithm": algorithm,

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_spec.decoding.plans import Chain, Ngram, Plain, Plan, Tree
 from lightning_spec.decoding.proposer import TreeGrowth
 
+if TYPE_CHECKING:
+    from lightning_spec.decoding.proposer import Proposer
+
 PLAIN = Plain()
 
 
-def candidates(drafter: Any = None) -> list[Plan]:
+def candidates(drafter: Proposer | None = None) -> list[Plan]:
     """The plans ``choose_decoding`` compares by default: plain; n-gram chains of 4 and 10 tokens and n-gram tries
     of 8 and 16 nodes; with a drafter its chain, its chain cut to half its slots (K >= 4), and, where the chain is
     a one-child tree (tree growth best-first or dynamic), chains that stop where the drafter's confidence falls below

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_spec.decoding.auto.candidates import PLAIN, candidates
 from lightning_spec.decoding.auto.costs import Costs, machine_name, measure_costs, round_overhead
@@ -18,6 +18,10 @@ from lightning_spec.paired import family_confidence
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
 
+if TYPE_CHECKING:
+    from lightning_spec.decoding.proposer import Proposer
+    from lightning_spec.target import Target
+
 PROBES = 2  # decodes of one calibration prompt that measure a leading speculative plan's bookkeeping per round
 
 
@@ -27,7 +31,7 @@ class Choice:
     lower bound), and the margin and confidence it was judged at."""
 
     plan: Plan  # generate(plan=...)
-    drafter: Any  # generate(drafter=...): the drafter the plan drafts with (None: none)
+    drafter: Proposer | None  # generate(drafter=...): the drafter the plan drafts with (None: none)
     estimates: list[Estimate]
     machine: str
     dtype: str
@@ -73,8 +77,8 @@ class Choice:
         """Calibration prompts that count in the bounds (an answer of no token counts in none)."""
         return sum(t > 0 for t in self._plain_everywhere.prompt_tokens)
 
-    def generate(self, target: Any, input_ids: Any, max_new_tokens: int, sampling: Any = None, seed: int | None = None
-                 ) -> Any:
+    def generate(self, target: Target, input_ids: Any, max_new_tokens: int, sampling: Any = None,
+                 seed: int | None = None) -> Any:
         return generate(target, input_ids, max_new_tokens, sampling, drafter=self.drafter, seed=seed, plan=self.plan)
 
     def describe(self, measured_speedup: float | None = None, measured_tokens_per_s: float | None = None) -> str:
@@ -140,8 +144,8 @@ class Choice:
 
 
 def choose_decoding(
-    target: Any,
-    drafter: Any,
+    target: Target,
+    drafter: Proposer | None,
     prompts: list[list[int]],
     sampling: SamplingConfig | dict | None = None,
     max_new_tokens: int = 48,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,10 @@ from lightning_spec.decoding.auto.candidates import PLAIN
 from lightning_spec.decoding.engine import Generation, draft
 from lightning_spec.decoding.plans import Plan
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.proposer import Proposer
+    from lightning_spec.target import Target
 
 
 def machine_name(device: torch.device) -> str:
@@ -91,7 +95,8 @@ def _token_counts(most: int) -> list[int]:
 
 
 @torch.no_grad()
-def measure_costs(target: Any, drafter: Any, plans: list[Plan], context: list[int], repeats: int = 7) -> Costs:
+def measure_costs(target: Target, drafter: Proposer | None, plans: list[Plan], context: list[int],
+                  repeats: int = 7) -> Costs:
     """Time the target's verify forwards for every query length the plans can need (once per process for this
     target, dtype, machine, thread count and context length) and each plan's proposal, after ``context``,
     interleaved (``_median_seconds``)."""

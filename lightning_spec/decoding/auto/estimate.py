@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -14,6 +14,10 @@ from lightning_spec.decoding.exact import replay_tree_rounds, score_outputs
 from lightning_spec.decoding.plans import Plan
 from lightning_spec.decoding.proposer import chosen_rounds, evaluating
 from lightning_spec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.proposer import Proposer
+    from lightning_spec.target import Target
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Estimate:
 
 
 @torch.no_grad()
-def estimate(target: Any, drafter: Any, plan: Plan, outputs: list[tuple[list[int], list[int]]],
+def estimate(target: Target, drafter: Proposer | None, plan: Plan, outputs: list[tuple[list[int], list[int]]],
              sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None = None,
              prefill: list[float] | None = None) -> Estimate | None:
     """The plan's exact rounds on each of ``outputs`` (prompt, response) and their expected seconds: its proposals
@@ -62,7 +66,7 @@ def estimate(target: Any, drafter: Any, plan: Plan, outputs: list[tuple[list[int
     return None if counted is None else _with_overheads(counted, costs, prefill)
 
 
-def _count(target: Any, drafter: Any, plan: Plan, outputs: list[tuple[list[int], list[int]]],
+def _count(target: Target, drafter: Proposer | None, plan: Plan, outputs: list[tuple[list[int], list[int]]],
            sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None) -> Estimate | None:
     """``estimate`` without bookkeeping and prefill: per prompt, its rounds and their draft + verify seconds."""
     tokens = tuple(len(r) for _, r in outputs)
@@ -106,7 +110,7 @@ def _with_overheads(counted: Estimate, costs: Costs, prefill: list[float] | None
     return dataclasses.replace(counted, prompt_seconds=seconds)
 
 
-def output_features(target: Any, layers: list[int], outputs: list[tuple[list[int], list[int]]]
+def output_features(target: Target, layers: list[int], outputs: list[tuple[list[int], list[int]]]
                     ) -> list[Tensor | None]:
     """The target's features (1, S, F) of each prompt + response for ``layers`` (None without layers)."""
     if not layers:
