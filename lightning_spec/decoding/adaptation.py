@@ -50,13 +50,13 @@ from lightning_spec.decoding.plans import SCOPES, Adapt
 from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.decoding.timed import DecodeReport
 from lightning_spec.decoding.trees import TreeConfig
-from lightning_spec.drafters import Drafter
 from lightning_spec.errors import UserError
 from lightning_spec.objectives import CE, Objective
 from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
 
 if TYPE_CHECKING:
+    from lightning_spec.drafters import Drafter
     from lightning_spec.target import Target
 
 

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from lightning_spec.decoding.plans import Chain, Ngram, Plain, Plan, Tree
-from lightning_spec.decoding.proposer import TreeGrowth
-
-if TYPE_CHECKING:
-    from lightning_spec.decoding.proposer import Proposer
+from lightning_spec.decoding.proposer import Proposer, TreeGrowth
 
 PLAIN = Plain()
 

@@ -12,11 +12,10 @@ from torch import Tensor
 from lightning_spec.decoding.auto.costs import Costs
 from lightning_spec.decoding.exact import replay_tree_rounds, score_outputs
 from lightning_spec.decoding.plans import Plan
-from lightning_spec.decoding.proposer import chosen_rounds, evaluating
+from lightning_spec.decoding.proposer import Proposer, chosen_rounds, evaluating
 from lightning_spec.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from lightning_spec.decoding.proposer import Proposer
     from lightning_spec.target import Target
 
 
