@@ -28,7 +28,6 @@ from lightning_spec.decoding.adaptation import CostAwareAdapter, decode_adapting
 from lightning_spec.decoding.plans import Adapt, Auto, Chain, Plain, Plan, Run
 from lightning_spec.decoding.proposer import Proposer
 from lightning_spec.decoding.timed import DecodeReport, decode_prompts
-from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.evaluation.report import common_plan
 from lightning_spec.paired import Bootstrap, Comparison, bootstrap_mal, compare, percentile_interval
 from lightning_spec.progress import progress_bar
@@ -48,10 +47,6 @@ class Decoding(Protocol):
     name: str  # its arm: checkpoints given one name are seeds of one arm
     checkpoint: str
     plan: Plan  # how it was asked to decode
-
-    @property
-    def tree(self) -> TreeConfig | None:
-        """The tree it decodes with (None: a chain)."""
 
     @property
     def slots(self) -> int:
@@ -113,10 +108,6 @@ class DrafterDecoding:
         return self.decodes.resolve(self.drafter)
 
     @property
-    def tree(self) -> TreeConfig | None:
-        return self.run.tree
-
-    @property
     def slots(self) -> int:
         run = self.run
         return (run.length or run.proposer.block_size) if run.proposer is not None else 1
@@ -161,10 +152,6 @@ class AdaptingDecoding:
     @property
     def plan(self) -> Plan:
         return self.adapter.plan
-
-    @property
-    def tree(self) -> TreeConfig | None:
-        return self.adapter.tree
 
     @property
     def slots(self) -> int:
