@@ -6,7 +6,7 @@ process, greedy.
     .venv/bin/python benchmarks/decode_speed.py --breakdown          # + the 1-token vs (K+1)-token cost split
     .venv/bin/python benchmarks/decode_speed.py --no-peers           # without the transformers peers
     .venv/bin/python benchmarks/decode_speed.py --dtype bfloat16     # the target (and verify) in bf16
-    .venv/bin/python benchmarks/decode_speed.py --drafter x.ckpt --tree 16,4   # + a best-first tree, 16 nodes, top 4
+    .venv/bin/python benchmarks/decode_speed.py --drafter x.ckpt --plan '{kind: tree, nodes: 16, top_k: 4}'
     .venv/bin/python benchmarks/decode_speed.py --no-auto --ngram 0  # without decoding auto and the n-gram modes
 
 Prints, on the same prompts and in the same process:
@@ -16,10 +16,10 @@ Prints, on the same prompts and in the same process:
   * engine efficiency = measured speculative tokens/s / (MAL / (draft + verify)): what the decoding loop
     (prefill, acceptance, cache bookkeeping, Python) loses outside the two forwards;
   * with ``--breakdown``: linear layers, LM head, attention and mask build for 1 vs K+1 query tokens;
-  * with ``--tree NODES,TOP_K[,DEPTH]``: tree decoding of the same drafter (``generate(..., tree=TreeConfig(...))``)
-    interleaved with the chain and plain runs: MAL, draft nodes per verify, tokens/s, and the forward time of the
-    tree's NODES + 1 query tokens under its ancestor mask;
-  * n-gram lookup (``--ngram``, ``decoding/ngram.py``): alone as a chain, and with ``--tree`` as a trie and merged
+  * every ``--plan`` (a decoding plan, ``decoding/plans.py``, as YAML; repeatable), interleaved with the chain and
+    plain runs; the first of kind ``tree`` without n-gram nodes is *the* tree: its row also gives draft nodes per
+    verify, and the forward times include its NODES + 1 query tokens under their ancestor mask;
+  * n-gram lookup (``--ngram``, ``decoding/ngram.py``): alone as a chain, and with a tree plan as a trie and merged
     into the drafter's tree; and the setting decoding auto picks (``--auto``, ``decoding/auto/``) after
     calibrating on ``--calibration`` other prompts: one table of every mode with MAL, tokens/s over plain, whether
     the output equals plain decoding's, and engine efficiency (the tokens/s the measured draft and verify times
@@ -223,7 +223,8 @@ def our_modes(target, drafter, tree, calibration, args) -> tuple[dict, object, o
     for value in args.plan:
         plan = parse_plan(yaml.safe_load(value))
         plan.resolve(drafter)  # refused here, in one sentence, if the drafter cannot run it
-        modes[plan.label] = plan
+        if tree is None or Tree.of(tree) != plan:  # the tree has its own row
+            modes[plan.label] = plan
     if args.ngram:
         modes[f"n-gram lookup (K={args.ngram})"] = Ngram(length=args.ngram)
         if tree is not None:
@@ -314,17 +315,19 @@ def main() -> None:
     parser.add_argument("--cache-len", type=int, default=200, help="warm-cache length for the forward timings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--breakdown", action="store_true", help="also split 1 vs K+1 token forwards by part")
-    parser.add_argument("--tree", help="NODES,TOP_K[,DEPTH]: also decode with the drafter's tree builder")
     parser.add_argument("--plan", action="append", default=[],
                         help="also decode with this decoding plan, YAML (repeatable): e.g. "
-                             "'{kind: chain, stop_below: 0.2}' or '{kind: tree, nodes: 16, top_k: 4, ngram: 4}'")
+                             "'{kind: chain, stop_below: 0.2}' or '{kind: tree, nodes: 16, top_k: 4, ngram: 4}'; "
+                             "the first tree without n-gram nodes is also timed as a forward and drives the n-gram "
+                             "trie modes")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                         help="also time transformers' generate: plain, prompt lookup, assisted")
     parser.add_argument("--assistant-layers", type=int, default=2, help="decoder layers of the assisted peer")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of that peer")
     parser.add_argument("--ngram", type=int, default=10,
-                        help="also decode with our n-gram lookup of this many tokens (0: not); with --tree also an "
-                             "n-gram trie and the tree with a quarter of its nodes offered to n-gram candidates")
+                        help="also decode with our n-gram lookup of this many tokens (0: not); with a tree --plan "
+                             "also an n-gram trie and the tree with a quarter of its nodes offered to n-gram "
+                             "candidates")
     parser.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
                         help="also decode with the setting decoding auto picks (choose_decoding), calibrated on "
                              "--calibration other prompts of --source")
@@ -348,16 +351,14 @@ def main() -> None:
         label = "UNTRAINED DFlashDrafter(num_layers=1, draft_vocab_size=4096)"
     k = drafter.block_size
     greedy = SamplingConfig()
-    tree = None
-    if args.tree:
-        parts = [int(v) for v in args.tree.split(",")]
-        tree = TreeConfig(*parts)
+    trees = [p for p in map(parse_plan, map(yaml.safe_load, args.plan)) if isinstance(p, Tree) and not p.ngram]
+    tree = trees[0].config if trees else None
 
     # warm-up: both paths, every kernel shape the loop uses
     for d in (None, drafter):
         generate(target, prompts[0], 8, greedy, drafter=d)
     if tree is not None:
-        generate(target, prompts[0], 8, greedy, drafter=drafter, tree=tree)
+        generate(target, prompts[0], 8, greedy, drafter=drafter, plan=tree)
     peers = hf_peers(target, args) if args.peers else {}
     for run in peers.values():
         run(prompts[0][:16])
@@ -387,7 +388,7 @@ def main() -> None:
         draft_s, verify_s = draft_s + spec.draft_seconds, verify_s + spec.verify_seconds
         same += plain.tokens == spec.tokens
         if tree is not None:
-            grown = generate(target, ids, args.max_new_tokens, greedy, drafter=drafter, tree=tree)
+            grown = generate(target, ids, args.max_new_tokens, greedy, drafter=drafter, plan=tree)
             tree_tokens, tree_rounds = tree_tokens + len(grown.tokens), tree_rounds + grown.rounds
             tree_s += grown.seconds
             tree_nodes += sum(grown.draft_lengths)

@@ -28,14 +28,14 @@ if [ "${1:-}" = "--cpu" ]; then
     FIT=(-c experiments/tiny.yaml --trainer.max_steps=4 --trainer.val_check_interval=null
          --trainer.limit_val_batches=0 --trainer.callbacks=[] --trainer.enable_progress_bar=false)
     DECODE=(--target tiny-random --device cpu --dtype float32 --prompts 2 --max-new-tokens 8 --repeats 2
-            --cache-len 16 --tree 4,2 --calibration 1 --no-peers)
+            --cache-len 16 --plan '{kind: tree, nodes: 4, top_k: 2}' --calibration 1 --no-peers)
     FLOOR=(--target tiny-random --dtypes float32 --repeats 1 --prompts 1 --max-new-tokens 4)
 else
     MODE=gpu
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA GPU; run with --cpu')"
     FIT=(-c experiments/quickstart.yaml --trainer.accelerator=gpu --trainer.devices=1 --trainer.precision=bf16-mixed
          --model.target_dtype=bfloat16 --trainer.max_time=00:00:02:00 --trainer.enable_progress_bar=false)
-    DECODE=(--device cuda --dtype bfloat16 --prompts 16 --max-new-tokens 128 --tree 16,4)
+    DECODE=(--device cuda --dtype bfloat16 --prompts 16 --max-new-tokens 128 --plan '{kind: tree, nodes: 16, top_k: 4}')
     FLOOR=(--device cuda --dtypes bfloat16 --prompts 8 --max-new-tokens 64)
 fi
 "$PY" - <<'EOF'

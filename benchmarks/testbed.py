@@ -23,10 +23,10 @@ recipe over the same data reads it) and is skipped when its output is there, so 
 3. the feature store (``lightning-spec features``; the cache folder's, or ``--store``);
 4. ``fit``: ``--steps`` steps, no time budget, no decoding during training;
 5. exact offline MAL on ``mtbench-greedy``, as a chain and as trees (``lightning-spec evaluate --mode offline``);
-6. real greedy decoding against plain decoding on 6 MT-Bench prompts (``decode_speed.py --tree``: the chain, the
-   drafter's tree, n-gram lookup alone as a chain and a trie, the drafter's tree with n-gram nodes, and decoding
-   auto's pick), fp32 and, where the CPU multiplies bf16 natively, bf16; with the ratios the goals of issue 33 are
-   stated in (best tree against plain, the tree with n-gram nodes against n-grams alone).
+6. real greedy decoding against plain decoding on 6 MT-Bench prompts (``decode_speed.py`` with a tree ``--plan``: the
+   chain, the drafter's tree, n-gram lookup alone as a chain and a trie, the drafter's tree with n-gram nodes, and
+   decoding auto's pick), fp32 and, where the CPU multiplies bf16 natively, bf16; with the ratios the goals of issue
+   33 are stated in (best tree against plain, the tree with n-gram nodes against n-grams alone).
 
 With ``--compare-sharegpt`` (docs/reproductions.md, "Training on the target's own answers beats the dataset's answers
 to the same prompts") the same drafter, objective and steps also train on ShareGPT's own answers to the regenerated
@@ -220,7 +220,8 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench prompts for the exact evaluation")
     parser.add_argument("--speed-prompts", type=int, default=6, help="MT-Bench prompts decoded for the speed table")
     parser.add_argument("--speed-tokens", type=int, default=64, help="tokens per prompt for the speed table")
-    parser.add_argument("--speed-tree", default="8,4", help="decode_speed.py --tree: NODES,TOP_K of the timed tree")
+    parser.add_argument("--speed-tree", default="{kind: tree, nodes: 8, top_k: 4}",
+                        help="decode_speed.py --plan: the timed tree, a decoding plan")
     parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="MLflow's, for the fits")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--python", default=str(ROOT / ".venv-serve" / "bin" / "python"), help="the serving venv's")
@@ -273,7 +274,7 @@ def main() -> None:
     for dtype in ([] if args.no_speed else ["float32"] + (["bfloat16"] if native_bf16() else [])):
         table = out / f"speed-{dtype}.json"
         text = step(f"speed-{dtype}", [sys.executable, "benchmarks/decode_speed.py", f"--drafter={checkpoint}",
-                                       f"--target={args.target}", f"--tree={args.speed_tree}", "--no-peers",
+                                       f"--target={args.target}", f"--plan={args.speed_tree}", "--no-peers",
                                        f"--prompts={args.speed_prompts}", f"--max-new-tokens={args.speed_tokens}",
                                        f"--dtype={dtype}", f"--json={table}"], logs)
         summary[f"speed_{dtype}"] = speed_goals(json.loads(table.read_text())["modes"])

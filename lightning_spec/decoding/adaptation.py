@@ -257,9 +257,9 @@ class CostAwareAdapter:
         if self.tree is not None and self.drafter.tree_growth is not TreeGrowth.BEST_FIRST and not sampling.greedy:
             raise UserError(f"{type(self.drafter).__name__} grows its tree from its own drafts, whose rounds the "
                             "adapter can score exactly under greedy decoding only; adapt with temperature 0 or "
-                            "decode chains (tree=None).")
+                            "decode chains.")
         gen = generate(self.target, input_ids, max_new_tokens, sampling, drafter=self.drafter, seed=seed,
-                       tree=self.tree)
+                       plan=self.tree)  # None: the drafter's chain
         start = time.perf_counter()
         window = len(self.history)
         record = Decision(window=window, arm="none", predicted_saving=0.0, cost=0.0, mal=gen.mal,

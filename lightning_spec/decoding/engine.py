@@ -101,23 +101,17 @@ def draft(drafter: Proposer, state: Any, anchor: Tensor, context: list[int], sam
     return merged
 
 
-def resolve_run(drafter: Proposer | str | None, tree: TreeConfig | dict | None, plan: Plan | dict | str | None) -> Run:
-    """What ``generate`` runs: ``plan`` resolved with ``drafter`` (``decoding/plans.py``), or, without a plan, the
-    drafter's chain (``tree=None``) or tree as given (plain decoding without a drafter)."""
-    if plan is None:
-        return Run(as_proposer(drafter), TreeConfig.coerce(tree))
-    if tree is not None:
-        raise UserError("generate takes a plan or a tree, not both: put the tree in the plan (plan={'kind': 'tree', "
-                        "'nodes': ..., 'top_k': ...}).")
-    return parse_plan(plan).resolve(as_proposer(drafter))
+def resolve_run(drafter: Proposer | str | None, plan: Plan | TreeConfig | dict | str | None) -> Run:
+    """What ``generate`` runs: ``plan`` resolved with ``drafter`` (``decoding/plans.py``); without a plan, the
+    drafter's chain, or plain decoding without a drafter."""
+    proposer = as_proposer(drafter)
+    return parse_plan(plan, default="chain" if proposer is not None else "plain").resolve(proposer)
 
 
 def _check_request(drafter: Proposer | None, tree: TreeConfig | None, trace: bool, max_new_tokens: Any) -> None:
     """Refuse a ``generate`` call that cannot run, before the target is touched."""
-    if tree is not None and drafter is None:
-        raise UserError("generate(tree=...) needs a drafter: plain decoding has no draft to arrange in a tree.")
     if tree is not None and trace:
-        raise UserError("generate(trace=True) records chains; decode with tree=None to trace the drafts.")
+        raise UserError("generate(trace=True) records chains; decode with a chain plan to trace the drafts.")
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
 
@@ -170,22 +164,21 @@ def generate(
     sampling: SamplingConfig | None = None,
     drafter: Proposer | str | None = None,
     seed: int | None = None,
-    tree: TreeConfig | dict | None = None,
     trace: bool = False,
-    plan: Plan | dict | str | None = None,
+    plan: Plan | TreeConfig | dict | str | None = None,
 ) -> Generation:
     """Decode one prompt with the target, speculatively when a drafter is given.
 
     ``input_ids``: one prompt (list of ints, 1-D or (1, S) tensor, or a tokenizer's output); ``sampling``: a
     ``SamplingConfig`` or a dict of its fields (None: greedy); ``drafter=None`` decodes plainly with the same code
-    path; ``seed`` makes sampled decoding reproducible; ``tree`` (a ``TreeConfig`` or a dict of its fields) verifies
-    a token tree per round instead of a chain (``decoding/trees.py``); ``trace`` records every round's drafted chain
-    and the target's log-probabilities of it (``Generation.drafts``, ``draft_logp``); ``plan`` says how to decode
-    instead of ``tree`` (``decoding/plans.py``: plain, a chain of fewer slots or one that stops on the drafter's
-    confidence, a tree, n-gram lookup), with ``drafter`` the drafter it drafts with. Stops after ``max_new_tokens``
-    or the target's EOS."""
+    path; ``seed`` makes sampled decoding reproducible; ``trace`` records every round's drafted chain and the target's
+    log-probabilities of it (``Generation.drafts``, ``draft_logp``); ``plan`` says how to decode
+    (``decoding/plans.py``: plain, a chain of fewer slots or one that stops on the drafter's confidence, a tree of
+    the drafter's, a ``TreeConfig`` standing for that tree, n-gram lookup, ...), with ``drafter`` the drafter it
+    drafts with; None is the drafter's chain, or plain decoding without a drafter. Stops after ``max_new_tokens`` or
+    the target's EOS."""
     sampling = SamplingConfig.coerce(sampling)
-    run = resolve_run(drafter, tree, plan)
+    run = resolve_run(drafter, plan)
     drafter, tree = run.proposer, run.tree
     _check_request(drafter, tree, trace, max_new_tokens)
     device = target.device

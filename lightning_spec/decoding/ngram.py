@@ -15,8 +15,8 @@ the longest root path the output follows, which is why the offline evaluator rep
 every sampling config (``decoding.exact.replay_tree_rounds``).
 
 Two uses:
-- alone: ``generate(target, ids, n, drafter="ngram")`` (or an ``NgramDrafter`` with other settings), as a chain of
-  the best continuation or, with ``tree=TreeConfig(...)``, a tree of up to ``top_k`` continuations;
+- alone: ``generate(target, ids, n, plan="ngram")`` (the ``Ngram`` plan's fields set its length), as a chain of
+  the best continuation or, with ``plan=Ngram(nodes=...)``, a trie of up to ``top_k`` continuations;
 - merged into a family's tree: ``TreeConfig(nodes=16, top_k=4, ngram=6)`` offers up to 6 of the 16 nodes to
   n-gram continuations (``merge``): a continuation that the family's tree already drafted costs nothing, new
   nodes displace the family's least valuable ones, so the verify forward stays at 16 + 1 tokens.

@@ -134,7 +134,7 @@ class Chain(Plan):
         drafter = _needs(self, drafter)
         k = min(self.length or drafter.block_size, drafter.block_size)
         if not self.stop_below:
-            return Run(drafter, None, k)
+            return Run(drafter, None, k if k < drafter.block_size else None)  # None: the whole chain, uncut
         if drafter.tree_growth not in (TreeGrowth.BEST_FIRST, TreeGrowth.DYNAMIC):
             raise UserError(f"decoding.stop_below needs a drafter whose chain is its one-child tree (tree growth "
                             f"best_first or dynamic); {type(drafter).__name__} grows "
@@ -323,11 +323,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def parse_plan(value: Plan | dict | str | None, default: str = "chain") -> Plan:
-    """A plan from a ``Plan``, a dict (``{kind: tree, nodes: 16}``), a kind's name (``"chain"``) or None (the
-    ``default`` kind). Anything else, an unknown kind or an unknown field is one sentence naming the fix."""
+def parse_plan(value: Plan | TreeConfig | dict | str | None, default: str = "chain") -> Plan:
+    """A plan from a ``Plan``, a ``TreeConfig`` (that tree of the drafter's), a dict (``{kind: tree, nodes: 16}``), a
+    kind's name (``"chain"``) or None (the ``default`` kind). Anything else, an unknown kind or an unknown field is
+    one sentence naming the fix."""
     if isinstance(value, Plan):
         return value
+    if isinstance(value, TreeConfig):
+        return Tree.of(value)
     if value is None:
         value = default
     if isinstance(value, str):

@@ -106,7 +106,7 @@ def decode_prompts(
     ``progress`` is an optional callable advanced once per prompt; ``plan`` (``decoding/plans.py``; None: the chain)
     says how to decode (a tree's slot k is its depth k in the acceptance counts).
     """
-    run = resolve_run(drafter, None, plan)
+    run = resolve_run(drafter, plan)
     block_size = (run.length or run.proposer.block_size) if run.proposer is not None else 1
     report = DecodeReport(torch.zeros(block_size, dtype=torch.float64), torch.zeros(block_size, dtype=torch.float64))
     for i, prompt in enumerate(prompts):

@@ -2,8 +2,8 @@
 
 On a CPU a target forward over 9 or 17 query tokens costs little more than over 2 (``benchmarks/README.md``), while
 a chain's later slots are rarely reached: spending the same verify width on alternatives for the first slots
-commits more tokens per forward. ``generate(..., tree=TreeConfig(...))`` asks the drafter for a ``TreeProposal``
-(``Drafter.propose_tree``); ``tree=None`` keeps the chain.
+commits more tokens per forward. ``generate(..., plan=TreeConfig(...))`` asks the drafter for a ``TreeProposal``
+(``Drafter.propose_tree``); a chain plan (the default) keeps the chain.
 
 Two builders, by what the drafter can give in one call:
 

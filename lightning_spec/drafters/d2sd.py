@@ -105,7 +105,7 @@ def shared_prefix_tree(paths: list[list[int]], nodes: int) -> tuple[Tensor, Tens
 
 class D2SDDrafter(ParallelBlockDrafter):
     """The variable-prefix drafter of D²SD: DFlash (``ParallelBlockDrafter``) trained with l known tokens after the
-    anchor, decoded as a chain (plain DFlash) or as D²SD's shared-prefix tree (``generate(..., tree=TreeConfig(...))``).
+    anchor, decoded as a chain (plain DFlash) or as D²SD's shared-prefix tree (``generate(..., plan=TreeConfig(...))``).
 
     Args:
         block_size: K, draft proposals per round (the block holds the anchor plus K slots).

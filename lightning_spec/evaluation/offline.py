@@ -169,8 +169,8 @@ def offline_report(
         max_elems: largest logits tensor materialised at once: memory, not results.
         progress: True shows a rich progress bar; a callable is called with the rollouts done per batch.
         tree: score rounds that verify the drafter's tree (``TreeConfig`` or a dict of its fields) instead of a
-            chain, as ``generate(..., tree=...)`` decodes: exact under greedy and sampling for best-first trees
-            (``rounds.tree_accept``), under greedy only for the others (``replay_tree_rounds``).
+            chain, as ``generate(..., plan=TreeConfig(...))`` decodes: exact under greedy and sampling for best-first
+            trees (``rounds.tree_accept``), under greedy only for the others (``replay_tree_rounds``).
     """
     start = time.perf_counter()
     refuse_paths("offline evaluation", target=target, rollouts=rollouts)

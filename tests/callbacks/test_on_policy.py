@@ -82,8 +82,8 @@ def test_first_rejections_only_for_drafters_that_read_their_drafts():
     assert full["rejected"].tolist() == [[-1, 1, 2], [3, 4, 5], [-1, -1, -1]]
     assert first["rejected"].tolist() == [[-1, 1, -1], [3, -1, -1], [-1, -1, -1]]
     assert full["rejected_logp"][0].tolist() == [0.0, -2.0, -3.0]
-    with pytest.raises(ValueError, match="tree=None to trace"):
-        generate(None, [1], 3, drafter="ngram", tree={"nodes": 4}, trace=True)
+    with pytest.raises(ValueError, match="decode with a chain plan to trace"):
+        generate(None, [1], 3, plan={"kind": "ngram", "nodes": 4}, trace=True)
 
 
 # ---------------------------------------------------------------------------------------------- Draft-OPD

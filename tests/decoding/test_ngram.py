@@ -125,7 +125,7 @@ def test_greedy_decoding_equals_the_argmax_loop(name, diverse_target, prompts):
     drafter, tree = drafter_for(name, diverse_target, prompts)
     accepted = 0
     for prompt in prompts:
-        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, plan=tree)
         assert out.tokens == argmax_reference(diverse_target, prompt, MAX_NEW), (name, prompt)
         accepted += sum(out.accept_lengths)
         assert max(out.draft_lengths) <= (tree.nodes if tree else drafter.block_size)
@@ -137,8 +137,8 @@ def test_merged_ngrams_add_accepted_tokens_to_the_familys_tree(diverse_target, p
     text that repeats (a random target's greedy output loops)."""
     drafter, tree = drafter_for("dflash + ngram", diverse_target, prompts)
     plain_tree = TreeConfig(nodes=tree.nodes, top_k=tree.top_k)
-    with_ngrams = sum(generate(diverse_target, p, MAX_NEW, drafter=drafter, tree=tree).rounds for p in prompts)
-    without = sum(generate(diverse_target, p, MAX_NEW, drafter=drafter, tree=plain_tree).rounds for p in prompts)
+    with_ngrams = sum(generate(diverse_target, p, MAX_NEW, drafter=drafter, plan=tree).rounds for p in prompts)
+    without = sum(generate(diverse_target, p, MAX_NEW, drafter=drafter, plan=plain_tree).rounds for p in prompts)
     assert with_ngrams < without
 
 
@@ -154,7 +154,7 @@ def test_sampled_decoding_is_lossless(name, make_random_llama):
     counts = torch.zeros(v**new, dtype=torch.float64)
     accepted = []
     for seed in range(800):
-        out = generate(target, prompt, new, T1, drafter=drafter, seed=seed, tree=tree)
+        out = generate(target, prompt, new, T1, drafter=drafter, seed=seed, plan=tree)
         counts[sum(t * v ** (new - 1 - j) for j, t in enumerate(out.tokens))] += 1
         accepted.append(out.accept_lengths[0])
     assert_matches(counts, exact_joint(target, prompt, T1, new), v, new, name)
@@ -167,7 +167,7 @@ def test_offline_rounds_equal_the_engines_on_every_output(name, diverse_target, 
     for sampling in [GREEDY, T1] if name in CHOSEN else [GREEDY]:
         pairs, real = [], []
         for i, prompt in enumerate(prompts * (1 if sampling.greedy else 3)):
-            out = generate(diverse_target, prompt, MAX_NEW, sampling, drafter=drafter, seed=i, tree=tree)
+            out = generate(diverse_target, prompt, MAX_NEW, sampling, drafter=drafter, seed=i, plan=tree)
             pairs.append((prompt, out.tokens))
             real.append(float(out.rounds))
         assert sum(real) < sum(len(tokens) for _, tokens in pairs), (name, sampling)  # drafts were accepted
@@ -205,7 +205,7 @@ def test_a_merged_tree_commits_the_verified_tokens_into_the_drafters_own_state(f
     drafter._commit = spy
     for prompt in prompts:
         committed.clear()
-        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, plan=tree)
         text = prompt + out.tokens
         assert len(committed) > len(prompt) and committed == text[: len(committed)], (family, prompt)
 
@@ -217,6 +217,6 @@ def test_a_merged_ngram_trie_commits_the_verified_tokens(diverse_target, prompts
     begin = drafter.begin
     drafter.begin = lambda *a: states.append(begin(*a)) or states[-1]
     for prompt in prompts:
-        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, plan=tree)
         history = states[-1].history
         assert len(history) > len(prompt) and history == (prompt + out.tokens)[: len(history)], prompt

@@ -67,8 +67,6 @@ def test_plans_that_cannot_run_say_why(diverse_target):
         generate(diverse_target, [1, 2], 4, plan="chain")
     with pytest.raises(UserError, match="decoding 'auto' is chosen on calibration prompts first"):
         generate(diverse_target, [1, 2], 4, plan="auto")
-    with pytest.raises(UserError, match="generate takes a plan or a tree, not both"):
-        generate(diverse_target, [1, 2], 4, plan="plain", tree={"nodes": 4})
     dspark = build("dspark", diverse_target, 3)
     assert dspark.tree_growth is TreeGrowth.NONE
     with pytest.raises(UserError, match="decoding.stop_below needs a drafter whose chain is its one-child tree"):

@@ -1,4 +1,4 @@
-"""Tree decoding with real drafters: the best-first top-k builder (``decoding/trees.py``) and ``generate(tree=...)``.
+"""Tree decoding with real drafters: the best-first top-k builder (``decoding/trees.py``) and ``generate(plan=...)``.
 
 - the builder returns exactly the ``nodes`` most valuable nodes of the full top-k tree (value = product of q along
   the root path), parents before children, siblings best first;
@@ -159,12 +159,12 @@ def test_sampled_tree_decoding_is_lossless(tree_family, make_random_llama):
 def test_left_to_right_families_refuse_a_tree_in_one_sentence(family, diverse_target):
     drafter = build(family, diverse_target, k=3)
     with pytest.raises(ValueError, match="decode it as a chain"):
-        generate(diverse_target, [1, 2, 3], 4, drafter=drafter, tree=TreeConfig())
+        generate(diverse_target, [1, 2, 3], 4, drafter=drafter, plan=TreeConfig())
 
 
 def test_a_tree_without_a_drafter_is_one_sentence(diverse_target):
-    with pytest.raises(ValueError, match="needs a drafter"):
-        generate(diverse_target, [1, 2, 3], 4, tree=TreeConfig())
+    with pytest.raises(ValueError, match="decoding 'tree' drafts with a drafter, and none was given"):
+        generate(diverse_target, [1, 2, 3], 4, plan=TreeConfig())
 
 
 def test_after_a_tree_round_the_drafter_sees_what_a_fresh_prefill_of_the_committed_tokens_gives(
@@ -190,7 +190,7 @@ def test_after_a_tree_round_the_drafter_sees_what_a_fresh_prefill_of_the_committ
 
     setattr(drafter, hook, recording)
     prompt = max(prompts, key=len)
-    out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=TreeConfig(nodes=6, top_k=3))
+    out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, plan=TreeConfig(nodes=6, top_k=3))
     delattr(drafter, hook)
     assert any(a > 0 for a in out.accept_lengths)
     committed = prompt + out.tokens
@@ -214,7 +214,7 @@ def test_offline_tree_rounds_equal_the_engines_on_every_output(best_first_family
     tree = TreeConfig(nodes=12, top_k=4)
     pairs, real = [], []
     for i, prompt in enumerate(prompts * (1 if sampling.greedy else 4)):
-        out = generate(diverse_target, prompt, MAX_NEW, sampling, drafter=drafter, seed=i, tree=tree)
+        out = generate(diverse_target, prompt, MAX_NEW, sampling, drafter=drafter, seed=i, plan=tree)
         pairs.append((prompt, out.tokens))
         real.append(float(out.rounds))
     assert sum(real) < sum(len(tokens) for _, tokens in pairs)  # drafts were accepted
@@ -236,7 +236,7 @@ def test_offline_greedy_tree_rounds_replay_the_engines(family, diverse_target, p
     tree = TreeConfig(nodes=8, top_k=3)
     pairs, real = [], []
     for prompt in prompts:
-        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+        out = generate(diverse_target, prompt, MAX_NEW, drafter=drafter, plan=tree)
         pairs.append((prompt, out.tokens))
         real.append(float(out.rounds))
     assert sum(real) < sum(len(tokens) for _, tokens in pairs)  # drafts were accepted

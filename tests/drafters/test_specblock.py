@@ -380,6 +380,6 @@ def test_save_and_load_round_trip(accepted_drafter, diverse_target, prompts, tmp
         assert torch.equal(a, b), key
     tree = TreeConfig(nodes=8)
     for prompt in prompts[:2]:
-        assert generate(diverse_target, prompt, MAX_NEW, drafter=loaded, tree=tree).tokens == generate(
-            diverse_target, prompt, MAX_NEW, drafter=accepted_drafter, tree=tree
+        assert generate(diverse_target, prompt, MAX_NEW, drafter=loaded, plan=tree).tokens == generate(
+            diverse_target, prompt, MAX_NEW, drafter=accepted_drafter, plan=tree
         ).tokens

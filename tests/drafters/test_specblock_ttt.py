@@ -295,7 +295,7 @@ def test_offline_rounds_equal_the_engines_with_three_blocks(ttt_drafter, diverse
     for kind in (None, tree):
         pairs, real = [], []
         for prompt in prompts:
-            out = generate(diverse_target, prompt, MAX_NEW, drafter=ttt_drafter, tree=kind)
+            out = generate(diverse_target, prompt, MAX_NEW, drafter=ttt_drafter, plan=kind)
             pairs.append((prompt, out.tokens))
             real.append(float(out.rounds))
             assert out.tokens == argmax_reference(diverse_target, prompt, MAX_NEW)
@@ -311,8 +311,8 @@ def test_save_and_load_round_trip_with_three_blocks(ttt_drafter, diverse_target,
         assert torch.equal(a, b), key
     for tree in (None, TreeConfig(nodes=8)):
         for prompt in prompts[:2]:
-            assert generate(diverse_target, prompt, MAX_NEW, drafter=loaded, tree=tree).tokens == generate(
-                diverse_target, prompt, MAX_NEW, drafter=ttt_drafter, tree=tree).tokens
+            assert generate(diverse_target, prompt, MAX_NEW, drafter=loaded, plan=tree).tokens == generate(
+                diverse_target, prompt, MAX_NEW, drafter=ttt_drafter, plan=tree).tokens
     sampled = generate(diverse_target, prompts[0], 8, T1, drafter=loaded, seed=0)
     assert sampled.tokens == generate(diverse_target, prompts[0], 8, T1, drafter=ttt_drafter, seed=0).tokens
 

@@ -44,7 +44,7 @@ def assert_greedy_tree_is_the_argmax_loop(drafter, target, prompts, tree: TreeCo
     accepted = 0
     with committed_paths() as paths:
         for prompt in prompts:
-            out = generate(target, prompt, MAX_NEW, drafter=drafter, tree=tree)
+            out = generate(target, prompt, MAX_NEW, drafter=drafter, plan=tree)
             assert out.tokens == argmax_reference(target, prompt, MAX_NEW), prompt
             accepted += sum(out.accept_lengths)
             assert max(out.draft_lengths) <= tree.nodes
@@ -59,7 +59,7 @@ def tree_empirical(target, drafter, runs: int = 800):
     counts = torch.zeros(v**NEW, dtype=torch.float64)
     first = []
     for seed in range(runs):
-        out = generate(target, PROMPT, NEW, T1, drafter=drafter, seed=seed, tree={"nodes": 4, "top_k": 3})
+        out = generate(target, PROMPT, NEW, T1, drafter=drafter, seed=seed, plan=TreeConfig(nodes=4, top_k=3))
         counts[sum(t * v ** (NEW - 1 - j) for j, t in enumerate(out.tokens))] += 1
         first.append(out.accept_lengths[0])
     return counts, first

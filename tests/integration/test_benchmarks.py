@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_decode_speed_compares_chain_tree_and_plain():
     out = run_benchmark("decode_speed.py", "--target", "tiny-random", "--prompts", "2", "--max-new-tokens", "8",
-                        "--repeats", "2", "--no-peers", "--tree", "6,2", "--threads", "1")
+                        "--repeats", "2", "--no-peers", "--plan", "{kind: tree, nodes: 6, top_k: 2}", "--threads", "1")
     assert "speculative / plain tokens/s" in out and "tree / chain" in out
     assert "greedy outputs identical on 2/2 prompts" in out  # chain and tree both
     assert "tree of 6+1 tokens (verify)" in out
@@ -140,7 +140,7 @@ def test_testbed_recipe_trains_scores_times_and_resumes(tmp_path):
     out, cache = tmp_path / "testbed", tmp_path / "cache"
     args = ("--target", "tiny-random", "--out", str(out), "--rows", "24", "--max-length", "64", "--steps", "2",
             "--eval-prompts", "2", "--eval-tokens", "8", "--speed-prompts", "1", "--speed-tokens", "8",
-            "--speed-tree", "4,2", "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}")
+            "--speed-tree", "{kind: tree, nodes: 4, top_k: 2}", "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}")
     env = {"LIGHTNING_SPEC_CACHE": str(cache)}
     text = run_benchmark("testbed.py", *args, env=env)
     summary = json.loads((out / "summary.json").read_text())

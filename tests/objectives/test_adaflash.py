@@ -328,10 +328,10 @@ def test_trees_ignore_the_head(diverse_target, make_block_drafter):
                                              logits=False).features)
         anchor = torch.tensor(prompt[-1:])
         with_cut = drafter.position_logits(state, anchor)
-        grown = generate(diverse_target, prompt, 12, GREEDY, drafter=drafter, tree=tree)
+        grown = generate(diverse_target, prompt, 12, GREEDY, drafter=drafter, plan=tree)
         drafter.use_length_head = False
         assert torch.equal(drafter.position_logits(state, anchor), with_cut)
-        full = generate(diverse_target, prompt, 12, GREEDY, drafter=drafter, tree=tree)
+        full = generate(diverse_target, prompt, 12, GREEDY, drafter=drafter, plan=tree)
         drafter.use_length_head = True
         assert grown.tokens == full.tokens == argmax_reference(diverse_target, prompt, 12)
         assert grown.draft_lengths == full.draft_lengths and grown.rounds == full.rounds
@@ -343,7 +343,7 @@ def test_offline_tree_rounds_with_the_head_are_the_real_tree_rounds(small_target
     tree = TreeConfig(nodes=4, top_k=2)
     pairs, real = [], []
     for prompt in ([1, 5, 3, 0], [6, 2], [2, 2, 7, 1, 4, 4], [0, 1, 3]):
-        gen = generate(small_target, prompt, 16, GREEDY, drafter=drafter, tree=tree)
+        gen = generate(small_target, prompt, 16, GREEDY, drafter=drafter, plan=tree)
         pairs.append((prompt, gen.tokens))
         real.append(float(gen.rounds))
     assert offline_rounds(small_target, drafter, pairs, GREEDY, tree=tree, batch_size=2).tolist() == real
