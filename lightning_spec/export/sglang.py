@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_spec.drafters import DFlashDrafter, Eagle3Drafter
+from lightning_spec.drafters import DFlashDrafter, Drafter, Eagle3Drafter
 from lightning_spec.errors import UserError
 from lightning_spec.export.common import layer_config
 from lightning_spec.export.speculators import DFlashCodec, Eagle3Codec
@@ -28,6 +28,12 @@ from lightning_spec.export.speculators import DFlashCodec, Eagle3Codec
 
 class SGLangEagle3Codec(Eagle3Codec):
     layer_prefix = "midlayer."
+
+    def check(self, drafter: Drafter) -> None:
+        on = [flag for flag in ("norm_before_fc", "fc_norm", "norm_output") if getattr(drafter, flag)]
+        if on:  # this layout is written from SGLang's loader of EAGLE-3 as published, which has no such fields
+            raise UserError(f"the SGLang layout holds EAGLE-3 as published, and this drafter has EAGLE-3.1's "
+                            f"{', '.join(on)}: export it in the speculators format (--format speculators).")
 
     def write(self, d: Eagle3Drafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
         config = layer_config(d, "llama", 1, d.layer.gate_proj.out_features)

@@ -14,8 +14,11 @@ vLLM (``make serve-check``), DSpark's and MTP's against the speculators library'
   hidden state by the layer it enters (vLLM records the residual stream *before* layer i), so id = ours + 1.
 * Draft vocabulary. ``d2t`` (Vd,) int64 offsets, target id = i + d2t[i]; ``t2d`` (V,) bool.
 * EAGLE-3's layer keeps its residual stream un-normed (``norm_before_residual: false``; vLLM defaults to true when
-  the field is absent, so it is always written) and feeds the pre-norm state to the next step (``norm_output:
-  false``).
+  the field is absent, so it is always written). EAGLE-3.1's three options are written as they are set, each with
+  the keys vLLM 0.32 loads for it: ``norm_before_fc`` (``input_norm.weight``, over the concatenated features),
+  ``fc_norm`` (``fc_norm.<i>.weight``, one per feature layer) and ``norm_output`` (the next step reads the normed
+  state; no weights). vLLM drops ``input_norm.*`` silently when ``norm_before_fc`` is false, so a mismatch between
+  flag and keys is refused on read.
 * DFlash counts the anchor in its block (``block_size`` = our K + 1, ``sample_from_anchor: false``); the block is
   bidirectional, and vLLM reads ``sliding_window_non_causal: false`` as "make every layer causal", so true is
   written (speculators applies it to sliding-window layers only, which these drafters have none of). The mask
@@ -92,9 +95,16 @@ class Eagle3Codec:
     def check(self, drafter: Drafter) -> None:
         pass  # every Eagle3Drafter option has a field in the format
 
+    def option_names(self, d: Eagle3Drafter) -> dict[str, str]:
+        """EAGLE-3.1's norms, where on: our keys -> the format's."""
+        names = {"input_norm.weight": "input_norm.weight"} if d.norm_before_fc else {}
+        if d.fc_norm:
+            names.update({f"fc_norms.{i}.weight": f"fc_norm.{i}.weight" for i in range(len(d.target_layers))})
+        return names
+
     def tensors(self, d: Eagle3Drafter) -> dict[str, torch.Tensor]:
         state = d.state_dict()
-        out = {theirs: state[ours] for ours, theirs in self.layer_names().items()}
+        out = {theirs: state[ours] for ours, theirs in {**self.layer_names(), **self.option_names(d)}.items()}
         head = d.lm_head if d.own_head else d.vocab.head_weight(d.target.lm_head)
         out.update({"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"], "lm_head.weight": head,
                     **vocab_tensors(d)})  # no embed_tokens: the target's, which vLLM shares when the folder has none
@@ -108,9 +118,9 @@ class Eagle3Codec:
             "transformer_layer_config": layer_config(d, "llama", 1, d.layer.gate_proj.out_features),
             "draft_vocab_size": d.vocab.ids.numel(),
             "norm_before_residual": False,
-            "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
+            "norm_before_fc": d.norm_before_fc,
+            "fc_norm": d.fc_norm,
+            "norm_output": d.norm_output,
             "embed_requires_grad": False,
             "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in d.target_layers],
@@ -123,9 +133,15 @@ class Eagle3Codec:
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         what = f"{what} '{folder}'"
         layer = config.get("transformer_layer_config") or {}
-        for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
-            if config.get(flag):
-                raise UserError(f"{what} is an EAGLE-3 drafter with {flag}: true, which Eagle3Drafter does not have.")
+        if config.get("norm_before_residual"):
+            raise UserError(f"{what} is an EAGLE-3 drafter with norm_before_residual: true, which Eagle3Drafter does "
+                            "not have.")
+        options = {flag: bool(config.get(flag)) for flag in ("norm_before_fc", "fc_norm", "norm_output")}
+        for flag, key in (("norm_before_fc", "input_norm.weight"), ("fc_norm", "fc_norm.0.weight")):
+            if options[flag] != (key in tensors):
+                has = "has" if key in tensors else "lacks"
+                raise UserError(f"{what} says {flag}: {str(options[flag]).lower()} and {has} {key}; a server would "
+                                f"{'drop' if key in tensors else 'miss'} those weights: fix config.json's {flag}.")
         if int(layer.get("num_hidden_layers", 1)) != 1:
             raise UserError(
                 f"{what} is an EAGLE-3 drafter with {layer['num_hidden_layers']} layers; Eagle3Drafter has one."
@@ -136,15 +152,18 @@ class Eagle3Codec:
         vocab_size = int(layer.get("vocab_size") or tensors["t2d"].numel())
         draft_size = int(config.get("draft_vocab_size") or vocab_size)
         ids = vocab_ids(tensors, vocab_size, draft_size, what)
-        state = take(tensors, {"fc.weight": "fc.weight", "norm.weight": "norm.weight", **self.layer_names()}, what)
-        state.update({"vocab.ids": ids, "vocab.ready": torch.tensor(True)})
         ours = {
             "block_size": proposal_tokens(config, 7),
             "target_layers": [int(i) - 1 for i in aux],
             "draft_vocab_size": draft_size if draft_size < vocab_size else None,
             "intermediate_size": int(layer.get("intermediate_size")) if layer.get("intermediate_size") else None,
             "own_head": True,  # a foreign drafter's head is its own (EAGLE-3 trains it)
+            **options,
         }
+        names = {**self.layer_names(), **self.option_names(Eagle3Drafter(target_layers=ours["target_layers"],
+                                                                           **options))}
+        state = take(tensors, {"fc.weight": "fc.weight", "norm.weight": "norm.weight", **names}, what)
+        state.update({"vocab.ids": ids, "vocab.ready": torch.tensor(True)})
         rec = record(Eagle3Drafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
         if rec["drafter_config"].get("own_head"):
             state["lm_head"] = take(tensors, {"lm_head": "lm_head.weight"}, what)["lm_head"]

@@ -49,7 +49,8 @@ CHAIN_ONLY = sorted(f for f, g in GROWTH.items() if g is TreeGrowth.NONE)
 
 def test_the_declarations_give_the_known_tree_builders():
     """The declarations agree with what each family's paper builds."""
-    assert (BEST_FIRST, DYNAMIC, OWN_TREES) == (["dflash", "medusa"], ["eagle3", "mtp"], ["d2sd", "specblock"])
+    assert (BEST_FIRST, DYNAMIC, OWN_TREES) == (["dflash", "medusa"], ["eagle3", "eagle3_1", "mtp"],
+                                              ["d2sd", "specblock"])
 
 
 @pytest.mark.parametrize("depth,top_k,nodes", [(3, 3, 7), (4, 2, 30), (2, 4, 5), (5, 1, 3)])
@@ -225,7 +226,7 @@ def test_offline_tree_rounds_equal_the_engines_on_every_output(best_first_family
 
 # steps at which each family's tree and chain need different rounds on these prompts (fully trained, both accept
 # every slot), so the test also tells a scored tree from a scored chain
-PARTLY_TRAINED = {"eagle3": 10, "mtp": 5, "d2sd": 20, "specblock": 10}
+PARTLY_TRAINED = {"eagle3": 10, "eagle3_1": 10, "mtp": 5, "d2sd": 20, "specblock": 10}
 
 
 @pytest.mark.parametrize("family", DYNAMIC + OWN_TREES)

@@ -15,17 +15,23 @@ K = 4
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 
 
-@pytest.fixture(scope="module")
-def drafter(diverse_target):
-    """An untrained EAGLE-3 drafter on a reduced draft vocabulary (so draft ids and target ids differ)."""
+EAGLE3_1 = {"norm_before_fc": True, "fc_norm": True, "norm_output": True}
+
+
+@pytest.fixture(scope="module", params=["eagle3", "eagle3.1"])
+def drafter(request, diverse_target):
+    """An untrained EAGLE-3 drafter on a reduced draft vocabulary (so draft ids and target ids differ), as published
+    and with EAGLE-3.1's options."""
     torch.manual_seed(0)
-    d = Eagle3Drafter(block_size=K, draft_vocab_size=48)
+    d = Eagle3Drafter(block_size=K, draft_vocab_size=48, **(EAGLE3_1 if request.param == "eagle3.1" else {}))
     d.bind(diverse_target)
     d.vocab.set_from_counts(torch.rand(diverse_target.vocab_size))
     with torch.no_grad():  # larger weights than the 0.02 init, so every entry visibly matters
-        for p in d.parameters():
+        for name, p in d.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)
+            elif "norm" in name:  # norms away from 1, so a norm applied to the wrong input shows
+                p.uniform_(0.5, 1.5)
     return d.eval()
 
 
@@ -41,9 +47,17 @@ def by_hand(d, ids, feats, n, inputs):
     """Slot logits (K, Vd) of the round anchored at n, written out entry by entry with one dense attention per slot.
 
     Entries: committed position p < n is [e(x_p) ; g_{p-1}] (g_{-1} = 0); slot t is at position n + t - 1 with
-    [e(inputs[t - 1]) ; u_t], u_1 = g_{n-1} and u_t = the layer's output at slot t - 1 (inputs[0] = x_n)."""
+    [e(inputs[t - 1]) ; u_t], u_1 = g_{n-1} and u_t = the layer's output at slot t - 1 (inputs[0] = x_n), normed by
+    the final norm under EAGLE-3.1's ``norm_output``; g = fc(features), each feature layer normed first under
+    ``fc_norm`` and the concatenation under ``norm_before_fc``."""
     layer, theta = d.layer, d.rope_theta
-    g = d.fc(feats[0])  # (S, H)
+    x = feats[0]  # (S, len(target_layers) * H)
+    if d.norm_before_fc:
+        x = d.input_norm(x)
+    if d.fc_norm:
+        h = x.shape[-1] // len(d.target_layers)
+        x = torch.cat([d.fc_norms[i](x[:, i * h : (i + 1) * h]) for i in range(len(d.target_layers))], -1)
+    g = d.fc(x)  # (S, H)
     zero = torch.zeros_like(g[0])
     entries = [(int(ids[0, p]), g[p - 1] if p else zero, p) for p in range(n)]
     u, out = g[n - 1] if n else zero, []
@@ -60,8 +74,9 @@ def by_hand(d, ids, feats, n, inputs):
         attn = ((q @ k.transpose(-1, -2)) / dim**0.5).softmax(-1) @ v  # (Hq, 1, D)
         h = u + layer.o_proj(attn.reshape(-1))
         y = layer.post_norm(h)
-        u = h + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
-        out.append(d.head(d.norm(u)))
+        h = h + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
+        out.append(d.head(d.norm(h)))
+        u = d.norm(h) if d.norm_output else h
     return torch.stack(out)  # (K, Vd)
 
 

@@ -27,6 +27,7 @@ from lightning_spec.cli import main
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import Anchors, DFlashDrafter, DSparkDrafter, Eagle3Drafter, MedusaDrafter, MTPDrafter
 from lightning_spec.drafters.block import ParallelBlockDrafter
+from lightning_spec.errors import UserError
 from lightning_spec.export import export_drafter
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, Objective
@@ -35,6 +36,8 @@ EXPORTABLE = {  # name -> (drafter, the formats that hold it)
     "eagle3": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48), ("speculators", "sglang")),
     "eagle3_own_head": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48, own_head=True),
                         ("speculators", "sglang")),
+    "eagle3_1": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48, norm_before_fc=True,
+                                         fc_norm=True, norm_output=True), ("speculators",)),
     "dflash": (lambda k: DFlashDrafter(block_size=k, num_layers=2, num_anchors=64, draft_vocab_size=48, qk_norm=True,
                                       mask_token_id=5), ("speculators", "sglang")),
     "dspark": (lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, draft_vocab_size=48, qk_norm=True,
@@ -132,12 +135,22 @@ def test_serving_fields_carry_the_conventions(name, trained_exportable, diverse_
     if name.startswith("eagle3"):
         assert config["norm_before_residual"] is False  # vLLM's default is true: the field must be written
         assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
+        # EAGLE-3.1's flags as set, each with the keys vLLM 0.32 loads for it
+        on = name == "eagle3_1"
+        assert (config["norm_before_fc"], config["fc_norm"], config["norm_output"]) == (on, on, on)
+        assert ("input_norm.weight" in tensors) is on
+        assert sorted(k for k in tensors if k.startswith("fc_norm.")) == (
+            [f"fc_norm.{i}.weight" for i in range(len(drafter.target_layers))] if on else [])
     elif name == "dflash":
         assert config["block_size"] == drafter.block_size + 1 and config["sample_from_anchor"] is False
         assert config["sliding_window_non_causal"] is True  # vLLM reads false as "every layer causal"
         assert layer["model_type"] == "qwen3" and "layers.1.self_attn.q_norm.weight" in tensors
         mask = torch.load(tmp_path / "s" / "mask_embedding.pt", weights_only=True)
         assert mask["mask_token_id"] == 5 and torch.equal(mask["embedding"], drafter.mask_embedding[0].detach())
+    if name == "eagle3_1":  # SGLang's layout is written from its loader of EAGLE-3 as published
+        with pytest.raises(UserError, match="export it in the speculators format"):
+            export_drafter(drafter, tmp_path / "g", "sglang")
+        return
     if not name.startswith(("eagle3", "dflash")):
         return  # the families only the speculators format holds: test_dspark_and_mtp_fields_carry_the_conventions
     sglang = export_drafter(drafter, tmp_path / "g", "sglang")
@@ -147,6 +160,18 @@ def test_serving_fields_carry_the_conventions(name, trained_exportable, diverse_
     else:
         dflash = json.loads((sglang / "config.json").read_text())["dflash_config"]
         assert dflash == {"mask_token_id": 5, "target_layer_ids": drafter.target_layers}
+
+
+@pytest.mark.parametrize("flag,key", [("norm_before_fc", "input_norm.weight"), ("fc_norm", "fc_norm.0.weight")])
+def test_an_eagle3_1_flag_that_disagrees_with_its_weights_is_refused(flag, key, trained_exportable, diverse_target,
+                                                                       tmp_path):
+    """vLLM drops ``input_norm.*`` without a word when ``norm_before_fc`` is false (vllm #38111): a folder whose flag
+    and weights disagree would serve a different drafter than the one trained, so reading it refuses."""
+    folder = export_drafter(trained_exportable("eagle3_1"), tmp_path / "s", "speculators")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, flag: False}))
+    with pytest.raises(UserError, match=f"says {flag}: false and has {key}"):
+        load_drafter(folder, target=diverse_target)
 
 
 @pytest.mark.parametrize("name", ["dspark", "dspark_rnn", "mtp"])
