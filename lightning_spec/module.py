@@ -45,6 +45,7 @@ from lightning_spec.features.store import FeatureStore, StoreSpec, dtype_name, h
 from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.objective import Objective, TargetInfo
+from lightning_spec.optimizers import OPTIMIZERS, build_optimizer
 from lightning_spec.schedule import TrainingClock
 from lightning_spec.target import TargetOptions, load_target, resolve_dtype
 from lightning_spec.tracking import checkpoint_record, log_comparison, mlflow_loggers
@@ -95,9 +96,12 @@ class DraftModule(L.LightningModule):
             same options (``data.target_options`` is linked to this field).
         target_dtype: dtype of the frozen target: ``float32`` on CPU, ``bfloat16`` on GPUs, ``auto``: bf16 where the
             device multiplies it natively (``target.resolve_dtype``).
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay.
+        lr: peak learning rate (AdamW's; Muon's too unless ``muon_lr``).
+        weight_decay: weight decay of the matrices (AdamW's decoupled decay; Muon's).
         betas: AdamW betas.
+        optimizer: ``adamw`` or ``muon``: Muon on the hidden matrices, AdamW on norms, tables and heads
+            (``optimizers.py``; the speculators trainer's default since its RFC #979).
+        muon_lr: Muon's peak learning rate (None: ``lr``; Muon's update is scaled to AdamW's RMS).
         warmup_ratio: fraction of the optimizer steps with a linear warm-up.
         min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
         feature_cache: ``disk`` writes the target's features of each training example to a feature store the first
@@ -134,6 +138,8 @@ class DraftModule(L.LightningModule):
         lr: float = 6e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
+        optimizer: Literal["adamw", "muon"] = "adamw",
+        muon_lr: float | None = None,
         warmup_ratio: float = 0.04,
         min_lr_ratio: float = 0.1,
         feature_cache: Literal["memory", "disk", "off"] = "memory",
@@ -151,6 +157,10 @@ class DraftModule(L.LightningModule):
         if feature_cache not in ("memory", "disk", "off"):
             raise UserError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
         check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio)
+        if optimizer not in OPTIMIZERS:
+            raise UserError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}.")
+        if muon_lr is not None and not (math.isfinite(muon_lr) and muon_lr > 0):
+            raise UserError(f"model.muon_lr is {muon_lr}; it must be a learning rate > 0, or null for model.lr.")
         if shard_target and (feature_cache != "off" or feature_dtype not in ("target", target_dtype)):
             raise UserError(
                 "model.shard_target runs the target's forward on every rank in step, so each rank must compute the "
@@ -493,13 +503,8 @@ class DraftModule(L.LightningModule):
     # ------------------------------------------------------------------------------------------ optimizer
     def configure_optimizers(self):
         hp = self.hparams
-        decay = [p for p in self.drafter.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.drafter.parameters() if p.requires_grad and p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-        )
+        opt = build_optimizer(self.drafter, hp.get("optimizer", "adamw"), hp.lr, hp.weight_decay, tuple(hp.betas),
+                              hp.get("muon_lr"))
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup_ratio * total)
         self._clock = TrainingClock(total, warmup, self._time_budget())
