@@ -14,13 +14,14 @@ from lightning_spec.drafters.dspark import DSparkDrafter
 from lightning_spec.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.drafters.medusa import MedusaDrafter
 from lightning_spec.drafters.mtp import MTPDrafter
+from lightning_spec.drafters.peagle import PEagleDrafter
 from lightning_spec.drafters.specblock import SpecBlockDrafter
 
 FAMILIES: dict[str, type[Drafter]] = {
     cls.family: cls
     for cls in (
         DFlashDrafter, DSparkDrafter, D2SDDrafter, DFlyDrafter, DominoDrafter, Eagle3Drafter, MedusaDrafter,
-        MTPDrafter, SpecBlockDrafter,
+        MTPDrafter, PEagleDrafter, SpecBlockDrafter,
     )
 }
 
@@ -52,5 +53,5 @@ def family_class(drafter: Drafter) -> type[Drafter] | None:
 __all__ = [
     "FAMILIES", "RENAMED", "Anchors", "BlockDrafter", "D2SDDrafter", "DFlashDrafter", "DFlyDrafter", "DominoDrafter",
     "DSparkDrafter", "DraftOutput", "DraftVocab", "Drafter", "Eagle3Drafter", "MTPDrafter", "MedusaDrafter",
-    "SpecBlockDrafter", "VPDrafter", "class_path_now", "family_class",
+    "PEagleDrafter", "SpecBlockDrafter", "VPDrafter", "class_path_now", "family_class",
 ]

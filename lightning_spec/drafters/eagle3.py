@@ -24,7 +24,8 @@ Reads top to bottom:
 5. Reduced vocabulary: the head covers the draft vocabulary (``DraftVocab``, EAGLE-3's d2t / t2d).
 6. EAGLE-3.1's options, off by default (EAGLE-3 as published; vLLM reads each from the exported config, and the
    speculators trainer turns ``norm_before_fc`` and ``norm_output`` on by default):
-   - ``norm_before_fc``: one RMSNorm over the concatenated features before ``fc`` (``input_norm``, 3H wide);
+   - ``norm_before_fc``: one RMSNorm over the concatenated features before ``fc`` (``input_norm``, 3H wide; the
+     speculators format takes it or ``fc_norm``, not both);
    - ``fc_norm``: one RMSNorm per feature layer before the concatenation (``fc_norms.<i>``, H wide each): the
      layers' scales differ by orders of magnitude (a late layer's residual stream is far larger than an early
      one's), and ``fc`` otherwise sees mostly the largest;
@@ -69,6 +70,7 @@ from lightning_spec.drafters.layers import (
     low_mid_high_layers,
     rope,
 )
+from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -191,6 +193,10 @@ class Eagle3Drafter(Drafter):
         super().__init__(block_size, target_layers, num_anchors, draft_vocab_size)
         self.intermediate_size = intermediate_size
         self.own_head = own_head
+        if norm_before_fc and fc_norm:
+            raise UserError("Eagle3Drafter.norm_before_fc and fc_norm are two ways to norm the target features "
+                            "before fc (over their concatenation, or per layer) and the speculators format takes one: "
+                            "set one of them.")
         self.norm_before_fc, self.fc_norm, self.norm_output = norm_before_fc, fc_norm, norm_output
 
     # ------------------------------------------------------------------------------------------- building

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_spec.drafters import DFlashDrafter, Drafter, DSparkDrafter, Eagle3Drafter, MTPDrafter
+from lightning_spec.drafters import DFlashDrafter, Drafter, DSparkDrafter, Eagle3Drafter, MTPDrafter, PEagleDrafter
 from lightning_spec.errors import UserError
 from lightning_spec.export.common import layer_config, read_json, record, take, vocab_ids, vocab_tensors
 
@@ -167,6 +167,47 @@ class Eagle3Codec:
         rec = record(Eagle3Drafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
         if rec["drafter_config"].get("own_head"):
             state["lm_head"] = take(tensors, {"lm_head": "lm_head.weight"}, what)["lm_head"]
+        return rec, state
+
+
+class PEagleCodec(Eagle3Codec):
+    """PEagleDrafter <-> the speculators ``eagle3`` layout plus P-EAGLE's two additions as vLLM 0.32 reads them for
+    ``parallel_drafting``: ``mask_token_id`` in config.json (the masked slots' token) and ``mask_hidden`` (1, F) in
+    the weights (the placeholder features, which vLLM passes through ``combine_hidden_states``). ``parallel_drafting:
+    true`` marks the folder as P-EAGLE's for readers (vLLM takes it from the serving command)."""
+
+    vllm, serving_note = "eagle3", "serve with speculative_config parallel_drafting: true (one draft call per round)"
+
+    def check(self, drafter: Drafter) -> None:
+        pass  # every PEagleDrafter option has a field in the format
+
+    def tensors(self, d: Eagle3Drafter) -> dict[str, torch.Tensor]:
+        return {**super().tensors(d), "mask_hidden": d.mask_hidden.detach().float()}
+
+    def write(self, d: Eagle3Drafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
+        config, tensors, extra = super().write(d, verifier)
+        config.update({"mask_token_id": d.mask_token_id, "parallel_drafting": True,
+                       "down_sample_ratio": d.down_sample_ratio, "down_sample_ratio_min": d.down_sample_ratio_min})
+        return config, tensors, extra
+
+    def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
+             what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        if config.get("mask_token_id") is None or "mask_hidden" not in tensors:
+            raise UserError(f"{what} '{folder}' says parallel_drafting but lacks mask_token_id or mask_hidden; a "
+                            "P-EAGLE folder needs both.")
+        if config.get("norm_output"):
+            raise UserError(f"{what} '{folder}' is a P-EAGLE drafter with norm_output: true, which no slot of a "
+                            "parallel round reads; PEagleDrafter has no such option.")
+        eagle, state = super().read(config, tensors, folder, None, what)  # EAGLE-3's part, as a foreign folder's
+        ours = {k: v for k, v in eagle["drafter_config"].items() if k != "norm_output"}
+        ours.update({"mask_token_id": int(config["mask_token_id"]),
+                     "down_sample_ratio": float(config.get("down_sample_ratio", 0.7)),
+                     "down_sample_ratio_min": float(config.get("down_sample_ratio_min", 0.2))})
+        rec = record(PEagleDrafter, ours, verifier_of(config), eagle["target_vocab_size"], sidecar,
+                     config_format(config))
+        if not rec["drafter_config"].get("own_head"):  # our own export of a drafter on the target's head
+            state.pop("lm_head", None)
+        state["mask_hidden"] = tensors["mask_hidden"].reshape(1, -1).float()
         return rec, state
 
 
@@ -482,10 +523,14 @@ def mask_vector(folder: Path, mask_id: int, tensors: dict[str, torch.Tensor], wh
 
 
 # family name (``drafters.FAMILIES``) -> its codec
-CODECS: dict[str, Any] = {"eagle3": Eagle3Codec(), "dflash": DFlashCodec(), "dspark": DSparkCodec(), "mtp": MTPCodec()}
+CODECS: dict[str, Any] = {"eagle3": Eagle3Codec(), "peagle": PEagleCodec(), "dflash": DFlashCodec(),
+                          "dspark": DSparkCodec(), "mtp": MTPCodec()}
 
 
 def codec_of_config(config: dict) -> Any | None:
-    """The codec for a config.json in this format, by its declared type (None: not this format's)."""
+    """The codec for a config.json in this format, by its declared type (None: not this format's); an EAGLE-3 folder
+    that says ``parallel_drafting`` is P-EAGLE's."""
     kind = config.get("speculators_model_type")
+    if kind == "eagle3" and config.get("parallel_drafting"):
+        return CODECS["peagle"]
     return next((c for c in CODECS.values() if c.algorithm == kind), None) if kind else None

@@ -49,7 +49,7 @@ CHAIN_ONLY = sorted(f for f, g in GROWTH.items() if g is TreeGrowth.NONE)
 
 def test_the_declarations_give_the_known_tree_builders():
     """The declarations agree with what each family's paper builds."""
-    assert (BEST_FIRST, DYNAMIC, OWN_TREES) == (["dflash", "medusa"], ["eagle3", "eagle3_1", "mtp"],
+    assert (BEST_FIRST, DYNAMIC, OWN_TREES) == (["dflash", "medusa", "peagle"], ["eagle3", "eagle3_1", "mtp"],
                                               ["d2sd", "specblock"])
 
 
@@ -142,8 +142,11 @@ def prompts(diverse_target):
 
 @pytest.mark.parametrize("tree", [TreeConfig(nodes=6, top_k=2), TreeConfig(nodes=12, top_k=3, depth=2)])
 def test_greedy_tree_decoding_equals_the_argmax_loop(tree_family, diverse_target, prompts, tree):
-    assert_greedy_tree_is_the_argmax_loop(trained(tree_family, diverse_target, prompts, k=3), diverse_target, prompts,
-                                          tree)
+    # P-EAGLE fits these prompts so well in 40 steps that every round commits the tree's first branch: a drafter
+    # trained less also commits off it, so the KV compaction runs
+    steps = 15 if tree_family == "peagle" else 40
+    assert_greedy_tree_is_the_argmax_loop(trained(tree_family, diverse_target, prompts, k=3, steps=steps),
+                                          diverse_target, prompts, tree)
 
 
 def test_sampled_tree_decoding_is_lossless(tree_family, make_random_llama):

@@ -15,15 +15,18 @@ K = 4
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 
 
-EAGLE3_1 = {"norm_before_fc": True, "fc_norm": True, "norm_output": True}
+LAYOUTS = {  # EAGLE-3 as published, EAGLE-3.1 (a norm per feature layer), speculators' trainer default (one norm)
+    "eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True},
+    "norm_before_fc": {"norm_before_fc": True, "norm_output": True},
+}
 
 
-@pytest.fixture(scope="module", params=["eagle3", "eagle3.1"])
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def drafter(request, diverse_target):
     """An untrained EAGLE-3 drafter on a reduced draft vocabulary (so draft ids and target ids differ), as published
     and with EAGLE-3.1's options."""
     torch.manual_seed(0)
-    d = Eagle3Drafter(block_size=K, draft_vocab_size=48, **(EAGLE3_1 if request.param == "eagle3.1" else {}))
+    d = Eagle3Drafter(block_size=K, draft_vocab_size=48, **LAYOUTS[request.param])
     d.bind(diverse_target)
     d.vocab.set_from_counts(torch.rand(diverse_target.vocab_size))
     with torch.no_grad():  # larger weights than the 0.02 init, so every entry visibly matters

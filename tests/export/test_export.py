@@ -25,7 +25,15 @@ from safetensors.torch import load_file
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
 from lightning_spec.cli import main
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters import Anchors, DFlashDrafter, DSparkDrafter, Eagle3Drafter, MedusaDrafter, MTPDrafter
+from lightning_spec.drafters import (
+    Anchors,
+    DFlashDrafter,
+    DSparkDrafter,
+    Eagle3Drafter,
+    MedusaDrafter,
+    MTPDrafter,
+    PEagleDrafter,
+)
 from lightning_spec.drafters.block import ParallelBlockDrafter
 from lightning_spec.errors import UserError
 from lightning_spec.export import export_drafter
@@ -36,8 +44,12 @@ EXPORTABLE = {  # name -> (drafter, the formats that hold it)
     "eagle3": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48), ("speculators", "sglang")),
     "eagle3_own_head": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48, own_head=True),
                         ("speculators", "sglang")),
-    "eagle3_1": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48, norm_before_fc=True,
-                                         fc_norm=True, norm_output=True), ("speculators",)),
+    "eagle3_1": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48, fc_norm=True,
+                                         norm_output=True), ("speculators",)),
+    "eagle3_norm_before_fc": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48,
+                                                      norm_before_fc=True, norm_output=True), ("speculators",)),
+    "peagle": (lambda k: PEagleDrafter(block_size=k, num_anchors=64, draft_vocab_size=48, mask_token_id=5,
+                                       fc_norm=True), ("speculators",)),
     "dflash": (lambda k: DFlashDrafter(block_size=k, num_layers=2, num_anchors=64, draft_vocab_size=48, qk_norm=True,
                                       mask_token_id=5), ("speculators", "sglang")),
     "dspark": (lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, draft_vocab_size=48, qk_norm=True,
@@ -136,19 +148,25 @@ def test_serving_fields_carry_the_conventions(name, trained_exportable, diverse_
         assert config["norm_before_residual"] is False  # vLLM's default is true: the field must be written
         assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
         # EAGLE-3.1's flags as set, each with the keys vLLM 0.32 loads for it
-        on = name == "eagle3_1"
-        assert (config["norm_before_fc"], config["fc_norm"], config["norm_output"]) == (on, on, on)
-        assert ("input_norm.weight" in tensors) is on
+        flags = (drafter.norm_before_fc, drafter.fc_norm, drafter.norm_output)
+        assert (config["norm_before_fc"], config["fc_norm"], config["norm_output"]) == flags
+        assert ("input_norm.weight" in tensors) is drafter.norm_before_fc
         assert sorted(k for k in tensors if k.startswith("fc_norm.")) == (
-            [f"fc_norm.{i}.weight" for i in range(len(drafter.target_layers))] if on else [])
+            [f"fc_norm.{i}.weight" for i in range(len(drafter.target_layers))] if drafter.fc_norm else [])
     elif name == "dflash":
         assert config["block_size"] == drafter.block_size + 1 and config["sample_from_anchor"] is False
         assert config["sliding_window_non_causal"] is True  # vLLM reads false as "every layer causal"
         assert layer["model_type"] == "qwen3" and "layers.1.self_attn.q_norm.weight" in tensors
         mask = torch.load(tmp_path / "s" / "mask_embedding.pt", weights_only=True)
         assert mask["mask_token_id"] == 5 and torch.equal(mask["embedding"], drafter.mask_embedding[0].detach())
-    if name == "eagle3_1":  # SGLang's layout is written from its loader of EAGLE-3 as published
-        with pytest.raises(UserError, match="export it in the speculators format"):
+    elif name == "peagle":  # the EAGLE-3 layout plus what vLLM's parallel drafting reads
+        assert config["speculators_model_type"] == "eagle3" and config["parallel_drafting"] is True
+        assert config["mask_token_id"] == 5 and config["fc_norm"] is True and "fc_norm.0.weight" in tensors
+        assert torch.equal(tensors["mask_hidden"], drafter.mask_hidden.detach())  # (1, F): before fc, as vLLM's
+        assert tensors["mask_hidden"].shape == (1, drafter.fc.in_features)
+    if name in ("eagle3_1", "eagle3_norm_before_fc", "peagle"):  # SGLang's: EAGLE-3 as published
+        says = "formats that can: speculators" if name == "peagle" else "export it in the speculators format"
+        with pytest.raises(UserError, match=says):
             export_drafter(drafter, tmp_path / "g", "sglang")
         return
     if not name.startswith(("eagle3", "dflash")):
@@ -162,12 +180,13 @@ def test_serving_fields_carry_the_conventions(name, trained_exportable, diverse_
         assert dflash == {"mask_token_id": 5, "target_layer_ids": drafter.target_layers}
 
 
-@pytest.mark.parametrize("flag,key", [("norm_before_fc", "input_norm.weight"), ("fc_norm", "fc_norm.0.weight")])
-def test_an_eagle3_1_flag_that_disagrees_with_its_weights_is_refused(flag, key, trained_exportable, diverse_target,
-                                                                       tmp_path):
+@pytest.mark.parametrize("flag,key,name", [("norm_before_fc", "input_norm.weight", "eagle3_norm_before_fc"),
+                                           ("fc_norm", "fc_norm.0.weight", "eagle3_1")])
+def test_an_eagle3_1_flag_that_disagrees_with_its_weights_is_refused(flag, key, name, trained_exportable,
+                                                                       diverse_target, tmp_path):
     """vLLM drops ``input_norm.*`` without a word when ``norm_before_fc`` is false (vllm #38111): a folder whose flag
     and weights disagree would serve a different drafter than the one trained, so reading it refuses."""
-    folder = export_drafter(trained_exportable("eagle3_1"), tmp_path / "s", "speculators")
+    folder = export_drafter(trained_exportable(name), tmp_path / "s", "speculators")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, flag: False}))
     with pytest.raises(UserError, match=f"says {flag}: false and has {key}"):
@@ -213,7 +232,8 @@ def test_what_a_format_cannot_express_is_refused_in_one_sentence(diverse_target,
     medusa.bind(diverse_target)
     with pytest.raises(ValueError, match=r"A MedusaDrafter cannot be written in the speculators format \(this "
                                          r"package has no codec for it in any format yet; the exportable families "
-                                         r"are DFlashDrafter, DSparkDrafter, Eagle3Drafter, MTPDrafter\)\."):
+                                         r"are DFlashDrafter, DSparkDrafter, Eagle3Drafter, MTPDrafter, "
+                                         r"PEagleDrafter\)\."):
         export_drafter(medusa, tmp_path / "x")
     dspark = DSparkDrafter(block_size=3, num_layers=1, markov_rank=8, qk_norm=True, mask_token_id=1)
     dspark.bind(diverse_target)
@@ -248,7 +268,8 @@ def test_a_drafter_written_by_the_speculators_library_loads_as_ours(speculators_
     drafter = load_drafter(speculators_folder, target=tiny_target)
     assert isinstance(drafter, Eagle3Drafter)
     assert drafter.config_dict() == {"block_size": 3, "target_layers": [0, 1], "num_anchors": 64,
-                                     "draft_vocab_size": 64, "intermediate_size": 128, "own_head": True}
+                                     "draft_vocab_size": 64, "intermediate_size": 128, "own_head": True,
+                                     "norm_before_fc": False, "fc_norm": False, "norm_output": False}
     tensors = load_file(str(speculators_folder / "model.safetensors"))
     assert torch.equal(drafter.lm_head.detach(), tensors["lm_head.weight"])  # its own trained head, kept
     assert torch.equal(drafter.layer.q_proj.weight.detach(), tensors["layers.0.self_attn.q_proj.weight"])
@@ -346,6 +367,8 @@ def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
         pytest.skip("the serving venv (.venv-serve, `make serve-setup`) that has the speculators library is absent")
     folders = {}
     for name, (make, _) in EXPORTABLE.items():
+        if name == "peagle":  # written for vLLM's parallel drafting (EAGLE-3 + mask_hidden); the library's own
+            continue  # P-EAGLE class reads another config (para_depths, ptd_token_id): vLLM is the check there
         torch.manual_seed(0)
         drafter = make(3)
         drafter.bind(tiny_target)

@@ -16,6 +16,7 @@ from lightning_spec.drafters import (
     Eagle3Drafter,
     MedusaDrafter,
     MTPDrafter,
+    PEagleDrafter,
     SpecBlockDrafter,
 )
 from lightning_spec.objectives import CE, Objective
@@ -32,11 +33,10 @@ FAMILIES = {
                                              mask_token_id=1),
     "domino": lambda k: DominoDrafter(block_size=k, num_layers=1, num_anchors=64, gru_size=16, correction_rank=32),
     "eagle3": lambda k: Eagle3Drafter(block_size=k, num_anchors=64),
-    # EAGLE-3.1: the norms before fc (one over the concatenation and one per feature layer) and the normed state
-    # passed on from slot to slot
-    "eagle3_1": lambda k: Eagle3Drafter(block_size=k, num_anchors=64, norm_before_fc=True, fc_norm=True,
-                                        norm_output=True),
+    # EAGLE-3.1: a norm per feature layer before fc and the normed state passed on from slot to slot
+    "eagle3_1": lambda k: Eagle3Drafter(block_size=k, num_anchors=64, fc_norm=True, norm_output=True),
     "medusa": lambda k: MedusaDrafter(block_size=k, num_anchors=64),
+    "peagle": lambda k: PEagleDrafter(block_size=k, num_anchors=64, mask_token_id=1),
     "mtp": lambda k: MTPDrafter(block_size=k, num_modules=2, num_anchors=64),
     "mtp_served": lambda k: MTPDrafter(block_size=k, num_anchors=64, qk_norm=True, normed_chain=True),
     "d2sd": lambda k: D2SDDrafter(block_size=k, num_layers=1, num_anchors=64),
