@@ -41,13 +41,15 @@ import torch
 from decode_speed import mt_bench_prompts  # benchmarks/ is on sys.path when a script here runs
 from lightning_spec import SamplingConfig, generate, load_drafter, load_target, offline_rounds
 from lightning_spec.assets import resolve_target_folder
-from lightning_spec.export import codec_for, export_drafter
+from lightning_spec.export import export_drafter, vllm_speculative_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # family -> the overlays on the quickstart that train its exportable drafter
     "eagle3": ["experiments/drafters/eagle3.yaml"],
     "dflash": [],  # the quickstart's drafter is DFlash's exportable layout
     "dspark": ["experiments/drafters/dspark.yaml", "experiments/drafters/dspark_export.yaml"],
+    "eagle3_1": ["experiments/drafters/eagle3_1.yaml"],  # EAGLE-3 with fc_norm and norm_output
+    "peagle": ["experiments/drafters/peagle.yaml"],  # served as EAGLE-3 with parallel_drafting
 }
 DEFAULT_FAMILIES = ["eagle3", "dflash"]  # what vLLM serves on a CPU without Triton
 TOLERANCE = 0.05
@@ -130,9 +132,8 @@ def main() -> None:
         if getattr(drafter, "prefix_scheduler", False):
             drafter.prefix_scheduler = False  # DSpark: vLLM submits the whole block (adaptive verification off)
         k = drafter.block_size
-        spec = run_vllm(args.serve_python, {**base, "speculative": {
-            "method": codec_for(drafter, "speculators").vllm, "model": str(export), "num_speculative_tokens": k,
-        }}, work, family, args.serve_script)
+        spec = run_vllm(args.serve_python, {**base, "speculative": vllm_speculative_config(drafter, export)}, work,
+                        family, args.serve_script)
         ours = [generate(target, p, args.max_new_tokens, drafter=drafter) for p in prompts]
         greedy = SamplingConfig()
         pairs = list(zip(prompts, plain["tokens"]))

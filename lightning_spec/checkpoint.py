@@ -26,7 +26,13 @@ from lightning_spec.assets import resolve_target_folder
 from lightning_spec.drafters import class_path_now
 from lightning_spec.drafters.base import Drafter, drafter_record, init_arguments
 from lightning_spec.errors import UserError
-from lightning_spec.export import codec_for, export_drafter, is_serving_folder, read_serving_folder
+from lightning_spec.export import (
+    codec_for,
+    export_drafter,
+    is_serving_folder,
+    read_serving_folder,
+    vllm_speculative_config,
+)
 from lightning_spec.target import TargetOptions, live_target, load_target
 
 if TYPE_CHECKING:
@@ -290,7 +296,8 @@ def export_checkpoint(ckpt: str, out: str, format: str = "speculators",  # noqa:
     Args:
         ckpt: a .ckpt written by `lightning-spec fit` (or an exported / save_drafter folder).
         out: the folder to write: config.json, model.safetensors, lightning_spec.json (+ mask_embedding.pt).
-        format: speculators (EAGLE-3, DFlash, DSpark, which vLLM serves, and MTP) or sglang (EAGLE-3, DFlash).
+        format: speculators (EAGLE-3, P-EAGLE, DFlash, DSpark, which vLLM serves, and MTP) or sglang (EAGLE-3,
+            DFlash).
         target_path: the verifier path written into the config (default: the target's local folder).
     """
     record, state = read_drafter_state(ckpt, "export --ckpt")  # read once: the record and the weights
@@ -300,10 +307,10 @@ def export_checkpoint(ckpt: str, out: str, format: str = "speculators",  # noqa:
     k = drafter.block_size
     codec = codec_for(drafter, format)
     print(f"export: wrote {type(drafter).__name__} (K={k}) as {format} to {folder}")
-    if format == "speculators" and codec.vllm:
+    serving = vllm_speculative_config(drafter, folder) if format == "speculators" else None
+    if serving is not None:
         verifier = target_path or resolve_target_folder(record["target"])
-        print(f'serve: vllm.LLM(model="{verifier}", speculative_config={{"method": "{codec.vllm}", "model": '
-              f'"{folder}", "num_speculative_tokens": {k}}})')
+        print(f'serve: vllm.LLM(model="{verifier}", speculative_config={json.dumps(serving)})')
     if format == "speculators" and codec.serving_note:
         print(f"note: {codec.serving_note}")
     return folder

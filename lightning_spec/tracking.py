@@ -369,7 +369,7 @@ def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Target, target_spe
     folder with a card (one copy: the run itself holds no second one); returns the lines ``fit`` prints about it.
     Rank 0 only (the caller's)."""
     from lightning_spec.checkpoint import load_drafter, save_drafter
-    from lightning_spec.export import codec_for, export_drafter
+    from lightning_spec.export import export_drafter, vllm_speculative_config
 
     runs = [logger for logger in mlflow_loggers(loggers) if started_run(logger)]
     if not runs:
@@ -380,10 +380,10 @@ def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Target, target_spe
         folder = Path(tmp) / "drafter"
         try:
             export_drafter(drafter, folder, "speculators", target_spec, parent={"path": str(ckpt)})
-            codec = codec_for(drafter, "speculators")
             layout = "speculators (vLLM)"
-            use = (f"`load_drafter(folder)`, or serve it: `vllm.LLM(model=<target>, speculative_config={{'method': "
-                   f"'{codec.vllm}', 'model': <this folder>, 'num_speculative_tokens': {k}}})`" if codec.vllm else
+            serving = vllm_speculative_config(drafter, "<this folder>")
+            use = (f"`load_drafter(folder)`, or serve it: `vllm.LLM(model=<target>, speculative_config="
+                   f"{json.dumps(serving)})`" if serving else
                    "`load_drafter(folder)`; no serving engine runs this family from the format yet")
         except UserError as err:  # the format cannot express this drafter: its own layout, and why
             save_drafter(drafter, folder, target_spec)

@@ -89,6 +89,16 @@ def export_drafter(
     return out
 
 
+def vllm_speculative_config(drafter: Drafter, folder: str | Path) -> dict[str, Any] | None:
+    """The ``speculative_config`` vLLM serves ``drafter``'s speculators export in ``folder`` with (None: no vLLM
+    method runs the family from the format)."""
+    codec = codec_for(drafter, "speculators")
+    if not codec.vllm:
+        return None
+    return {"method": codec.vllm, "model": str(folder), "num_speculative_tokens": drafter.block_size,
+            **codec.vllm_options}
+
+
 def is_serving_folder(folder: Path) -> bool:
     """True when ``folder`` holds a serving layout (a config.json this package can map), not save_drafter's."""
     return (folder / "config.json").is_file() and not (folder / "drafter.json").is_file()
@@ -129,4 +139,5 @@ def _read_safetensors(folder: Path, what: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-__all__ = ["FORMATS", "codec_for", "export_drafter", "is_serving_folder", "read_serving_folder"]
+__all__ = ["FORMATS", "codec_for", "export_drafter", "is_serving_folder", "read_serving_folder",
+           "vllm_speculative_config"]

@@ -83,6 +83,7 @@ class Eagle3Codec:
 
     algorithm = "eagle3"
     vllm, serving_note = "eagle3", ""  # vLLM's speculative method for the folder (None: none), what to know
+    vllm_options: dict[str, Any] = {}  # what else vLLM's speculative_config needs for the folder
     layer_prefix = "layers.0."  # SGLang's layout names the same layer ``midlayer.``
 
     def layer_names(self) -> dict[str, str]:
@@ -177,6 +178,7 @@ class PEagleCodec(Eagle3Codec):
     true`` marks the folder as P-EAGLE's for readers (vLLM takes it from the serving command)."""
 
     vllm, serving_note = "eagle3", "serve with speculative_config parallel_drafting: true (one draft call per round)"
+    vllm_options = {"parallel_drafting": True}
 
     def check(self, drafter: Drafter) -> None:
         pass  # every PEagleDrafter option has a field in the format
@@ -217,6 +219,7 @@ class DFlashCodec:
 
     algorithm = "dflash"
     vllm, serving_note = "dflash", ""
+    vllm_options: dict[str, Any] = {}
     family = "DFlash"
     recipe = "experiments/quickstart.yaml's drafter"
 
@@ -307,6 +310,7 @@ class DSparkCodec(DFlashCodec):
 
     algorithm = "dspark"
     vllm = "dspark"
+    vllm_options: dict[str, Any] = {}
     serving_note = ("vLLM 0.32 runs DSpark in its model runner V2 only (a GPU, or a CPU with Triton's CPU backend), "
                     "and serves the vanilla Markov head only.")
     family = "DSpark"
@@ -411,6 +415,7 @@ class MTPCodec:
 
     algorithm = "mtp"
     vllm = None
+    vllm_options: dict[str, Any] = {}
     serving_note = ("vLLM 0.32 has no loader for the speculators MTP format (it serves MTP layers shipped inside a "
                 "target checkpoint); the speculators library reads it (SpeculatorModel.from_pretrained).")
     prefix = "mtp_layers.0."

@@ -36,7 +36,7 @@ from lightning_spec.drafters import (
 )
 from lightning_spec.drafters.block import ParallelBlockDrafter
 from lightning_spec.errors import UserError
-from lightning_spec.export import export_drafter
+from lightning_spec.export import export_drafter, vllm_speculative_config
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, Objective
 
@@ -507,3 +507,13 @@ def test_the_served_folder_repeats_the_targets_embedding_only_where_it_differs(f
     tensors = load_file(str(export_drafter(drafter, tmp_path / family, "speculators") / "model.safetensors"))
     assert ("embed_tokens.weight" in tensors) is ships_embedding
 
+
+
+def test_the_serving_config_names_what_vllm_needs(trained_exportable, tmp_path):
+    """``vllm_speculative_config``: the one place the export, the MLflow card and serve_check take vLLM's
+    speculative_config from; P-EAGLE needs parallel_drafting on top of EAGLE-3's method, MTP has none."""
+    assert vllm_speculative_config(trained_exportable("eagle3"), tmp_path) == {
+        "method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3}
+    assert vllm_speculative_config(trained_exportable("peagle"), tmp_path) == {
+        "method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3, "parallel_drafting": True}
+    assert vllm_speculative_config(trained_exportable("mtp"), tmp_path) is None
