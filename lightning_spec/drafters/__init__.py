@@ -1,5 +1,6 @@
 """Drafters: small trainable models that propose tokens. One file per family, named after it; all share
-``base.Drafter`` (the contract), ``layers.py`` (what families share) and, for DFlash's descendants, ``block.py``.
+``base.Drafter`` (the contract), ``layers.py`` (what families share) and the bodies descendants share: ``block.py``
+(DFlash's) and ``eagle.py`` (EAGLE-3's and P-EAGLE's).
 
 ``FAMILIES`` is the registry: each family's name (its class's ``family``) -> its class. The family tests, the
 YAML overlays under experiments/drafters/ and the export codecs read it instead of keeping their own lists.

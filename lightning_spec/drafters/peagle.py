@@ -1,9 +1,9 @@
 """PEagleDrafter: P-EAGLE, EAGLE-3 drafting all its slots in one forward (vLLM's ``parallel_drafting``, vllm #32887;
 speculators PR #480; NeMo AutoModel, SpecForge).
 
-EAGLE-3 (``eagle3.py``) drafts slot t from [e(x_{n+t-1}) ; h_{t-1}]: the token it drafted and its own hidden state
-one slot back, so a round is K layer calls in a row (on a 2-core CPU ~40% of a target forward for K = 8). P-EAGLE
-replaces what slot t > 1 does not know yet by constants:
+EAGLE-3 (``eagle3.py``; the body both share is ``eagle.py``) drafts slot t from [e(x_{n+t-1}) ; h_{t-1}]: the
+token it drafted and its own hidden state one slot back, so a round is K layer calls in a row (on a 2-core CPU ~40%
+of a target forward for K = 8). P-EAGLE replaces what slot t > 1 does not know yet by constants:
 
 1. Slot 1 is EAGLE-3's: [e(x_n) ; g_{n-1}] at the anchor's position n (g = ``fuse`` of the target features).
 2. Slots t = 2..K, at positions n + t - 1, read [e(m) ; p]: the target's frozen embedding of ``mask_token_id`` (m,
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.decoding.proposer import TreeGrowth
 from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
-from lightning_spec.drafters.eagle3 import Eagle3Drafter, Eagle3State
+from lightning_spec.drafters.eagle import Eagle3State, EagleDrafter
 from lightning_spec.drafters.layers import causal_attention, chain_attention
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from lightning_spec.target import Target
 
 
-class PEagleDrafter(Eagle3Drafter):
+class PEagleDrafter(EagleDrafter):
     """P-EAGLE drafter: EAGLE-3's layer and fusion, every slot of a round in one call.
 
     Args:

@@ -30,7 +30,10 @@ class SGLangEagle3Codec(Eagle3Codec):
     layer_prefix = "midlayer."
 
     def check(self, drafter: Drafter) -> None:
-        on = [flag for flag in ("norm_before_fc", "fc_norm", "norm_output") if getattr(drafter, flag)]
+        assert isinstance(drafter, Eagle3Drafter)
+        flags = {"norm_before_fc": drafter.norm_before_fc, "fc_norm": drafter.fc_norm,
+                 "norm_output": drafter.norm_output}
+        on = [flag for flag, value in flags.items() if value]
         if on:  # this layout is written from SGLang's loader of EAGLE-3 as published, which has no such fields
             raise UserError(f"the SGLang layout holds EAGLE-3 as published, and this drafter has EAGLE-3.1's "
                             f"{', '.join(on)}: export it in the speculators format (--format speculators).")

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_spec.drafters import DFlashDrafter, Drafter, DSparkDrafter, Eagle3Drafter, MTPDrafter, PEagleDrafter
+from lightning_spec.drafters.eagle import EagleDrafter
 from lightning_spec.errors import UserError
 from lightning_spec.export.common import layer_config, read_json, record, take, vocab_ids, vocab_tensors
 
@@ -96,14 +97,14 @@ class Eagle3Codec:
     def check(self, drafter: Drafter) -> None:
         pass  # every Eagle3Drafter option has a field in the format
 
-    def option_names(self, d: Eagle3Drafter) -> dict[str, str]:
+    def option_names(self, d: EagleDrafter) -> dict[str, str]:
         """EAGLE-3.1's norms, where on: our keys -> the format's."""
         names = {"input_norm.weight": "input_norm.weight"} if d.norm_before_fc else {}
         if d.fc_norm:
             names.update({f"fc_norms.{i}.weight": f"fc_norm.{i}.weight" for i in range(len(d.target_layers))})
         return names
 
-    def tensors(self, d: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    def tensors(self, d: EagleDrafter) -> dict[str, torch.Tensor]:
         state = d.state_dict()
         out = {theirs: state[ours] for ours, theirs in {**self.layer_names(), **self.option_names(d)}.items()}
         head = d.lm_head if d.own_head else d.vocab.head_weight(d.target.lm_head)
@@ -111,7 +112,7 @@ class Eagle3Codec:
                     **vocab_tensors(d)})  # no embed_tokens: the target's, which vLLM shares when the folder has none
         return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
 
-    def write(self, d: Eagle3Drafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
+    def write(self, d: EagleDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
         config = {
             "architectures": ["Eagle3DraftModel"],
             "speculators_model_type": "eagle3",
@@ -183,10 +184,10 @@ class PEagleCodec(Eagle3Codec):
     def check(self, drafter: Drafter) -> None:
         pass  # every PEagleDrafter option has a field in the format
 
-    def tensors(self, d: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    def tensors(self, d: EagleDrafter) -> dict[str, torch.Tensor]:
         return {**super().tensors(d), "mask_hidden": d.mask_hidden.detach().float()}
 
-    def write(self, d: Eagle3Drafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
+    def write(self, d: EagleDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
         config, tensors, extra = super().write(d, verifier)
         config.update({"mask_token_id": d.mask_token_id, "parallel_drafting": True,
                        "down_sample_ratio": d.down_sample_ratio, "down_sample_ratio_min": d.down_sample_ratio_min})

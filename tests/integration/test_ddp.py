@@ -137,6 +137,7 @@ FAMILY_DRAFTERS = {  # every registered family at K = 3
     for family, cls in REGISTRY.items()
 }
 FAMILY_DRAFTERS["specblock"]["init_args"] = {"block_size": 4, "blocks": 2}  # two blocks: per-example M under DDP
+FAMILY_DRAFTERS["peagle"]["init_args"]["mask_token_id"] = 1  # required: the token its masked slots read
 
 
 def _part(name: str, **init_args) -> dict:
