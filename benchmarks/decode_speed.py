@@ -49,7 +49,7 @@ import yaml
 
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, load_target
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.decoding.plans import Chain, Ngram, Plain, Tree, parse_plan
+from lightning_spec.decoding.plans import Auto, Chain, Ngram, Plain, Tree, parse_plan
 
 
 class Timings:
@@ -213,13 +213,15 @@ def exactness(target) -> str:
     return target.precision
 
 
-def our_modes(target, drafter, tree, calibration, args) -> tuple[dict, object, object]:
+def our_modes(target, drafter, tree, calibration, args) -> tuple[dict, dict, dict, object]:
     """name -> the decoding plan (``decoding/plans.py``) of each ``--plan``, the n-gram modes and decoding auto's pick
-    (calibrated on ``calibration``), the measured costs (``auto.Costs``) of those and of plain, the chain and the tree
-    (after a context made of those prompts), and auto's ``Choice`` (None without ``--auto``)."""
+    (calibrated on ``calibration``); name -> the target's dtype it decodes in (None: ``--dtype``; auto's pick and,
+    when it searched dtypes, plain decoding in the dtype it found fastest); the measured costs (``auto.Costs``) of
+    those and of plain, the chain and the tree (after a context made of those prompts) per dtype (None: ``--dtype``);
+    and auto's ``Choice`` (None without ``--auto``)."""
     from lightning_spec.decoding.auto import choose_decoding, measure_costs
 
-    modes, choice = {}, None
+    modes, dtypes, choice = {}, {}, None
     for value in args.plan:
         plan = parse_plan(yaml.safe_load(value))
         plan.resolve(drafter)  # refused here, in one sentence, if the drafter cannot run it
@@ -232,12 +234,23 @@ def our_modes(target, drafter, tree, calibration, args) -> tuple[dict, object, o
             ngram = max(2, tree.nodes // 4)
             modes[f"tree + n-gram ({ngram} of {tree.nodes} nodes)"] = Tree(tree.nodes, tree.top_k, tree.depth, ngram)
     if args.auto:
-        choice = choose_decoding(target, drafter, calibration, max_new_tokens=args.max_new_tokens, progress=True)
+        dtypes = "native" if args.auto_dtypes == ["native"] else args.auto_dtypes
+        choice = choose_decoding(target, drafter, calibration, max_new_tokens=args.max_new_tokens, progress=True,
+                                 auto=Auto(dtypes=dtypes))
         print(choice.table())
-        modes[f"auto: {choice.plan.label}"] = choice.plan
+        own = str(target.dtype).split(".")[-1]
+        if choice.plain_dtype not in (None, own):  # the fastest plain decoding is in another dtype: a row of its own
+            modes[f"plain {choice.plain_dtype}"] = Plain()
+            dtypes[f"plain {choice.plain_dtype}"] = choice.plain_dtype
+        name = f"auto: {choice.plan.label}" + (f", {choice.dtype}" if choice.dtype != own else "")
+        modes[name] = choice.plan
+        dtypes[name] = choice.dtype if choice.dtype != own else None
     context = context_ids(calibration, args.cache_len)[0].tolist()
-    costs = measure_costs(target, drafter, list(base_settings(tree).values()) + list(modes.values()), context)
-    return modes, costs, choice
+    costs = {None: measure_costs(target, drafter, list(base_settings(tree).values()) + list(modes.values()), context)}
+    for dtype in set(dtypes.values()) - {None}:
+        costs[dtype] = measure_costs(target.cast(dtype), drafter, list(modes.values()), context)
+    drafter.use_target(target)
+    return modes, dtypes, costs, choice
 
 
 def base_settings(tree) -> dict:
@@ -332,6 +345,10 @@ def main() -> None:
                         help="also decode with the setting decoding auto picks (choose_decoding), calibrated on "
                              "--calibration other prompts of --source")
     parser.add_argument("--calibration", type=int, default=4, help="calibration prompts for --auto")
+    parser.add_argument("--auto-dtypes", nargs="+",
+                        help="the target's dtypes --auto searches: 'native' (float32, and bfloat16 where this CPU or "
+                             "GPU multiplies it natively) or names (default: --dtype alone); a pick or a fastest "
+                             "plain decoding in another dtype decodes there, in a row of its own")
     parser.add_argument("--json", help="also write the table of every mode to this JSON file (benchmarks/testbed.py)")
     args = parser.parse_args()
     if args.threads:
@@ -365,9 +382,14 @@ def main() -> None:
     peer_tokens = {name: 0 for name in peers}
     peer_s = {name: 0.0 for name in peers}
     peer_same = {name: 0 for name in peers}
-    modes, costs, choice = our_modes(target, drafter, tree, calibration or prompts, args)
-    for plan in modes.values():
-        generate(target, prompts[0], 8, greedy, drafter=drafter, plan=plan)
+    modes, mode_dtypes, mode_costs, choice = our_modes(target, drafter, tree, calibration or prompts, args)
+    costs = mode_costs[None]
+
+    def target_of(name):  # the target a mode decodes with: in its dtype
+        return target.cast(mode_dtypes[name]) if mode_dtypes.get(name) else target
+
+    for name, plan in modes.items():
+        generate(target_of(name), prompts[0], 8, greedy, drafter=drafter, plan=plan)
     mode_sums = {name: [0, 0, 0.0, 0, 0.0] for name in modes}  # tokens, rounds, seconds, same, ideal seconds
     base_ideal = dict.fromkeys(base_settings(tree), 0.0)  # ideal seconds of plain, the chain and the tree
 
@@ -394,11 +416,12 @@ def main() -> None:
             tree_nodes += sum(grown.draft_lengths)
             tree_same += plain.tokens == grown.tokens
         for name, plan in modes.items():
-            out = generate(target, ids, args.max_new_tokens, greedy, drafter=drafter, plan=plan)
+            out = generate(target_of(name), ids, args.max_new_tokens, greedy, drafter=drafter, plan=plan)
             sums = mode_sums[name]
             sums[0], sums[1], sums[2] = sums[0] + len(out.tokens), sums[1] + out.rounds, sums[2] + out.seconds
             sums[3] += out.tokens == plain.tokens
-            sums[4] += ideal_seconds(costs, plan, out)
+            sums[4] += ideal_seconds(mode_costs[mode_dtypes.get(name)], plan, out)
+        drafter.use_target(target)
         base = base_settings(tree)
         for name, out in (("plain", plain), ("chain", spec), *([("tree", grown)] if tree is not None else [])):
             base_ideal[name] += ideal_seconds(costs, base[name], out)
@@ -485,8 +508,10 @@ def main() -> None:
     print("  efficiency = measured tokens/s over those the measured prefill, draft and verify times allow, "
           "round by round (what the loop itself costs)")
     if choice is not None:
-        sums = mode_sums[f"auto: {choice.plan.label}"]
-        print("  " + choice.describe((sums[0] / sums[2]) / plain_tps, sums[0] / sums[2]))
+        sums = next(mode_sums[name] for name in modes if name.startswith("auto: "))
+        fastest = mode_sums.get(f"plain {choice.plain_dtype}")  # the baseline auto judged against, when not ours
+        base_tps = fastest[0] / fastest[2] if fastest else plain_tps
+        print("  " + choice.describe((sums[0] / sums[2]) / base_tps, sums[0] / sums[2]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dtype": args.dtype, "drafter": label, "prompts": len(prompts),

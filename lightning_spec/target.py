@@ -111,6 +111,8 @@ class Target(nn.Module):
         self.options = options or TargetOptions()
         self._cache_kw = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
         self._fingerprint: str | None = fingerprint
+        self.origin: str | None = None  # ``converted``: the fingerprint of the weights this copy was cast from
+        self._casts: dict[torch.dtype, Target] = {}  # ``cast``: its copies in other dtypes
         self._layers_loaded = not any(p.is_meta for p in self.base.parameters())  # False: head-only (export)
         self._sharded = False  # shard_layers: each rank holds a shard of the decoder layers
         self._fast: FastForward | None = None  # built by the first new_cache on the fast path
@@ -186,7 +188,26 @@ class Target(nn.Module):
         """A frozen copy of this target with its weights in ``dtype`` (its own weights: this one is unchanged), e.g.
         bf16 training features beside an fp32 target that decodes exactly."""
         model = copy.deepcopy(self.model).to(dtype)
-        return Target(model, tokenizer=self.tokenizer, name=self.name, options=self.options, decode=self.decode)
+        twin = Target(model, tokenizer=self.tokenizer, name=self.name, options=self.options, decode=self.decode)
+        twin.origin = self.origin or self.fingerprint  # its own fingerprint differs (cast weights): what it came from
+        return twin
+
+    def cast(self, dtype: torch.dtype | str) -> Target:
+        """This target in ``dtype``: itself, or its ``converted`` copy, made once and kept (decoding auto's search and
+        every decoding in that dtype share it)."""
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if dtype == self.dtype:
+            return self
+        if dtype not in self._casts or self._casts[dtype].device != self.device:  # made here, or moved since
+            self._casts[dtype] = self.converted(dtype)
+        return self._casts[dtype]
+
+    def same_weights(self, other: Target) -> bool:
+        """Whether ``other`` holds these weights, in this dtype or cast to another (``converted``): a drafter
+        trained for one decodes with either. Feature caches and rollouts key on ``fingerprint`` alone."""
+        if other is self or other.model is self.model:
+            return True
+        return bool({self.fingerprint, self.origin} & {other.fingerprint, other.origin} - {None})
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 
 from lightning_spec.callbacks.base import EvaluationCallback, full_parameters
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.decoding.plans import Auto, Chain, parse_plan
+from lightning_spec.decoding.plans import Auto, Chain, Plain, parse_plan
 from lightning_spec.decoding.timed import DecodeReport, decode_prompts
 from lightning_spec.errors import UserError
 from lightning_spec.metrics import acceptance_metrics, acceptance_sums, reduce_sums
@@ -225,14 +225,22 @@ class SpecDecodeValidation(EvaluationCallback):
         sampling = self.sampling[0]
         calibration = [p["prompt_ids"] for p in self._prompts(trainer, calibration=True)]
         self.choice = choose_decoding(module.target, module.drafter, calibration, sampling, self.max_new_tokens,
-                                      margin=self.plan.margin)
+                                      auto=self.plan)
         if trainer.is_global_zero:  # the pick, as a column runs are compared by (rank 0's machine)
             tag_runs(trainer.loggers, "decoding_auto", self.choice.plan.label)
-        report = decode_prompts(module.target, module.drafter, mine, sampling, self.max_new_tokens,
-                                plan=self.choice.plan)
+        report = decode_prompts(self.choice.decoding_target(module.target), module.drafter, mine, sampling,
+                                self.max_new_tokens, plan=self.choice.plan)
         out = self._reduce(trainer, report, domains, "val/auto")
-        if "val/plain_tokens_per_s" in metrics:
-            out["val/auto/speedup"] = out["val/auto/tokens_per_s"] / metrics["val/plain_tokens_per_s"]
+        plain = metrics.get("val/plain_tokens_per_s")
+        if self.choice.plain_dtype not in (None, str(module.target.dtype).split(".")[-1]):
+            # the fastest plain decoding auto found is in another dtype: the speedup is over that one
+            fastest = decode_prompts(module.target.cast(self.choice.plain_dtype), None, mine, sampling,
+                                     self.max_new_tokens, plan=Plain())
+            plain = self._reduce(trainer, fastest, domains, "val/auto/plain")["val/auto/plain/tokens_per_s"]
+            out["val/auto/plain/tokens_per_s"] = plain
+        if plain is not None:
+            out["val/auto/speedup"] = out["val/auto/tokens_per_s"] / plain
+        module.drafter.use_target(module.target)  # training goes on with the target it trains against
         return out
 
     @staticmethod

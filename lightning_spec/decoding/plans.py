@@ -208,6 +208,19 @@ class Ngram(Plan):
         return Run(NgramDrafter(block_size=self.length), tree)
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # what decoding auto may cast the target to (``Auto.dtypes``)
+
+
+def check_dtypes(dtypes: Any) -> None:
+    """Refuse ``decoding.dtypes`` other than None, ``"native"`` or a non-empty list of ``DTYPES``."""
+    if dtypes is None or dtypes == "native":
+        return
+    names = (dtypes,) if isinstance(dtypes, str) else dtypes
+    if not isinstance(names, (tuple, list)) or not names or any(n not in DTYPES for n in names):
+        raise UserError(f"decoding.dtypes must be 'native' (the dtypes this device multiplies natively) or a list of "
+                        f"{', '.join(DTYPES)}, got {dtypes!r}.")
+
+
 @register
 @dataclass(frozen=True)
 class Auto(Plan):
@@ -217,11 +230,15 @@ class Auto(Plan):
 
     kind: ClassVar[str] = "auto"
     margin: float = 0.05
+    dtypes: str | tuple[str, ...] | None = None  # the target's dtypes searched: None its own, "native", or names
 
     def __post_init__(self) -> None:
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or self.margin < 0:
             raise UserError(f"decoding.margin must be a number >= 0 (how far decoding auto's lower bound must beat "
                             f"plain decoding), got {self.margin!r}.")
+        if isinstance(self.dtypes, list):  # from YAML: a tuple keeps the plan hashable
+            object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        check_dtypes(self.dtypes)
 
     def resolve(self, drafter: Proposer | None) -> Run:
         raise UserError("decoding 'auto' is chosen on calibration prompts first: call "

@@ -296,11 +296,12 @@ class Drafter(nn.Module, Proposer):
 
     def use_target(self, target: Target) -> None:
         """Decode or score with ``target``: it must be the bound target or another copy of the same weights (equal
-        fingerprints; ``load_drafter`` without a target may have bound one), which is then bound instead."""
+        fingerprints, or the same weights cast to another dtype: ``Target.converted``; ``load_drafter`` without a
+        target may have bound one), which is then bound instead."""
         bound = self.target
         if bound is target or bound.model is target.model:
             return
-        if bound.fingerprint != target.fingerprint:
+        if not bound.same_weights(target):
             raise UserError(
                 f"The drafter is bound to a different target ({bound.name!r}, weights fingerprint {bound.fingerprint})"
                 f" than the one it is used with ({target.name!r}, {target.fingerprint}); load it with "

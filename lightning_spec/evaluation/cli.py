@@ -38,7 +38,7 @@ from lightning_spec.evaluation.inputs import (
     trained_checkpoint,
 )
 from lightning_spec.evaluation.offline import OfflineReport, offline_report
-from lightning_spec.evaluation.online import OnlineRun, choose_decodings, decoding_of, online_result
+from lightning_spec.evaluation.online import OnlineRun, choose_decodings, decoding_of, online_result, plain_baseline
 from lightning_spec.evaluation.report import common_plan, log_mlflow, print_results, write_json
 from lightning_spec.paired import Bootstrap, Comparison, compare_reports
 from lightning_spec.sampling import SamplingConfig
@@ -183,7 +183,7 @@ def run_online(entries: list[Entry], target: str | None, how: TargetLoad, option
         decodings = choose_decodings(decodings, model, calibration, options.sampling, options.max_new_tokens,
                                      options.progress)
     run = OnlineRun(model, decodings, prompts, options.sampling, options.max_new_tokens, options.seed,
-                    options.progress)
+                    options.progress, plain_baseline(decodings))
     return online_result(run, run.run(), bootstrap, spec, options.sources)
 
 

@@ -78,7 +78,10 @@ class DrafterDecoding:
         checkpoint: the checkpoint or exported folder it was loaded from.
         drafter: the loaded drafter, bound to the target (None: plain decoding).
         plan: how it decodes (``auto``: decoding auto picks, ``choose_decodings``).
-        choice: decoding auto's ``Choice`` (``decoding/auto/``): the plan it decodes with instead.
+        choice: decoding auto's ``Choice`` (``decoding/auto/``): the plan, and the target's dtype, it decodes with
+            instead.
+        dtype: the target's dtype it decodes in (``Target.cast``; None: the target's own): plain decoding in the
+            dtype decoding auto found fastest.
     """
 
     name: str
@@ -86,6 +89,7 @@ class DrafterDecoding:
     drafter: Proposer | None
     plan: Plan = Chain()
     choice: Choice | None = None
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Auto):  # a plan the drafter cannot run is refused before anything decodes
@@ -125,6 +129,8 @@ class DrafterDecoding:
 
     def decode(self, target: Target, prompts: list[dict[str, Any]], sampling: SamplingConfig, max_new_tokens: int,
                seed: int) -> DecodeReport:
+        dtype = self.choice.dtype if self.choice is not None else self.dtype
+        target = target if dtype is None else target.cast(dtype)
         return decode_prompts(target, self.drafter, prompts, sampling, max_new_tokens, seed=seed, plan=self.decodes)
 
     def arm_details(self, seeds: list[Decoding]) -> dict[str, Any]:
@@ -133,7 +139,8 @@ class DrafterDecoding:
         if self.choice is None:
             return {}
         choice = self.choice
-        return {"auto": {"picked": choice.plan.label, "plan": choice.plan.to_dict(),
+        return {"auto": {"picked": choice.plan.label, "plan": choice.plan.to_dict(), "dtype": choice.dtype,
+                         "plain_dtype": choice.plain_dtype,
                          "expected_mal": choice.expected.mal, "expected_tokens_per_s": choice.expected.tokens_per_s,
                          "expected_speedup": choice.expected_speedup, "lcb": choice.expected.lcb,
                          "confidence": choice.confidence, "margin": choice.margin,
@@ -191,12 +198,19 @@ def choose_decodings(decodings: list[Decoding], target: Target, calibration: lis
     from lightning_spec.decoding.auto import choose_decoding
 
     chosen = [dataclasses.replace(d, choice=choose_decoding(target, d.drafter, calibration, sampling, max_new_tokens,
-                                                            margin=d.plan.margin, progress=progress))
+                                                            auto=d.plan, progress=progress))
               if isinstance(d.plan, Auto) else d for d in decodings]
     for d in chosen:
         if isinstance(d, DrafterDecoding) and d.choice is not None:
             print(d.choice.describe())
     return chosen
+
+
+def plain_baseline(decodings: list[Decoding]) -> DrafterDecoding:
+    """The plain decoding every speedup is over: in the dtype decoding auto found fastest for plain decoding where
+    an arm's auto searched the target's dtypes (``Auto.dtypes``), else in the target's own."""
+    dtypes = [d.choice.plain_dtype for d in decodings if isinstance(d, DrafterDecoding) and d.choice is not None]
+    return DrafterDecoding("plain", "", None, Plain(), dtype=next((t for t in dtypes if t is not None), None))
 
 
 # -------------------------------------------------------------------------------------------- the timed loop
@@ -352,7 +366,7 @@ def online_result(run: OnlineRun, timings: OnlineTimings, bootstrap: Bootstrap, 
         "sources": [str(s) for s in sources],
         "prompts": len(run.prompts),
         "max_new_tokens": run.max_new_tokens,
-        "plain": stats.plain,
+        "plain": stats.plain | {"dtype": getattr(run.plain, "dtype", None) or str(run.target.dtype).split(".")[-1]},
         "rows": {"prompt_id": keys, "domain": domains, "plain_tokens": timings.tokens[0].tolist()},
         "arms": arms,
         "comparison": stats.comparison.to_dict(),

@@ -40,7 +40,7 @@ from lightning_spec.decoding.auto import (
     speedup_bound,
     with_bounds,
 )
-from lightning_spec.decoding.plans import Chain, Ngram
+from lightning_spec.decoding.plans import Auto, Chain, Ngram
 from lightning_spec.paired import family_confidence, t_quantile
 from lightning_spec.sampling import SamplingConfig
 
@@ -179,11 +179,11 @@ def test_a_setting_must_beat_plain_by_the_margin():
     """1.02x on every prompt: no spread, so the bound is 1.02x; not enough at the default 5% margin, enough at 0."""
     estimates = speedups(1.02)
     assert estimates[1].lcb == pytest.approx(1.02) and estimates[0].lcb == 1.0
-    assert pick(estimates, margin=0.05) == PLAIN
-    assert pick(estimates, margin=0.0) == Ngram(length=4)
-    assert pick(speedups(1.2), margin=0.05) == Ngram(length=4)
-    with pytest.raises(ValueError, match="margin=-0.1 must be >= 0"):
-        choose_decoding(None, None, [[1]], margin=-0.1)
+    assert pick(estimates, margin=0.05).plan == PLAIN
+    assert pick(estimates, margin=0.0).plan == Ngram(length=4)
+    assert pick(speedups(1.2), margin=0.05).plan == Ngram(length=4)
+    with pytest.raises(ValueError, match="decoding.margin must be a number >= 0"):
+        choose_decoding(None, None, [[1]], auto=Auto(margin=-0.1))
 
 
 def test_the_bound_is_on_the_pooled_speedup_not_a_mean_of_per_prompt_speedups():
@@ -195,7 +195,7 @@ def test_the_bound_is_on_the_pooled_speedup_not_a_mean_of_per_prompt_speedups():
     mixed = Estimate(Ngram(length=4), tokens, (24.0,) * 10, (0.5,) * 8 + (40.0,) * 2)
     estimates = with_bounds([plain, mixed])
     assert mixed.tokens_per_s / plain.tokens_per_s == pytest.approx(48 / 84)
-    assert estimates[1].lcb < 48 / 84 and pick(estimates, margin=0.0) == PLAIN
+    assert estimates[1].lcb < 48 / 84 and pick(estimates, margin=0.0).plan == PLAIN
     assert speedups(1.3)[1].lcb == pytest.approx(1.3)
 
 
@@ -208,7 +208,7 @@ def test_the_highest_bound_wins_and_ties_go_to_the_setting_listed_first():
     twin = Estimate(Ngram(length=10, nodes=8, top_k=3), tokens, (10.0,) * 4, (0.015,) * 4)
     estimates = with_bounds([plain, steady, lucky, twin])
     assert lucky.tokens_per_s > steady.tokens_per_s and estimates[2].lcb < estimates[1].lcb
-    assert pick(estimates) == steady.plan  # the twin ties with it and comes later
+    assert pick(estimates).plan == steady.plan  # the twin ties with it and comes later
 
 
 def test_a_kept_plain_decoding_reports_the_spread_of_plain_against_itself_not_a_speedup(diverse_target, drafter,
@@ -253,10 +253,10 @@ def test_the_pick_over_many_plans_holds_its_error_at_5_percent():
     six; the joint bounds (Šidák, 4 prompts) and the split rule (chosen on half the prompts, confirmed on the other
     half: 8 prompts) in at most 5% of runs. One plan alone is not corrected."""
     def uncorrected(estimates):
-        return pick(with_bounds(estimates, joint=False))
+        return pick(with_bounds(estimates, joint=False)).plan
 
     def joint(estimates):
-        return pick(with_bounds(estimates))
+        return pick(with_bounds(estimates)).plan
 
     def split(estimates):
         return decide(estimates).plan
@@ -490,3 +490,132 @@ def test_every_speed_table_can_state_the_dtypes_greedy_guarantee():
 
     assert load_target("tiny-random").precision == "float32: greedy identity guaranteed"
     assert "greedy identity NOT guaranteed" in load_target("tiny-random", dtype="bfloat16").precision
+
+
+# ------------------------------------------------------------------------------------- the target's dtype searched
+def dtype_costs(drafter, one: float, per_token: float) -> Costs:
+    """``one`` ms for the anchor, ``per_token`` ms for each further query token; drafts are free."""
+    verify = {t: (one + per_token * (t - 1)) * 1e-3 for t in (1, 2, 5, 9, 33)}
+    return Costs(verify=verify, tree_verify=dict(verify), draft=dict.fromkeys(candidates(drafter), 0.0))
+
+
+BOTH = Auto(dtypes=("float32", "bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def twelve(diverse_target):
+    return random_prompts(diverse_target.vocab_size, lengths=(1, 6, 13, 4, 9, 3, 11, 7, 5, 12, 2, 8))
+
+
+def test_auto_searches_the_targets_dtype_and_judges_against_the_fastest_plain_decoding(diverse_target, drafter,
+                                                                                        twelve):
+    """float32 verifies at 1 ms per token (no plan pays); bfloat16's 1-token forward is slower (1.02 ms) but its
+    verify is flat, as on an AMX Xeon: the pick is a drafter plan in bfloat16, judged against plain float32, the
+    faster plain decoding, not against plain bfloat16. With bfloat16 both faster per token and linear, plain
+    bfloat16 is the baseline and kept."""
+    prompts = twelve
+    costs = {"float32": dtype_costs(drafter, 1.0, 1.0), "bfloat16": dtype_costs(drafter, 1.02, 0.0)}
+    choice = choose_decoding(diverse_target, drafter, prompts, max_new_tokens=MAX_NEW, costs=costs,
+                             auto=BOTH)
+    assert {e.dtype for e in choice.estimates} == {"float32", "bfloat16"}
+    assert len(choice.estimates) == 2 * len(candidates(drafter)) and choice.compared == len(choice.estimates) - 1
+    assert choice.plain_dtype == "float32" and choice.dtype == "bfloat16" and choice.plan != PLAIN
+    assert choice.plain.dtype == "float32" and choice.plain.plan == PLAIN
+    plain_bf16 = next(e for e in choice.estimates if e.key == (PLAIN, "bfloat16"))
+    assert plain_bf16.lcb < 1 and choice.expected.lcb > 1 + MARGIN  # plain bf16 is a candidate like any other
+    assert choice.expected_speedup == pytest.approx(choice.plain.seconds / choice.expected.seconds)
+    line = choice.describe()
+    assert f"{choice.plan.label}" in line and "x plain float32" in line and "bfloat16)" in line
+    assert f"{choice.plan.label}, bfloat16" in choice.table()
+
+    costs = {"float32": dtype_costs(drafter, 1.0, 1.0), "bfloat16": dtype_costs(drafter, 0.5, 0.5)}
+    kept = choose_decoding(diverse_target, drafter, prompts, max_new_tokens=MAX_NEW, costs=costs,
+                           auto=BOTH)
+    assert kept.kept_plain and kept.plan == PLAIN and kept.dtype == "bfloat16" and kept.plain_dtype == "bfloat16"
+    assert "beat plain bfloat16" in kept.describe() or "plain bfloat16 on the half" in kept.describe()
+
+
+def test_one_dtype_searched_keeps_the_estimates_unlabelled(diverse_target, drafter, prompts):
+    """The default searches the target's own dtype alone: estimates carry no dtype, the pick decodes there."""
+    choice = choose_decoding(diverse_target, drafter, prompts, max_new_tokens=MAX_NEW,
+                             costs=flat_or_linear(drafter, per_token=1.0))
+    assert choice.dtypes == [None] and choice.plain_dtype is None and choice.dtype == "float32"
+    assert choice.decoding_target(diverse_target) is diverse_target
+
+
+def test_a_pick_in_another_dtype_decodes_there_and_the_drafter_returns_to_float32(diverse_target, drafter, twelve):
+    """Auto's target for a bfloat16 pick is the target cast once (the same weights, which the drafter accepts);
+    after decoding there, greedy speculative decoding in float32 is still plain decoding's."""
+    prompts = twelve
+    choice = choose_decoding(diverse_target, drafter, prompts, max_new_tokens=MAX_NEW,
+                             costs={"float32": dtype_costs(drafter, 1.0, 1.0),
+                                    "bfloat16": dtype_costs(drafter, 1.02, 0.0)}, auto=BOTH)
+    cast = choice.decoding_target(diverse_target)
+    assert choice.dtype == "bfloat16" and cast.dtype == torch.bfloat16 and cast is diverse_target.cast("bfloat16")
+    assert cast.same_weights(diverse_target) and diverse_target.same_weights(cast)
+    assert cast.fingerprint != diverse_target.fingerprint  # rollouts and feature caches still tell them apart
+    out = choice.generate(diverse_target, prompts[1], MAX_NEW, seed=0)
+    assert drafter.target is cast and len(out.tokens) > 0
+    from lightning_spec import generate
+
+    plain = generate(diverse_target, prompts[1], MAX_NEW)
+    assert generate(diverse_target, prompts[1], MAX_NEW, drafter=drafter, plan=choice.plan).tokens == plain.tokens
+    assert drafter.target is diverse_target
+
+
+def test_auto_times_each_dtype_searched(diverse_target, drafter, prompts):
+    """Timed on this machine over float32 and bfloat16: every plan is estimated in each, the baseline is the plain
+    decoding with the fewest expected seconds, and the drafter is bound to the float32 target afterwards."""
+    choice = choose_decoding(diverse_target, drafter, prompts, max_new_tokens=8, auto=BOTH)
+    plains = {e.dtype: e for e in choice.estimates if e.plan == PLAIN}
+    assert set(plains) == {"float32", "bfloat16"}
+    assert choice.plain_dtype == min(plains, key=lambda d: plains[d].seconds)
+    assert all(e.seconds > 0 for e in choice.estimates) and drafter.target is diverse_target
+
+
+def test_bad_dtypes_are_refused_in_one_sentence(diverse_target, drafter, prompts):
+    from lightning_spec.decoding.plans import parse_plan
+    from lightning_spec.errors import UserError
+
+    assert parse_plan({"kind": "auto", "dtypes": ["float32", "bfloat16"]}) == Auto(dtypes=("float32", "bfloat16"))
+    assert parse_plan({"kind": "auto", "dtypes": "native"}).dtypes == "native"
+    for bad in (["int8"], [], 3):
+        with pytest.raises(UserError, match=r"decoding\.dtypes must be 'native'"):
+            Auto(dtypes=bad)
+    with pytest.raises(UserError, match="pass one Costs per dtype searched"):
+        choose_decoding(diverse_target, drafter, prompts, costs=flat_or_linear(drafter, 1.0),
+                        auto=BOTH)
+
+
+def test_evaluate_online_times_plain_decoding_in_the_dtype_auto_found_fastest(tmp_path, monkeypatch, tiny_target):
+    """``--decodings '[{kind: auto, dtypes: [float32, bfloat16]}]'`` with bfloat16 the faster plain decoding (costs
+    fixed): the arm keeps plain decoding in bfloat16, and the run's plain row, which every speedup is over, decodes
+    in bfloat16 too; the JSON says so."""
+    import json
+    import sys
+
+    from helpers.offline import saved_drafters
+
+    import lightning_spec.decoding.auto as auto
+    from lightning_spec.cli import main
+
+    real = auto.choose_decoding
+
+    def fixed_costs(target, drafter, prompts, sampling, max_new_tokens, auto, progress):
+        assert auto.dtypes == ("float32", "bfloat16")
+        return real(target, drafter, prompts, sampling, max_new_tokens, auto=auto,
+                    costs={"float32": dtype_costs(drafter, 1.0, 1.0), "bfloat16": dtype_costs(drafter, 0.5, 0.5)})
+
+    monkeypatch.setattr(auto, "choose_decoding", fixed_costs)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+    (path,) = saved_drafters(tiny_target, tmp_path, seeds=(0,))
+    main(["evaluate", "--mode", "online", "--drafters", f"[{path}]", "--names", "[auto]",
+          "--decodings", "[{kind: auto, dtypes: [float32, bfloat16]}]", "--sources", "[mt-bench]",
+          "--prompts_per_source", "2", "--max_new_tokens", "6", "--n_resamples", "20", "--output", "on.json",
+          "--progress", "false"])
+    report = json.loads((tmp_path / "on.json").read_text())
+    picked = report["arms"]["auto"]["auto"]
+    assert picked["picked"] == "plain" and picked["dtype"] == "bfloat16" and picked["plain_dtype"] == "bfloat16"
+    assert report["plain"]["dtype"] == "bfloat16"
+    assert report["arms"]["auto"]["decoding"] == {"kind": "auto", "dtypes": ["float32", "bfloat16"]}

@@ -22,14 +22,25 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Estimate:
     """A plan's figures on each calibration output: tokens, rounds (exact; expected for drawn chains) and expected
-    seconds (the prompt's prefill + Σ over rounds of draft + verify + bookkeeping); ``lcb``: the lower confidence
-    bound of its pooled speedup over plain (``speedup_bound``; plain's is 1, None where undefined)."""
+    seconds (the prompt's prefill + Σ over rounds of draft + verify + bookkeeping) with the target in ``dtype``
+    (None: the target's own, when auto searches one dtype); ``lcb``: the lower confidence bound of its pooled speedup
+    over the baseline, the fastest plain decoding (``speedup_bound``; the baseline's is 1, None where undefined)."""
 
     plan: Plan
     prompt_tokens: tuple[int, ...]  # (P,)
     prompt_rounds: tuple[float, ...]  # (P,)
     prompt_seconds: tuple[float, ...]  # (P,)
     lcb: float | None = None
+    dtype: str | None = None
+
+    @property
+    def key(self) -> tuple[Plan, str | None]:
+        """What decodes: the plan and the target's dtype."""
+        return self.plan, self.dtype
+
+    @property
+    def label(self) -> str:
+        return self.plan.label if self.dtype is None else f"{self.plan.label}, {self.dtype}"
 
     @property
     def tokens(self) -> int:
@@ -52,6 +63,29 @@ class Estimate:
         return self.tokens / max(self.seconds, 1e-12)
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """A plan's rounds on each calibration output, whatever the dtype they are timed in: each round's drafted nodes
+    where they were replayed (``sizes``), else the expected rounds of drawn chains of ``nodes`` slots."""
+
+    plan: Plan
+    prompt_tokens: tuple[int, ...]  # (P,)
+    prompt_rounds: tuple[float, ...]  # (P,)
+    sizes: tuple[tuple[int, ...], ...] | None  # (P, rounds of prompt p): draft nodes per round; None: drawn chains
+    nodes: int = 0  # drawn chains: the slots every round verifies
+    tree: bool = False  # verified under a tree mask
+
+    def timed(self, costs: Costs, dtype: str | None = None) -> Estimate:
+        """Its draft + verify seconds per prompt by ``costs`` (bookkeeping and prefill: ``_with_overheads``)."""
+        draft = costs.draft.get(self.plan, 0.0)
+        if self.sizes is not None:
+            seconds = tuple(sum(draft + costs.verify_seconds(1 + n, self.tree) for n in sizes) for sizes in self.sizes)
+        else:
+            per_round = draft + costs.verify_seconds(1 + self.nodes, False)
+            seconds = tuple(r * per_round for r in self.prompt_rounds)
+        return Estimate(self.plan, self.prompt_tokens, self.prompt_rounds, seconds, dtype=dtype)
+
+
 @torch.no_grad()
 def estimate(target: Target, drafter: Proposer | None, plan: Plan, outputs: list[tuple[list[int], list[int]]],
              sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None = None,
@@ -61,35 +95,33 @@ def estimate(target: Target, drafter: Proposer | None, plan: Plan, outputs: list
     ``prefill`` seconds (None: none). None when they cannot be scored exactly (a tree grown from drawn drafts, under
     sampling). ``features``: the target's features of each output for the drafter's layers, computed once for every
     plan (None: computed here). ``lcb`` is left to ``with_bounds``, which compares plans."""
-    counted = _count(target, drafter, plan, outputs, sampling, costs, features)
-    return None if counted is None else _with_overheads(counted, costs, prefill)
+    counted = count_rounds(target, drafter, plan, outputs, sampling, features)
+    return None if counted is None else _with_overheads(counted.timed(costs), costs, prefill)
 
 
-def _count(target: Target, drafter: Proposer | None, plan: Plan, outputs: list[tuple[list[int], list[int]]],
-           sampling: SamplingConfig, costs: Costs, features: list[Tensor | None] | None) -> Estimate | None:
-    """``estimate`` without bookkeeping and prefill: per prompt, its rounds and their draft + verify seconds."""
+def count_rounds(target: Target, drafter: Proposer | None, plan: Plan, outputs: list[tuple[list[int], list[int]]],
+                 sampling: SamplingConfig, features: list[Tensor | None] | None) -> Rounds | None:
+    """The plan's rounds on each output (``Rounds``): replayed exactly where the rounds are chosen (greedy, or
+    drafts chosen under sampling), expected for drawn chains; None for a tree grown from drawn drafts."""
     tokens = tuple(len(r) for _, r in outputs)
     run = plan.resolve(drafter)
     if run.proposer is None:
-        verify = costs.verify_seconds(1, tree=False)
-        return Estimate(plan, tokens, tuple(map(float, tokens)), tuple(t * verify for t in tokens))
+        return Rounds(plan, tokens, tuple(map(float, tokens)), tuple((0,) * t for t in tokens))
     d, tree = run.proposer, run.tree
     d.use_target(target)
-    per_round_draft = costs.draft[plan]
     chosen = sampling.greedy or chosen_rounds(d, tree)
     if chosen:  # replay every round: exact, with each round's size
         layers = list(d.target_layers)
         features = features or output_features(target, layers, outputs)
-        rounds, seconds = [], []
+        sizes: list[tuple[int, ...]] = []
         for (prompt, response), feats in zip(outputs, features):
-            sizes: list[int] = []  # draft nodes of each of this output's rounds
+            drafted: list[int] = []  # draft nodes of each of this output's rounds
             if response:
                 ids = torch.tensor([prompt + response], device=target.device)
-                replay_tree_rounds(d, ids, feats if layers else None, [prompt], [response], tree, sampling, sizes,
+                replay_tree_rounds(d, ids, feats if layers else None, [prompt], [response], tree, sampling, drafted,
                                    length=run.length)
-            rounds.append(float(len(sizes)))
-            seconds.append(sum(per_round_draft + costs.verify_seconds(1 + n, tree is not None) for n in sizes))
-        return Estimate(plan, tokens, tuple(rounds), tuple(seconds))
+            sizes.append(tuple(drafted))
+        return Rounds(plan, tokens, tuple(float(len(s)) for s in sizes), tuple(sizes), tree=tree is not None)
     if tree is not None or (run.length or d.block_size) < d.block_size:  # the exact evaluator scores whole chains
         return None
     rounds = []  # drawn chains: exact expected rounds, one output at a time
@@ -97,8 +129,7 @@ def _count(target: Target, drafter: Proposer | None, plan: Plan, outputs: list[t
         for prompt, response in outputs:
             tau = score_outputs(target, d, [prompt], [response], sampling, 256, 1 << 24, {})[0] if response else [0.0]
             rounds.append(float(tau[0]))
-    per_round = per_round_draft + costs.verify_seconds(1 + d.block_size, False)
-    return Estimate(plan, tokens, tuple(rounds), tuple(r * per_round for r in rounds))
+    return Rounds(plan, tokens, tuple(rounds), None, nodes=d.block_size)
 
 
 def _with_overheads(counted: Estimate, costs: Costs, prefill: list[float] | None) -> Estimate:
