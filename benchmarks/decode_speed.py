@@ -234,9 +234,9 @@ def our_modes(target, drafter, tree, calibration, args) -> tuple[dict, dict, dic
             ngram = max(2, tree.nodes // 4)
             modes[f"tree + n-gram ({ngram} of {tree.nodes} nodes)"] = Tree(tree.nodes, tree.top_k, tree.depth, ngram)
     if args.auto:
-        dtypes = "native" if args.auto_dtypes == ["native"] else args.auto_dtypes
+        searched = "native" if args.auto_dtypes == ["native"] else args.auto_dtypes
         choice = choose_decoding(target, drafter, calibration, max_new_tokens=args.max_new_tokens, progress=True,
-                                 auto=Auto(dtypes=dtypes))
+                                 auto=Auto(dtypes=searched))
         print(choice.table())
         own = str(target.dtype).split(".")[-1]
         if choice.plain_dtype not in (None, own):  # the fastest plain decoding is in another dtype: a row of its own

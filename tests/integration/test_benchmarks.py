@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_decode_speed_compares_chain_tree_and_plain():
     out = run_benchmark("decode_speed.py", "--target", "tiny-random", "--prompts", "2", "--max-new-tokens", "8",
-                        "--repeats", "2", "--no-peers", "--plan", "{kind: tree, nodes: 6, top_k: 2}", "--threads", "1")
+                        "--repeats", "2", "--no-peers", "--plan", "{kind: tree, nodes: 6, top_k: 2}", "--threads", "1",
+                        "--auto-dtypes", "float32", "bfloat16")
     assert "speculative / plain tokens/s" in out and "tree / chain" in out
     assert "greedy outputs identical on 2/2 prompts" in out  # chain and tree both
     assert "tree of 6+1 tokens (verify)" in out
@@ -25,6 +26,20 @@ def test_decode_speed_compares_chain_tree_and_plain():
         assert f"\n  {mode}" in out, mode
     assert "float32: greedy identity guaranteed" in out
     assert "decoding auto: " in out and ("; measured " in out or "plain against itself measured " in out)
+    # auto searched both dtypes: every plan in each, judged against the faster plain decoding, which has a row
+    assert "  chain, bfloat16 " in out and "  chain, float32 " in out
+    baseline = "bfloat16" if "speedup over plain bfloat16" in out else "float32"
+    assert f"speedup over plain {baseline}" in out and (baseline == "float32" or "\n  plain bfloat16 " in out)
+
+
+def test_decode_speed_times_plain_decoding_in_the_dtype_auto_judged_against():
+    """A bfloat16 target with auto searching float32 alone: the baseline auto judged against is plain float32, which
+    gets a row of its own, and auto's pick decodes in float32, named so."""
+    out = run_benchmark("decode_speed.py", "--target", "tiny-random", "--dtype", "bfloat16", "--prompts", "1",
+                        "--max-new-tokens", "8", "--repeats", "2", "--no-peers", "--ngram", "0", "--threads", "1",
+                        "--auto-dtypes", "float32")
+    assert "speedup over plain float32" in out and "\n  plain float32 " in out
+    assert "\n  auto: " in out and "decoding auto: " in out and "float32)" in out
 
 
 def test_verify_cost_times_every_size_per_dtype():
