@@ -33,6 +33,7 @@ from lightning_spec.export import (
     read_serving_folder,
     vllm_speculative_config,
 )
+from lightning_spec.provenance import PROVENANCE_FILE, PROVENANCE_KEY, folder_record
 from lightning_spec.target import TargetOptions, live_target, load_target
 
 if TYPE_CHECKING:
@@ -278,14 +279,28 @@ def load_drafter(path: str | Path, target: Target | str | None = None) -> Drafte
     return _bind(meta, state, target, what)
 
 
-def save_drafter(drafter: Drafter, folder: str | Path, target_spec: str | None = None) -> Path:
-    """Export a drafter as a folder: ``drafter.json`` (class, config, target) + ``drafter.pt`` (weights)."""
+def save_drafter(drafter: Drafter, folder: str | Path, target_spec: str | None = None,
+                 fit: dict[str, Any] | None = None) -> Path:
+    """Export a drafter as a folder: ``drafter.json`` (class, config, target) + ``drafter.pt`` (weights) +
+    ``provenance.json`` (``fit``, the record of the fit that trained it, and the weights' SHA-256)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     meta = drafter_record(drafter, target_spec or drafter.target.name)
     (folder / "drafter.json").write_text(json.dumps(meta, indent=2))
     torch.save(drafter.state_dict(), folder / "drafter.pt")
+    record = folder_record(folder / "drafter.pt", drafter.target.fingerprint, fit)
+    (folder / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return folder
+
+
+def recorded_fit(path: str | Path) -> dict[str, Any] | None:
+    """The record of the fit that trained the drafter in ``path`` (``provenance.py``): a checkpoint's own, a
+    folder's ``provenance.json``'s ``fit``; None where none was recorded (a checkpoint written before it was)."""
+    path = Path(path)
+    if path.is_dir():
+        file = path / PROVENANCE_FILE
+        return json.loads(file.read_text()).get("fit") if file.is_file() else None
+    return read_checkpoint(path, "checkpoint").get(PROVENANCE_KEY)
 
 
 def export_checkpoint(ckpt: str, out: str, format: str = "speculators",  # noqa: A002
@@ -303,7 +318,7 @@ def export_checkpoint(ckpt: str, out: str, format: str = "speculators",  # noqa:
     record, state = read_drafter_state(ckpt, "export --ckpt")  # read once: the record and the weights
     drafter = _bind(record, state, None, "export --ckpt")
     parent = {"path": str(ckpt), "drafter_class": record["drafter_class"], "parent": record.get("parent")}
-    folder = export_drafter(drafter, out, format, record["target"], target_path, parent)
+    folder = export_drafter(drafter, out, format, record["target"], target_path, parent, recorded_fit(ckpt))
     k = drafter.block_size
     codec = codec_for(drafter, format)
     print(f"export: wrote {type(drafter).__name__} (K={k}) as {format} to {folder}")

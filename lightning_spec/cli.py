@@ -26,6 +26,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_spec import provenance
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.errors import UserError
 from lightning_spec.module import DraftModule
@@ -34,6 +35,7 @@ from lightning_spec.tracking import (
     SaveConfigToTracker,
     checkpoint_run_id,
     log_drafter,
+    mask_uri,
     prepare_loggers,
     run_summary,
 )
@@ -82,6 +84,14 @@ class SpecCLI(LightningCLI):
         if trainer is not None:
             target = (section.get("model") or {}).get("target")  # names the experiment: one per target
             prepare_loggers(trainer.get("logger"), self._resume_run, Path(files[-1]).stem if files else None, target)
+
+    def before_fit(self) -> None:
+        """Every checkpoint of this fit keeps its command and resolved config (with the seed it drew): what rebuilds
+        the drafter (``provenance.py``)."""
+        if isinstance(self.model, DraftModule):
+            config = self.config.get(str(self.subcommand), self.config)
+            text = mask_uri(self._parser(self.subcommand).dump(config, skip_none=False))
+            self.model.record_fit(provenance.run_record(text))
 
     def after_fit(self) -> None:
         """The last lines of ``fit`` (rank 0, after every callback's output): where the checkpoint is and how to
@@ -213,6 +223,7 @@ def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     argv = list(sys.argv[1:] if args is None else args)
+    provenance.COMMAND[:] = ["lightning-spec", *argv]  # what every artifact of this run records as its command
     command = argv[0] if argv and not argv[0].startswith("-") else "fit"
     try:
         if argv and argv[0] == "features":  # fit's own options (the same YAML), so parsed by a LightningCLI

@@ -46,6 +46,7 @@ from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.optimizers import OPTIMIZERS, build_optimizer
+from lightning_spec.provenance import PROVENANCE_KEY, run_record
 from lightning_spec.schedule import TrainingClock
 from lightning_spec.target import TargetOptions, load_target, resolve_dtype
 from lightning_spec.tracking import checkpoint_record, log_comparison, mlflow_loggers
@@ -181,6 +182,7 @@ class DraftModule(L.LightningModule):
         self.feature_source = FeatureSource(self.target, self.drafter.target_layers, dtype=wanted)
         self.objective = objective if objective is not None else Objective()
         self._parent = None if init_from is None else init_weights(self.drafter, init_from, self.target.fingerprint)
+        self.provenance: dict[str, Any] | None = None  # the fit's command and resolved config (the CLI's), if any
         # a frozen copy of the starting drafter for objectives that need it (GRPO's KL to the reference); in a list,
         # so it is neither a submodule nor in checkpoints
         self._reference: list[Drafter] = []
@@ -518,12 +520,17 @@ class DraftModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---------------------------------------------------------------------------------------- checkpoints
+    def record_fit(self, record: dict[str, Any]) -> None:
+        """The fit's command and resolved config (``provenance.run_record``, from the CLI), kept in every checkpoint."""
+        self.provenance = record
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         store = self.feature_source.store
         if store is not None:  # a run killed after this checkpoint resumes with these features stored
             store.flush()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
         checkpoint[CKPT_KEY] = {**drafter_record(self.drafter, self.target_spec), "parent": self._parent}
+        checkpoint[PROVENANCE_KEY] = self.provenance or run_record()  # a fit from Python: its command, no config
         checkpoint["anchor_seed"] = self._anchor_seed
         if self._clock is not None:
             checkpoint["training_clock"] = self._clock.state_dict()

@@ -160,11 +160,13 @@ def test_fit_tiny_logs_an_mlflow_run(in_tmp, capsys):
     assert run.data.tags["drafter_model"] == f"models:/{model.model_id}"
     assert [o.model_id for o in run.outputs.model_outputs] == [model.model_id]
     files = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
-    assert files == {"README.md", "drafter.json", "drafter.pt"}
+    assert files == {"README.md", "drafter.json", "drafter.pt", "provenance.json"}
     assert run.data.tags["drafter_layout"].startswith("lightning_spec")
     folder = mlflow.artifacts.download_artifacts(f"models:/{model.model_id}", dst_path=str(in_tmp / "served"))
     card = (Path(folder) / "README.md").read_text()
-    assert "not exported for serving" in card and "qk_norm" in card
+    assert "not exported for serving" in card and "qk_norm" in card and "provenance.json" in card
+    record = json.loads((Path(folder) / "provenance.json").read_text())  # the fit's config travels with the model
+    assert record["fit"]["command"] == f"lightning-spec fit -c {TINY}" and "max_steps: 6" in record["fit"]["config"]
     assert load_drafter(folder).block_size == 4  # what a user downloads loads
     # the checkpoint holds a drafter that loads for its target by name
     (last,) = in_tmp.rglob("last.ckpt")

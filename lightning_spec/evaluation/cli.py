@@ -41,6 +41,7 @@ from lightning_spec.evaluation.offline import OfflineReport, offline_report
 from lightning_spec.evaluation.online import OnlineRun, choose_decodings, decoding_of, online_result, plain_baseline
 from lightning_spec.evaluation.report import common_plan, log_mlflow, print_results, write_json
 from lightning_spec.paired import Bootstrap, Comparison, compare_reports
+from lightning_spec.provenance import input_checksums, run_record
 from lightning_spec.sampling import SamplingConfig
 from lightning_spec.target import TargetOptions
 from lightning_spec.tracking import EVALUATE_EXPERIMENT
@@ -280,6 +281,9 @@ class Evaluate:
             result, comparison = run_online(entries, self.target, how, self.online(sampling), self.bootstrap())
         else:
             raise UserError(f"--mode must be offline or online, got {self.mode!r}.")
+        # the command and the inputs' checksums: what reproduces this report (``provenance.py``)
+        result["provenance"] = {**run_record(), "inputs": input_checksums(
+            [*self.drafters, *([self.rollouts] if self.mode == "offline" and self.rollouts else [])])}
         print_results(result, comparison)
         if self.mlflow:
             result["mlflow_run_ids"] = log_mlflow(result, comparison, self.tracking_uri, self.experiment_name)

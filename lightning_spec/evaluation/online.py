@@ -206,6 +206,12 @@ def choose_decodings(decodings: list[Decoding], target: Target, calibration: lis
     return chosen
 
 
+def plain_dtype(run: OnlineRun) -> str:
+    """The target's dtype the run's plain row decoded in."""
+    cast = run.plain.dtype if isinstance(run.plain, DrafterDecoding) else None
+    return cast or str(run.target.dtype).replace("torch.", "")
+
+
 def plain_baseline(decodings: list[Decoding]) -> DrafterDecoding:
     """The plain decoding every speedup is over: in the dtype decoding auto found fastest for plain decoding where
     an arm's auto searched the target's dtypes (``Auto.dtypes``), else in the target's own."""
@@ -366,7 +372,7 @@ def online_result(run: OnlineRun, timings: OnlineTimings, bootstrap: Bootstrap, 
         "sources": [str(s) for s in sources],
         "prompts": len(run.prompts),
         "max_new_tokens": run.max_new_tokens,
-        "plain": stats.plain | {"dtype": getattr(run.plain, "dtype", None) or str(run.target.dtype).split(".")[-1]},
+        "plain": stats.plain | {"dtype": plain_dtype(run)},
         "rows": {"prompt_id": keys, "domain": domains, "plain_tokens": timings.tokens[0].tolist()},
         "arms": arms,
         "comparison": stats.comparison.to_dict(),

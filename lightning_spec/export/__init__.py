@@ -30,6 +30,7 @@ from lightning_spec.drafters.base import Drafter, drafter_record
 from lightning_spec.errors import UserError
 from lightning_spec.export import sglang, speculators
 from lightning_spec.export.common import SIDECAR, Codec, read_json
+from lightning_spec.provenance import PROVENANCE_FILE, folder_record
 
 FORMATS: dict[str, Any] = {"speculators": speculators, "sglang": sglang}
 
@@ -54,13 +55,14 @@ def codec_for(drafter: Drafter, fmt: str) -> Codec:
 
 def export_drafter(
     drafter: Drafter, out: str | Path, fmt: str = "speculators", target_spec: str | None = None,
-    target_path: str | None = None, parent: dict[str, Any] | None = None,
+    target_path: str | None = None, parent: dict[str, Any] | None = None, fit: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``drafter`` to the folder ``out`` in format ``fmt``; returns the folder.
 
     ``target_spec``: the target name recorded for ``load_drafter`` (default the bound target's); ``target_path``:
     the verifier path written into the serving config (default the target's local folder), the model vLLM or
-    SGLang serves next to the drafter."""
+    SGLang serves next to the drafter; ``fit``: the record of the fit that trained it (a checkpoint's ``provenance``),
+    kept in the folder's ``provenance.json`` with the weights' SHA-256."""
     codec = codec_for(drafter, fmt)
     codec.check(drafter)
     if not bool(drafter.vocab.ready):
@@ -78,6 +80,8 @@ def export_drafter(
 
     # cloned: a tied target's full-vocabulary head and its embedding are one tensor, which safetensors refuses twice
     save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    record = folder_record(out / "model.safetensors", target.fingerprint, fit)
+    (out / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     for name, obj in extra.items():  # e.g. DFlash's mask_embedding.pt, DSpark's dspark_calibration.json
         if name.endswith(".json"):
             (out / name).write_text(json.dumps(obj, indent=2) + "\n")

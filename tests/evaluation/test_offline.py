@@ -338,6 +338,9 @@ def test_evaluate_offline_cli_writes_json_and_mlflow(in_tmp, tiny_target, rollou
     assert "ΔMAL" in out and "base" in out and "other" in out and "chat" in out
     result = json.loads((in_tmp / "out.json").read_text())
     assert result["mode"] == "offline" and result["sampling"]["temperature"] == 1.0
+    recorded = result["provenance"]  # its own command and the checksums of what it read
+    assert recorded["command"].startswith("lightning-spec evaluate --mode offline --rollouts ")
+    assert set(recorded["inputs"]) == {a, b, c, str(rollout_folder)} and all(recorded["inputs"][p] for p in (a, b, c))
     assert set(result["arms"]) == {"base", "other"} and result["arms"]["other"]["checkpoints"] == [b, c]
     cmp = result["comparison"]
     assert cmp["baseline"] == "base" and cmp["rows"] == 8 and cmp["prompts"] == 4

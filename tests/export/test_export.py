@@ -487,6 +487,14 @@ def test_the_quickstart_drafter_exports_and_loads_back(tmp_path, monkeypatch, ti
     except SystemExit as exit_:
         assert not exit_.code
     assert json.loads((tmp_path / "served" / "config.json").read_text())["speculators_model_type"] == "dflash"
+    # its provenance: the fit's command and config from the checkpoint, the export's own command, the weights' hash
+    from lightning_spec.provenance import PROVENANCE_FILE, sha256_file
+
+    record = json.loads((tmp_path / "served" / PROVENANCE_FILE).read_text())
+    fit, export = record["fit"], record["written_by"]
+    assert fit["command"].startswith("lightning-spec fit -c ") and "quickstart.yaml" in fit["command"]
+    assert "block_size: 8" in fit["config"] and export["command"].startswith("lightning-spec export")
+    assert record["weights_sha256"] == sha256_file(tmp_path / "served" / "model.safetensors")
     trained_drafter, served = load_drafter(ckpt, target=tiny_target), load_drafter(tmp_path / "served",
                                                                                    target=tiny_target)
     prompts = [[5, 17, 40, 9], [60, 2, 33, 71, 8, 12]]
