@@ -95,8 +95,11 @@ def attach_data(module, dm) -> None:
         module.drafter.vocab.set_from_counts(dm.token_counts(module.target.vocab_size))
         module.drafter.on_vocab_chosen()
     if module.hparams.feature_cache != "off":
-        store = module.open_feature_store(dm.fingerprint, len(dm.train_dataset))
-        module.feature_source = module.feature_source.with_store(store)
+        from lightning_spec.features.store import open_training_store
+
+        spec = module.store_spec(dm.fingerprint, len(dm.train_dataset))
+        directory = module.store_directory(spec) if module.hparams.feature_cache == "disk" else None
+        module.feature_source = module.feature_source.with_store(open_training_store(directory, spec, rank=0))
 
 
 def optimizer(module):

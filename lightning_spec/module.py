@@ -31,17 +31,14 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from lightning_spec.assets import cache_dir
-from lightning_spec.callbacks.on_policy import on_policy_fit
 from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record, init_weights
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters.base import Drafter, DraftOutput
 from lightning_spec.errors import DivergedLoss, UserError
 from lightning_spec.features.source import FeatureSource
-from lightning_spec.features.store import FeatureStore, StoreSpec, dtype_name, human
+from lightning_spec.features.store import StoreSpec, open_training_store, store_folder
 from lightning_spec.metrics import RatioOfSums
 from lightning_spec.objectives.context import StepContext
 from lightning_spec.objectives.objective import Objective, TargetInfo
@@ -200,6 +197,7 @@ class DraftModule(L.LightningModule):
         self._clock: TrainingClock | None = None  # the LR schedule's clock, built in configure_optimizers
         self._clock_state: dict[str, Any] | None = None  # a checkpoint's clock, restored when the clock is built
         self._quiet: Any = None  # the warnings filter of a running fit (on_fit_start .. teardown)
+        self._on_policy = False  # this fit trains on a replay buffer (``train_on_policy``)
 
     # --------------------------------------------------------------------------------------------- set-up
     def setup(self, stage: str) -> None:
@@ -220,71 +218,41 @@ class DraftModule(L.LightningModule):
         if stage == "fit" and not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens
             self.drafter.vocab.set_from_counts(dm.token_counts(self.target.vocab_size))
             self.drafter.on_vocab_chosen()
-        on_policy = on_policy_fit(self.trainer)  # the configuration's callbacks, whichever sets up first
+        on_policy = self._on_policy
         if stage == "fit" and self.objective.needs_rollouts and not on_policy:
             raise UserError(
                 f"model.objective {type(self.objective).__name__} trains on the rounds of on-policy rollouts; add "
                 "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."
             )
         if stage == "fit" and self.hparams.feature_cache != "off" and not on_policy:  # no store for a changing set
-            store = self.open_feature_store(dm.fingerprint, len(dm.train_dataset))
-            self.feature_source = self.feature_source.with_store(store)
+            spec = self.store_spec(dm.fingerprint, len(dm.train_dataset))
+            directory = self.store_directory(spec) if self.hparams.feature_cache == "disk" else None
+            rank = self.trainer.global_rank if self._trainer is not None else 0
+            self.feature_source = self.feature_source.with_store(open_training_store(directory, spec, rank))
+
+    def train_on_policy(self) -> None:
+        """Declared by ``OnPolicyRollouts.setup``, which Lightning runs before this module's: the fit trains on a
+        replay buffer of rollouts, so no feature store is opened for it (its rows change)."""
+        self._on_policy = True
 
     def store_spec(self, data_fingerprint: str, examples: int) -> StoreSpec:
         """What this fit's feature store holds: its target, layers, data and feature dtype."""
-        return StoreSpec(
-            target=self.target_spec,
-            target_fingerprint=self.target.fingerprint,
-            layers=list(self.feature_source.layers),
-            data_fingerprint=data_fingerprint,
-            dtype=dtype_name(self.feature_source.dtype),
-            hidden_size=self.target.hidden_size,
-            examples=examples,
-        )
+        return self.feature_source.store_spec(self.target_spec, data_fingerprint, examples)
 
     def store_directory(self, spec: StoreSpec) -> Path:
         """``model.feature_store``, else the store's folder in the cache, named by its key."""
-        return Path(self.hparams.feature_store or cache_dir() / "features" / spec.key).expanduser()
-
-    def open_feature_store(self, data_fingerprint: str, examples: int) -> FeatureStore:
-        """The feature store of this target, layers, data and feature dtype (``model.feature_cache``)."""
-        spec = self.store_spec(data_fingerprint, examples)
-        directory = self.store_directory(spec) if self.hparams.feature_cache == "disk" else None
-        rank = self.trainer.global_rank if self._trainer is not None else 0
-        store = FeatureStore.open(directory, spec, writer=f"rank{rank}")
-        if directory is not None:
-            rest = ("the target never runs in training" if store.complete else
-                    "the first epoch writes the rest as it computes them")
-            rank_zero_info(f"feature store {directory}: {len(store)} of {examples} training examples stored "
-                           f"({human(store.disk_bytes())}); {rest}")
-        return store
+        return store_folder(spec, self.hparams.feature_store)
 
     def configure_model(self) -> None:
-        """With ``shard_target`` over several ranks (DDP), shard the frozen target's decoder layers across them
-        (``Target.shard_layers``): each rank holds 1/world of the target's layer weights, the drafter is replicated.
-
-        Under FSDP, shard the drafter only: the frozen target stays whole on every device, as under DDP.
-
-        The drafter reads the target's embedding and LM head outside the target's own forward (and decoding runs
-        outside any FSDP forward), and one FSDP flat parameter cannot mix a bf16 target with the fp32 drafter.
-        FSDP does not move ignored modules, so the target goes to the device here.
-        """
+        """The frozen target placed for the strategy (``Target.place_for``): its decoder layers sharded over the
+        ranks with ``shard_target`` under DDP, whole and ignored by FSDP, which shards the drafter only."""
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if self.hparams.shard_target and strategy is not None and self._trainer.world_size > 1:
-            if isinstance(strategy, FSDPStrategy):
-                raise UserError("model.shard_target shards the target under trainer.strategy: ddp (the drafter is "
-                                "replicated); under fsdp the target stays whole. Use ddp, or shard_target: false.")
-            if not self.target.sharded:
-                self.target.to(strategy.root_device).shard_layers()
-                world, layers = self._trainer.world_size, sum(p.numel() for p in self.target.base.layers.parameters())
-                rank_zero_info(f"target: decoder layers sharded over {world} ranks, {layers / world / 1e6:.1f}M of "
-                               f"their {layers / 1e6:.1f}M parameters on each (model.shard_target)")
-            # DDP would broadcast every parameter from rank 0 when it wraps the module: the target's shards differ
-            self._ddp_params_and_buffers_to_ignore = [f"target.{name}" for name, _ in self.target.named_parameters()]
-            self._ddp_params_and_buffers_to_ignore += [f"target.{name}" for name, _ in self.target.named_buffers()]
+        if strategy is None:
+            return
+        ignored = self.target.place_for(strategy, self._trainer.world_size if self.hparams.shard_target else 1)
+        if ignored:  # DDP would broadcast every parameter from rank 0 when it wraps the module: the shards differ
+            self._ddp_params_and_buffers_to_ignore = [f"target.{name}" for name in ignored]
         if isinstance(strategy, FSDPStrategy):
-            strategy.kwargs.setdefault("ignored_modules", [self.target])
-            self.target.to(strategy.root_device)
             # FSDP loads a checkpoint's weights itself, before on_load_checkpoint could put back the target's
             # (stripped on save): the target's keys are missing by design
             self.strict_loading = False
@@ -468,6 +436,7 @@ class DraftModule(L.LightningModule):
             logger.log_metrics({"steps": float(self.global_step)}, step=self.global_step)
 
     def teardown(self, stage: str) -> None:
+        self._on_policy = False
         quiet, self._quiet = self._quiet, None
         if quiet is not None:
             quiet.__exit__(None, None, None)

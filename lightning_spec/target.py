@@ -353,6 +353,36 @@ class Target(nn.Module):
         self._sharded = True
         return self
 
+    def place_for(self, strategy: Any, shard_over: int = 1) -> list[str]:
+        """Place this frozen target for a fit's Lightning ``strategy``; returns the names of its parameters and
+        buffers DDP must not broadcast (its shards differ per rank; empty when not sharded).
+
+        ``shard_over`` > 1 ranks (``model.shard_target``, DDP): the decoder layers sharded across them
+        (``shard_layers``): each rank holds 1/world of their weights, the drafter is replicated. Under FSDP the
+        target stays whole on every device and FSDP ignores it, sharding the drafter only: the drafter reads the
+        target's embedding and LM head outside the target's own forward (and decoding runs outside any FSDP
+        forward), and one FSDP flat parameter cannot mix a bf16 target with the fp32 drafter. FSDP does not move
+        ignored modules, so the target goes to the device here."""
+        from lightning.pytorch.strategies import FSDPStrategy
+        from lightning.pytorch.utilities import rank_zero_info
+
+        shard = shard_over > 1
+        if isinstance(strategy, FSDPStrategy):
+            if shard:
+                raise UserError("model.shard_target shards the target under trainer.strategy: ddp (the drafter is "
+                                "replicated); under fsdp the target stays whole. Use ddp, or shard_target: false.")
+            strategy.kwargs.setdefault("ignored_modules", [self])
+            self.to(strategy.root_device)
+            return []
+        if not shard:
+            return []
+        if not self.sharded:
+            self.to(strategy.root_device).shard_layers()
+            layers = sum(p.numel() for p in self.base.layers.parameters())
+            rank_zero_info(f"target: decoder layers sharded over {shard_over} ranks, {layers / shard_over / 1e6:.1f}M "
+                           f"of their {layers / 1e6:.1f}M parameters on each (model.shard_target)")
+        return [name for name, _ in self.named_parameters()] + [name for name, _ in self.named_buffers()]
+
     @property
     def sharded(self) -> bool:
         """Whether ``shard_layers`` spread the decoder layers over the ranks (forwards are then collective)."""

@@ -9,8 +9,8 @@ rejected (``data/replay.py``). This callback is their data: the same ``DraftModu
   shuffled with ``seed``; ``buffer_size`` of them are decoded with the current drafter through our engine
   (``generate(trace=True)``) into a ``ReplayBuffer`` (``data/replay.py``), and the data module trains on that buffer
   (``SpecDataModule.train_on``; its length stays ``buffer_size``, so Lightning's epoch length is fixed).
-- declared, not ordered: a fit is on-policy when this callback is in ``trainer.callbacks`` (``on_policy_fit``); the
-  module reads that in its own ``setup`` (no feature store for a changing set) whatever order the setups run in.
+- ``setup`` declares the fit on-policy to the module (``DraftModule.train_on_policy``): Lightning runs every
+  callback's ``setup`` before the module's, which then opens no feature store for a set that changes.
 - every ``refresh_every`` optimizer steps, ``rollouts_per_refresh`` further prompts are decoded with the drafter as
   it is now and replace the oldest buffer entries (a ring). ``rollouts_per_refresh = buffer_size`` renews the whole
   buffer: AdaFlash's loop of "roll out a buffer, train on it for ``refresh_every`` steps, roll out with the new
@@ -97,6 +97,7 @@ class OnPolicyRollouts(MetricsCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        pl_module.train_on_policy()  # before the module's own setup (Lightning's order): no feature store for it
         dm = trainer.datamodule
         if not isinstance(dm, SpecDataModule):  # plain dataloaders or another data module: no prompts to decode
             raise UserError("OnPolicyRollouts needs a data module (data: SpecDataModule) whose prompts it decodes.")
@@ -197,9 +198,4 @@ class OnPolicyRollouts(MetricsCallback):
         self.drawn = int(state_dict.get("drawn", 0))
         self.last_refresh = state_dict.get("last_refresh")
 
-
-def on_policy_fit(trainer: L.Trainer) -> bool:
-    """Whether a fit trains on a replay buffer: its configuration puts ``OnPolicyRollouts`` in ``trainer.callbacks``.
-    A declaration any hook may read, whichever of the module's and the callback's ``setup`` runs first."""
-    return any(isinstance(c, OnPolicyRollouts) for c in trainer.callbacks)
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lightning_spec.features.store import StoreSpec, dtype_name
+
 if TYPE_CHECKING:
     from lightning_spec.features.store import FeatureStore
     from lightning_spec.target import Target
@@ -59,6 +61,13 @@ class FeatureSource:
     def dtype(self) -> torch.dtype:
         """The dtype the features are computed in (a store is written for it)."""
         return (self._target if self._copy is None else self._copy).dtype
+
+    def store_spec(self, target_spec: str, data_fingerprint: str, examples: int) -> StoreSpec:
+        """What a store of this source's features over ``examples`` rows of the data ``data_fingerprint`` holds: the
+        target (``target_spec``, its weights' fingerprint), the layers and the dtype they are computed in."""
+        return StoreSpec(target=target_spec, target_fingerprint=self._target.fingerprint, layers=list(self.layers),
+                         data_fingerprint=data_fingerprint, dtype=dtype_name(self.dtype),
+                         hidden_size=self._target.hidden_size, examples=examples)
 
     def take_work(self) -> tuple[float, int]:
         """Seconds and examples of target forwards since the last call (the training clock's projection,

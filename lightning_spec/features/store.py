@@ -39,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from safetensors.torch import save_file
 from torch import Tensor
 
+from lightning_spec.assets import cache_dir
 from lightning_spec.errors import UserError
 from lightning_spec.files import atomic_write, atomic_write_json
 
@@ -278,3 +280,20 @@ def check_spec(found: StoreSpec, wanted: StoreSpec, directory: Path, field_name:
         f"({', '.join(names[d] for d in differ)} differ); point {field_name} at another folder or delete that one."
     )
 
+
+def store_folder(spec: StoreSpec, folder: str | os.PathLike | None) -> Path:
+    """Where a fit's store lives: ``folder`` (``model.feature_store``), else its folder in the cache, named by its
+    key."""
+    return Path(folder or cache_dir() / "features" / spec.key).expanduser()
+
+
+def open_training_store(directory: Path | None, spec: StoreSpec, rank: int) -> FeatureStore:
+    """A fit's feature store, opened by rank ``rank``: on disk in ``directory`` (``model.feature_cache: disk``), in
+    memory without one; rank 0 says how much of it is already stored."""
+    store = FeatureStore.open(directory, spec, writer=f"rank{rank}")
+    if directory is not None:
+        rest = ("the target never runs in training" if store.complete else
+                "the first epoch writes the rest as it computes them")
+        rank_zero_info(f"feature store {directory}: {len(store)} of {spec.examples} training examples stored "
+                       f"({human(store.disk_bytes())}); {rest}")
+    return store

@@ -10,12 +10,12 @@ from helpers.fits import quiet_trainer
 
 from lightning_spec import generate
 from lightning_spec.callbacks import OnPolicyRollouts
-from lightning_spec.callbacks.on_policy import on_policy_fit as on_policy_fit_declared
 from lightning_spec.data.replay import ReplayBuffer, prompt_of, replay_example
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.engine import Generation
 from lightning_spec.drafters import DFlashDrafter
 from lightning_spec.drafters.base import DraftOutput, DraftVocab
+from lightning_spec.errors import UserError
 from lightning_spec.loaders import collate
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, DraftOPD, Objective, StepContext
@@ -234,11 +234,15 @@ def test_a_resumed_run_keeps_its_buffer(data_files, tmp_path):
     assert first <= {e["index"] for e in cb.buffer}
 
 
-def test_on_policy_is_declared_by_the_callback_list():
-    """The module reads whether a fit is on-policy from the configuration (``trainer.callbacks``), not from a flag
-    that the callback's setup must set before the module's."""
-    assert on_policy_fit_declared(quiet_trainer(max_steps=1, callbacks=[OnPolicyRollouts()]))
-    assert not on_policy_fit_declared(quiet_trainer(max_steps=1))
+def test_without_the_callback_an_objective_on_rollouts_is_refused(data_files):
+    """``OnPolicyRollouts.setup`` declares a fit on-policy (``DraftModule.train_on_policy``; Lightning runs every
+    callback's ``setup`` before the module's, and the fits above train so); without it, an objective that trains on
+    rollouts is refused in one sentence before anything trains."""
+    dm = SpecDataModule(target="tiny-random", train_sources=[data_files["train"]], eval_sources=[data_files["eval"]],
+                        train_limit=None, max_length=64, batch_size=2, val_fraction=0.2)
+    module = DraftModule(DFlashDrafter(block_size=3, num_layers=1, num_anchors=8), DraftOPD(), target="tiny-random")
+    with pytest.raises(UserError, match="add lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks"):
+        quiet_trainer(max_steps=1).fit(module, datamodule=dm)
 
 
 def test_the_replay_buffer_is_a_ring_of_fixed_size():
