@@ -29,6 +29,7 @@ def main() -> None:
     from lightning_spec.loaders import collate
     from lightning_spec.module import DraftModule
     from lightning_spec.objectives import KL, ExpDecay, Objective, StepContext
+    from lightning_spec.objectives.context import slot_hidden
 
     torch.manual_seed(0)
     module = DraftModule(DFlashDrafter(block_size=8, num_layers=1, num_anchors=32, context_shortcut=True),
@@ -52,7 +53,8 @@ def main() -> None:
         module.drafter.zero_grad(set_to_none=True)
         seeded = module.seeded(batch, 0)
         draft = module.drafter(seeded, features)
-        ctx = StepContext(target_hidden=module.target_hidden(draft, last), target_head=module.target_head)
+        ctx = StepContext(target_hidden=slot_hidden(draft.anchors, draft.block_size, last),
+                          target_head=module.target_head)
         terms = module.objective(draft, ctx)
         terms.num.backward()
         return float(terms.num.detach() / terms.den), {k: q.grad.clone() for k, q in module.drafter.named_parameters()

@@ -113,7 +113,7 @@ def optimizer(module):
 
 def plain_step(module, batch, step: int, opt, sched, clock: Clock | None = None) -> None:
     """The work of ``DraftModule.training_step`` plus Lightning's optimizer step, in plain PyTorch."""
-    from lightning_spec.module import slot_hits
+    from lightning_spec.metrics import slot_hits
 
     clock = clock or Clock()
     draft, terms = module.draft_step(module.seeded(batch, step), use_cache=True)

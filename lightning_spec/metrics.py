@@ -11,11 +11,14 @@ Lightning's ``self.log`` (the validation loss), where torchmetrics does the addi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+
+if TYPE_CHECKING:
+    from lightning_spec.drafters.base import DraftOutput
 
 
 def slot_counts(
@@ -95,3 +98,14 @@ class RatioOfSums(Metric):
 
     def compute(self) -> Tensor:
         return (self.num / self.den.clamp_min(1e-12)).float()
+
+
+def slot_hits(draft: DraftOutput, chunk: int | None) -> Tensor:
+    """(N, A, K) bool: the draft's argmax is the label; in chunks of anchors when the logits are (lazy and) large."""
+    if chunk is None or draft.num_anchors <= chunk:
+        return draft.logits.argmax(-1) == draft.labels
+    parts = []
+    for lo in range(0, draft.num_anchors, chunk):
+        part = draft.chunk(torch.arange(lo, min(lo + chunk, draft.num_anchors), device=draft.valid.device))
+        parts.append(part.logits.argmax(-1) == part.labels)
+    return torch.cat(parts, dim=1)

@@ -20,7 +20,6 @@ Checkpoints hold the drafter only: the frozen target's weights are stripped on s
 from __future__ import annotations
 
 import copy
-import math
 import os
 import time
 import warnings
@@ -35,51 +34,18 @@ from torch import Tensor
 
 from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record, init_weights
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters.base import Drafter, DraftOutput
+from lightning_spec.drafters.base import Drafter, DraftOutput, anchor_seeds
 from lightning_spec.errors import DivergedLoss, UserError
 from lightning_spec.features.source import FeatureSource
 from lightning_spec.features.store import StoreSpec, open_training_store, store_folder
-from lightning_spec.metrics import RatioOfSums
-from lightning_spec.objectives.context import StepContext
+from lightning_spec.metrics import RatioOfSums, slot_hits
+from lightning_spec.objectives.context import StepContext, slot_hidden
 from lightning_spec.objectives.objective import Objective, TargetInfo
-from lightning_spec.optimizers import OPTIMIZERS, build_optimizer
+from lightning_spec.optimizers import build_optimizer, check_optimizer_settings
 from lightning_spec.provenance import PROVENANCE_KEY, run_record
 from lightning_spec.schedule import TrainingClock
 from lightning_spec.target import TargetOptions, load_target, resolve_dtype
 from lightning_spec.tracking import checkpoint_record, log_comparison, mlflow_loggers
-
-
-def anchor_seeds(run_seed: int, salt: int, index: Tensor) -> Tensor:
-    """Per-example anchor seeds (N,) int64 from the run seed, a ``salt`` (the optimizer step in training, -1 in
-    validation) and the examples' ``index`` (N,) in their split: a function of the example, never of its batch.
-    Copies of one example in one optimizer step (domain-weighted sampling draws with replacement) share anchors."""
-    base = ((run_seed * 1_000_003 + salt + 1) * 1_000_033) % 2**62
-    return (index.to(torch.int64) + base) % 2**62
-
-
-def check_optimizer_settings(lr: float, weight_decay: float, betas, warmup_ratio: float, min_lr_ratio: float) -> None:
-    """Refuse, naming the field, what AdamW or the schedule would reject later (or silently misuse)."""
-    checks = [
-        (math.isfinite(lr) and lr > 0, "model.lr", lr, "a learning rate > 0, e.g. 1e-3"),
-        (math.isfinite(weight_decay) and weight_decay >= 0, "model.weight_decay", weight_decay, "a value >= 0"),
-        (len(betas) == 2 and all(0 <= b < 1 for b in betas), "model.betas", betas, "two values in [0, 1)"),
-        (0 <= warmup_ratio < 1, "model.warmup_ratio", warmup_ratio, "a share of the steps in [0, 1)"),
-        (0 <= min_lr_ratio <= 1, "model.min_lr_ratio", min_lr_ratio, "a share of model.lr in [0, 1]"),
-    ]
-    for ok, field, value, wanted in checks:
-        if not ok:
-            raise UserError(f"{field} is {value}; it must be {wanted}.")
-
-
-def slot_hits(draft: DraftOutput, chunk: int | None) -> Tensor:
-    """(N, A, K) bool: the draft's argmax is the label; in chunks of anchors when the logits are (lazy and) large."""
-    if chunk is None or draft.num_anchors <= chunk:
-        return draft.logits.argmax(-1) == draft.labels
-    parts = []
-    for lo in range(0, draft.num_anchors, chunk):
-        part = draft.chunk(torch.arange(lo, min(lo + chunk, draft.num_anchors), device=draft.valid.device))
-        parts.append(part.logits.argmax(-1) == part.labels)
-    return torch.cat(parts, dim=1)
 
 
 class DraftModule(L.LightningModule):
@@ -154,11 +120,7 @@ class DraftModule(L.LightningModule):
         self.hparams["target_options"] = options.to_dict()  # plain values: checkpoints are read weights_only
         if feature_cache not in ("memory", "disk", "off"):
             raise UserError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
-        check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio)
-        if optimizer not in OPTIMIZERS:
-            raise UserError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}.")
-        if muon_lr is not None and not (math.isfinite(muon_lr) and muon_lr > 0):
-            raise UserError(f"model.muon_lr is {muon_lr}; it must be a learning rate > 0, or null for model.lr.")
+        check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio, optimizer, muon_lr)
         if shard_target and (feature_cache != "off" or feature_dtype not in ("target", target_dtype)):
             raise UserError(
                 "model.shard_target runs the target's forward on every rank in step, so each rank must compute the "
@@ -263,17 +225,6 @@ class DraftModule(L.LightningModule):
         feature store when ``use_cache`` (training steps), else the target's forward (``FeatureSource``)."""
         return self.feature_source(batch, use_store=use_cache)
 
-    def target_hidden(self, draft: DraftOutput, last_hidden: Tensor) -> Tensor:
-        """The target's side of every slot (N, A, K, H), no gradient: its final hidden state at position n + t - 1,
-        which predicts x_{n+t} (the shift). ``target_head`` turns it into logits lazily (the objective may evaluate
-        them in chunks of anchors)."""
-        n, a, k = draft.valid.shape
-        pos = (draft.anchors[..., None] + torch.arange(k, device=draft.anchors.device)).clamp(
-            max=last_hidden.shape[1] - 1
-        )  # (N, A, K): n + t - 1 for t = 1..K
-        h = last_hidden.gather(1, pos.reshape(n, -1, 1).expand(-1, -1, last_hidden.shape[-1]))  # (N, A*K, H)
-        return h.view(n, a, k, -1).detach()  # (N, A, K, H)
-
     @torch.no_grad()
     def reference_logits(self, draft: DraftOutput, batch: dict[str, Tensor], features: Tensor, anchors) -> Tensor:
         """The reference drafter's logits (N, A, K, Vd) at the same anchors as ``draft``: the same chosen anchors,
@@ -318,7 +269,7 @@ class DraftModule(L.LightningModule):
         draft = self.drafter(batch, features, anchors)
         needs_target = self.objective.needs_target
         ctx = StepContext(
-            target_hidden=self.target_hidden(draft, last) if needs_target else None,  # (N, A, K, H)
+            target_hidden=slot_hidden(draft.anchors, draft.block_size, last) if needs_target else None,  # (N,A,K,H)
             target_head=self.target_head if needs_target else None,
             reference_logits=self.reference_logits(draft, batch, features, anchors) if self._reference else None,
             extra=extra,

@@ -13,6 +13,8 @@ param groups the two optimizers' own (the schedule's LR multiplier reaches both)
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -69,6 +71,25 @@ class MuonAdamW(torch.optim.Optimizer):
         self.muon.load_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
+
+
+def check_optimizer_settings(lr: float, weight_decay: float, betas, warmup_ratio: float, min_lr_ratio: float,
+                             optimizer: str = "adamw", muon_lr: float | None = None) -> None:
+    """Refuse, naming the field, what the optimizer or the schedule would reject later (or silently misuse)."""
+    checks = [
+        (math.isfinite(lr) and lr > 0, "model.lr", lr, "a learning rate > 0, e.g. 1e-3"),
+        (math.isfinite(weight_decay) and weight_decay >= 0, "model.weight_decay", weight_decay, "a value >= 0"),
+        (len(betas) == 2 and all(0 <= b < 1 for b in betas), "model.betas", betas, "two values in [0, 1)"),
+        (0 <= warmup_ratio < 1, "model.warmup_ratio", warmup_ratio, "a share of the steps in [0, 1)"),
+        (0 <= min_lr_ratio <= 1, "model.min_lr_ratio", min_lr_ratio, "a share of model.lr in [0, 1]"),
+    ]
+    for ok, field, value, wanted in checks:
+        if not ok:
+            raise UserError(f"{field} is {value}; it must be {wanted}.")
+    if optimizer not in OPTIMIZERS:
+        raise UserError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}.")
+    if muon_lr is not None and not (math.isfinite(muon_lr) and muon_lr > 0):
+        raise UserError(f"model.muon_lr is {muon_lr}; it must be a learning rate > 0, or null for model.lr.")
 
 
 def build_optimizer(module: nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],

@@ -230,7 +230,7 @@ def test_loading_with_another_vocabulary_is_a_clear_error(trained_fit, make_rand
 
 
 def test_seeded_anchors_depend_on_the_example_only(tiny_target):
-    from lightning_spec.module import anchor_seeds
+    from lightning_spec.drafters.base import anchor_seeds
 
     drafter = DFlashDrafter(block_size=3, num_layers=1, num_anchors=4)
     examples = sequences(6)

@@ -464,6 +464,14 @@ def _rename_old_vocab_keys(state_dict, prefix, *args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+def anchor_seeds(run_seed: int, salt: int, index: Tensor) -> Tensor:
+    """Per-example anchor seeds (N,) int64 from the run seed, a ``salt`` (the optimizer step in training, -1 in
+    validation) and the examples' ``index`` (N,) in their split: a function of the example, never of its batch.
+    Copies of one example in one optimizer step (domain-weighted sampling draws with replacement) share anchors."""
+    base = ((run_seed * 1_000_003 + salt + 1) * 1_000_033) % 2**62
+    return (index.to(torch.int64) + base) % 2**62
+
+
 def drafter_record(drafter: Drafter, target_spec: str) -> dict[str, Any]:
     """What a checkpoint or an exported folder stores next to the drafter's weights: how to rebuild it (our class
     and its init arguments) and for which target (name, weights fingerprint, vocabulary size)."""

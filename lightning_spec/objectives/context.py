@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 
@@ -91,3 +92,12 @@ class StepContext:
         return StepContext(target_logits=target, reference_logits=take(self.reference_logits), extra=extra,
                            progress=self.progress, seeds=self.seeds)
 
+
+def slot_hidden(anchors: Tensor, block_size: int, last_hidden: Tensor) -> Tensor:
+    """The target's side of every slot (N, A, K, H), no gradient: its final hidden state (N, S, H) at position
+    n + t - 1 for the anchor n (N, A) and slot t = 1..K, which predicts x_{n+t} (the shift). ``target_head`` turns
+    it into logits lazily (an objective may evaluate them in chunks of anchors)."""
+    n, a = anchors.shape
+    pos = (anchors[..., None] + torch.arange(block_size, device=anchors.device)).clamp(max=last_hidden.shape[1] - 1)
+    h = last_hidden.gather(1, pos.reshape(n, -1, 1).expand(-1, -1, last_hidden.shape[-1]))  # (N, A*K, H)
+    return h.view(n, a, block_size, -1).detach()
