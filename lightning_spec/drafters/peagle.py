@@ -23,8 +23,9 @@ of a target forward for K = 8). P-EAGLE replaces what slot t > 1 does not know y
    decoding score every slot. ``down_sample_ratio: 1`` turns it off.
 
 EAGLE-3.1's ``norm_before_fc`` and ``fc_norm`` apply (they shape g and p); ``norm_output`` does not: no slot passes its
-state to another. Export: the speculators EAGLE-3 layout with ``mask_hidden`` and ``mask_token_id``, which vLLM 0.32
-serves with ``speculative_config: {method: eagle3, parallel_drafting: true}``.
+state to another. Export: the speculators ``peagle`` type (EAGLE-3's layout with ``mask_hidden`` and
+``mask_token_id``), which vLLM 0.32 serves with ``speculative_config: {method: eagle3, parallel_drafting: true}``;
+``fc_norm`` has no field there (vLLM's peagle reader takes ``norm_before_fc`` only), so its export is refused.
 """
 
 from __future__ import annotations

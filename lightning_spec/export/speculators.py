@@ -173,24 +173,32 @@ class Eagle3Codec:
 
 
 class PEagleCodec(Eagle3Codec):
-    """PEagleDrafter <-> the speculators ``eagle3`` layout plus P-EAGLE's two additions as vLLM 0.32 reads them for
-    ``parallel_drafting``: ``mask_token_id`` in config.json (the masked slots' token) and ``mask_hidden`` (1, F) in
-    the weights (the placeholder features, which vLLM passes through ``combine_hidden_states``). ``parallel_drafting:
-    true`` marks the folder as P-EAGLE's for readers (vLLM takes it from the serving command)."""
+    """PEagleDrafter <-> the speculators ``peagle`` layout, as vLLM 0.32 serves it (``speculators_model_type:
+    peagle``: EAGLE-3's method with ``parallel_drafting``, its ``PeagleLlamaForCausalLM``): EAGLE-3's tensors plus
+    ``mask_token_id`` in config.json (the masked slots' token, vLLM's ``pard_token``) and ``mask_hidden`` (1, F) in
+    the weights (the placeholder features, which vLLM passes through ``combine_hidden_states``). Folders written
+    before as ``eagle3`` with ``parallel_drafting: true`` still read (vLLM 0.32 finds no mask token in those)."""
 
+    algorithm = "peagle"
     vllm, serving_note = "eagle3", "serve with speculative_config parallel_drafting: true (one draft call per round)"
     vllm_options = {"parallel_drafting": True}
 
     def check(self, drafter: Drafter) -> None:
-        pass  # every PEagleDrafter option has a field in the format
+        if drafter.fc_norm:  # vLLM 0.32's peagle reader takes norm_before_fc, not fc_norm: it would drop the norms
+            raise UserError("PEagleDrafter(fc_norm=True) has no field in the speculators peagle format (vLLM 0.32 "
+                            "reads norm_before_fc only and would serve it without its norms); train it with "
+                            "norm_before_fc instead, or keep it in lightning_spec's own folder (save_drafter).")
 
     def tensors(self, d: EagleDrafter) -> dict[str, torch.Tensor]:
         return {**super().tensors(d), "mask_hidden": d.mask_hidden.detach().float()}
 
     def write(self, d: EagleDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
         config, tensors, extra = super().write(d, verifier)
-        config.update({"mask_token_id": d.mask_token_id, "parallel_drafting": True,
-                       "down_sample_ratio": d.down_sample_ratio, "down_sample_ratio_min": d.down_sample_ratio_min})
+        config.update({"speculators_model_type": "peagle", "mask_token_id": d.mask_token_id, "parallel_drafting": True,
+                       "down_sample_ratio": d.down_sample_ratio, "down_sample_ratio_min": d.down_sample_ratio_min,
+                       "speculators_config": {**config["speculators_config"], "algorithm": "peagle"}})
+        for name in ("fc_norm", "norm_output"):  # not P-EAGLE fields in the format (check refuses them on)
+            config.pop(name)
         return config, tensors, extra
 
     def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,

@@ -49,7 +49,7 @@ EXPORTABLE = {  # name -> (drafter, the formats that hold it)
     "eagle3_norm_before_fc": (lambda k: Eagle3Drafter(block_size=k, num_anchors=64, draft_vocab_size=48,
                                                       norm_before_fc=True, norm_output=True), ("speculators",)),
     "peagle": (lambda k: PEagleDrafter(block_size=k, num_anchors=64, draft_vocab_size=48, mask_token_id=5,
-                                       fc_norm=True), ("speculators",)),
+                                       norm_before_fc=True), ("speculators",)),
     "dflash": (lambda k: DFlashDrafter(block_size=k, num_layers=2, num_anchors=64, draft_vocab_size=48, qk_norm=True,
                                       mask_token_id=5), ("speculators", "sglang")),
     "dspark": (lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, draft_vocab_size=48, qk_norm=True,
@@ -159,9 +159,10 @@ def test_serving_fields_carry_the_conventions(name, trained_exportable, diverse_
         assert layer["model_type"] == "qwen3" and "layers.1.self_attn.q_norm.weight" in tensors
         mask = torch.load(tmp_path / "s" / "mask_embedding.pt", weights_only=True)
         assert mask["mask_token_id"] == 5 and torch.equal(mask["embedding"], drafter.mask_embedding[0].detach())
-    elif name == "peagle":  # the EAGLE-3 layout plus what vLLM's parallel drafting reads
-        assert config["speculators_model_type"] == "eagle3" and config["parallel_drafting"] is True
-        assert config["mask_token_id"] == 5 and config["fc_norm"] is True and "fc_norm.0.weight" in tensors
+    elif name == "peagle":  # vLLM 0.32's peagle type: the EAGLE-3 layout plus what its parallel drafting reads
+        assert config["speculators_model_type"] == "peagle" and config["parallel_drafting"] is True
+        assert config["speculators_config"]["algorithm"] == "peagle" and "fc_norm" not in config
+        assert config["mask_token_id"] == 5 and config["norm_before_fc"] is True and "input_norm.weight" in tensors
         assert torch.equal(tensors["mask_hidden"], drafter.mask_hidden.detach())  # (1, F): before fc, as vLLM's
         assert tensors["mask_hidden"].shape == (1, drafter.fc.in_features)
     if name in ("eagle3_1", "eagle3_norm_before_fc", "peagle"):  # SGLang's: EAGLE-3 as published
@@ -525,3 +526,27 @@ def test_the_serving_config_names_what_vllm_needs(trained_exportable, tmp_path):
     assert vllm_speculative_config(trained_exportable("peagle"), tmp_path) == {
         "method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3, "parallel_drafting": True}
     assert vllm_speculative_config(trained_exportable("mtp"), tmp_path) is None
+
+
+def test_a_peagle_folder_is_vllms_peagle_type_and_the_earlier_layout_still_reads(trained_exportable, tmp_path):
+    """vLLM 0.32 finds the mask token of a parallel-drafting EAGLE-3 only in its own ``peagle`` type (an ``eagle3``
+    folder with ``mask_token_id`` beside it fails to start: "the draft model config must have ... mask_token_id"),
+    so P-EAGLE exports as ``peagle``; a folder written before as ``eagle3`` + ``parallel_drafting`` still loads, and
+    ``fc_norm``, which vLLM's peagle reader drops, is refused in one sentence."""
+    drafter = trained_exportable("peagle")
+    folder = export_drafter(drafter, tmp_path / "new", "speculators")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle"
+    earlier = {**config, "speculators_model_type": "eagle3", "fc_norm": False, "norm_output": False,
+               "speculators_config": {**config["speculators_config"], "algorithm": "eagle3"}}
+    (folder / "config.json").write_text(json.dumps(earlier))
+    (folder / "lightning_spec.json").unlink()  # as a foreign folder: read from config.json alone
+    back = load_drafter(folder, target=drafter.target)
+    assert isinstance(back, PEagleDrafter) and back.mask_token_id == 5 and back.norm_before_fc
+    assert torch.equal(back.mask_hidden, drafter.mask_hidden)
+    normed = PEagleDrafter(block_size=3, num_anchors=64, draft_vocab_size=48, mask_token_id=5, fc_norm=True)
+    normed.bind(drafter.target)
+    normed.vocab.set_from_counts(torch.rand(drafter.target.vocab_size))
+    normed.on_vocab_chosen()
+    with pytest.raises(UserError, match=r"PEagleDrafter\(fc_norm=True\) has no field in the speculators peagle"):
+        export_drafter(normed, tmp_path / "normed", "speculators")
