@@ -19,7 +19,6 @@ Checkpoints hold the drafter only: the frozen target's weights are stripped on s
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 import warnings
@@ -28,7 +27,6 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 
@@ -39,11 +37,11 @@ from lightning_spec.errors import DivergedLoss, UserError
 from lightning_spec.features.source import FeatureSource
 from lightning_spec.features.store import StoreSpec, open_training_store, store_folder
 from lightning_spec.metrics import RatioOfSums, slot_hits
-from lightning_spec.objectives.context import StepContext, slot_hidden
+from lightning_spec.objectives.context import ReferenceDrafter, StepContext, slot_hidden
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.optimizers import build_optimizer, check_optimizer_settings
 from lightning_spec.provenance import PROVENANCE_KEY, run_record
-from lightning_spec.schedule import TrainingClock
+from lightning_spec.schedule import TrainingClock, time_budget
 from lightning_spec.target import TargetOptions, load_target, resolve_dtype
 from lightning_spec.tracking import checkpoint_record, log_comparison, mlflow_loggers
 
@@ -142,11 +140,8 @@ class DraftModule(L.LightningModule):
         self.objective = objective if objective is not None else Objective()
         self._parent = None if init_from is None else init_weights(self.drafter, init_from, self.target.fingerprint)
         self.provenance: dict[str, Any] | None = None  # the fit's command and resolved config (the CLI's), if any
-        # a frozen copy of the starting drafter for objectives that need it (GRPO's KL to the reference); in a list,
-        # so it is neither a submodule nor in checkpoints
-        self._reference: list[Drafter] = []
-        if self.objective.needs_reference:  # declared by the objective, a Mixture's by any component
-            self._reference.append(copy.deepcopy(self.drafter).eval().requires_grad_(False))
+        # the starting drafter, frozen, where the objective declares it needs one (GRPO's KL to the reference)
+        self._reference = ReferenceDrafter(self.drafter) if self.objective.needs_reference else None
         # Record what was trained, so MLflow can compare runs by block size, loss, gamma... (the objects
         # themselves are not hyperparameters: the drafter is a module, the objective a tree of parts).
         self.save_hyperparameters(
@@ -226,22 +221,6 @@ class DraftModule(L.LightningModule):
         return self.feature_source(batch, use_store=use_cache)
 
     @torch.no_grad()
-    def reference_logits(self, draft: DraftOutput, batch: dict[str, Tensor], features: Tensor, anchors) -> Tensor:
-        """The reference drafter's logits (N, A, K, Vd) at the same anchors as ``draft``: the same chosen anchors,
-        or the same seeded draw (``anchor_seed``) when the drafter samples them."""
-        reference = self._reference[0]
-        if reference.vocab.ids.device != draft.valid.device:
-            reference.to(draft.valid.device)
-        reference.bind(self.target)
-        ref = reference(batch, features, anchors)
-        if not torch.equal(ref.anchors, draft.anchors):
-            raise RuntimeError(
-                "The reference drafter drew other anchors than the trained one; the objective's reference KL needs "
-                "seeded anchors (batches with an 'index') or anchors chosen by the objective."
-            )
-        return ref.materialize().logits.detach()  # (N, A, K, Vd)
-
-    @torch.no_grad()
     def target_head(self, hidden: Tensor) -> Tensor:
         return self.drafter.head(hidden)  # (..., Vd) target logits over the draft vocabulary, no gradient
 
@@ -271,7 +250,8 @@ class DraftModule(L.LightningModule):
         ctx = StepContext(
             target_hidden=slot_hidden(draft.anchors, draft.block_size, last) if needs_target else None,  # (N,A,K,H)
             target_head=self.target_head if needs_target else None,
-            reference_logits=self.reference_logits(draft, batch, features, anchors) if self._reference else None,
+            reference_logits=None if self._reference is None else
+            self._reference.logits(draft, batch, features, anchors, self.target),
             extra=extra,
             progress=self.training_progress(),
             seeds=batch.get("anchor_seed"),  # (N,) per-example seeds for parts that draw (GRPO)
@@ -322,13 +302,6 @@ class DraftModule(L.LightningModule):
         self.log("train/acc/t1", acc[0].float(), batch_size=n)
         self.log(f"train/acc/t{k}", acc[-1].float(), batch_size=n)
         return terms.num  # divided by the global Σ den in on_before_optimizer_step
-
-    def _time_budget(self):
-        """(elapsed, left) seconds of ``trainer.max_time``'s training budget, or None without one."""
-        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
-        if timer is None or timer.time_remaining() is None:
-            return None
-        return lambda: (timer.time_elapsed(), timer.time_remaining())
 
     def _tick(self) -> None:
         """Feed the training clock one optimizer step: its wall time and the target forwards inside it."""
@@ -393,16 +366,11 @@ class DraftModule(L.LightningModule):
             quiet.__exit__(None, None, None)
 
     def on_train_epoch_start(self) -> None:
-        store = self.feature_source.store
-        if store is not None:  # what the other DDP ranks (or processes) wrote since
-            store.refresh()
+        self.feature_source.refresh()  # what the other DDP ranks (or processes) stored since
 
     def on_train_epoch_end(self) -> None:
-        store = self.feature_source.store
-        if store is not None:
-            store.flush()
-            if self.trainer.world_size > 1:  # every rank's shards are on disk before any rank starts the next epoch
-                self.trainer.strategy.barrier("feature-store")
+        if self.feature_source.flush() and self.trainer.world_size > 1:  # every rank's shards on disk first
+            self.trainer.strategy.barrier("feature-store")
 
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -429,7 +397,7 @@ class DraftModule(L.LightningModule):
                               hp.get("muon_lr"))
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup_ratio * total)
-        self._clock = TrainingClock(total, warmup, self._time_budget())
+        self._clock = TrainingClock(total, warmup, time_budget(self.trainer.callbacks))
         if self._clock_state:  # a resumed run keeps a switch to the time schedule
             self._clock.load_state_dict(self._clock_state)
 
@@ -445,9 +413,7 @@ class DraftModule(L.LightningModule):
         self.provenance = record
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        store = self.feature_source.store
-        if store is not None:  # a run killed after this checkpoint resumes with these features stored
-            store.flush()
+        self.feature_source.flush()  # a run killed after this checkpoint resumes with these features stored
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
         checkpoint[CKPT_KEY] = {**drafter_record(self.drafter, self.target_spec), "parent": self._parent}
         checkpoint[PROVENANCE_KEY] = self.provenance or run_record()  # a fit from Python: its command, no config

@@ -21,6 +21,17 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.callbacks import Timer
+
+
+def time_budget(callbacks: list[Any]) -> Callable[[], tuple[float, float]] | None:
+    """(elapsed, left) seconds of ``trainer.max_time``'s training budget, read from Lightning's ``Timer`` among
+    ``callbacks``; None without one."""
+    timer = next((c for c in callbacks if isinstance(c, Timer)), None)
+    if timer is None or timer.time_remaining() is None:
+        return None
+    return lambda: (timer.time_elapsed(), timer.time_remaining())
+
 
 def warmup_cosine(step: int, total: int, warmup: int, min_lr_ratio: float) -> float:
     """LR multiplier at optimizer step ``step`` of ``total``: linear warm-up over ``warmup`` steps, then cosine from

@@ -76,7 +76,7 @@ def test_the_reference_drafter_is_the_frozen_start_at_the_same_anchors(trained_f
     draft, ctx = child.draft_and_context(batch, use_cache=False)
     assert not torch.allclose(ctx.reference_logits, draft.logits.detach())
     assert not any(k.startswith("_reference") for k in child.state_dict())
-    assert all(not p.requires_grad for p in child._reference[0].parameters())
+    assert all(not p.requires_grad for p in child._reference.drafter.parameters())
     L.seed_everything(0)
 
 

@@ -69,6 +69,18 @@ class FeatureSource:
                          data_fingerprint=data_fingerprint, dtype=dtype_name(self.dtype),
                          hidden_size=self._target.hidden_size, examples=examples)
 
+    def refresh(self) -> None:
+        """Read what other ranks or processes wrote to the store since (no store: nothing)."""
+        if self.store is not None:
+            self.store.refresh()
+
+    def flush(self) -> bool:
+        """Write what the store holds only in memory to disk; whether there is a store."""
+        if self.store is None:
+            return False
+        self.store.flush()
+        return True
+
     def take_work(self) -> tuple[float, int]:
         """Seconds and examples of target forwards since the last call (the training clock's projection,
         ``schedule.py``), counted from zero again."""

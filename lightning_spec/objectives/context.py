@@ -8,11 +8,16 @@ part of the objective is called as ``part(draft, ctx)``: shapes of ``draft`` are
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_spec.drafters.base import Drafter, DraftOutput
+    from lightning_spec.target import Target
 
 
 class PerAnchor:
@@ -101,3 +106,33 @@ def slot_hidden(anchors: Tensor, block_size: int, last_hidden: Tensor) -> Tensor
     pos = (anchors[..., None] + torch.arange(block_size, device=anchors.device)).clamp(max=last_hidden.shape[1] - 1)
     h = last_hidden.gather(1, pos.reshape(n, -1, 1).expand(-1, -1, last_hidden.shape[-1]))  # (N, A*K, H)
     return h.view(n, a, block_size, -1).detach()
+
+
+class ReferenceDrafter:
+    """The drafter as the fit started, frozen: what an objective that declares ``needs_reference`` regularises
+    towards (GRPO's KL to the reference). Held in a list, so it is neither a submodule of the trained module nor in
+    its checkpoints."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self._frozen = [copy.deepcopy(drafter).eval().requires_grad_(False)]
+
+    @property
+    def drafter(self) -> Drafter:
+        return self._frozen[0]
+
+    @torch.no_grad()
+    def logits(self, draft: DraftOutput, batch: dict[str, Tensor], features: Tensor, anchors: Any,
+               target: Target) -> Tensor:
+        """Its logits (N, A, K, Vd) at the same anchors as ``draft``: the same chosen anchors, or the same seeded
+        draw (``anchor_seed``) when the drafter samples them."""
+        reference = self._frozen[0]
+        if reference.vocab.ids.device != draft.valid.device:
+            reference.to(draft.valid.device)
+        reference.bind(target)
+        ref = reference(batch, features, anchors)
+        if not torch.equal(ref.anchors, draft.anchors):
+            raise RuntimeError(
+                "The reference drafter drew other anchors than the trained one; the objective's reference KL needs "
+                "seeded anchors (batches with an 'index') or anchors chosen by the objective."
+            )
+        return ref.materialize().logits.detach()  # (N, A, K, Vd)

@@ -252,4 +252,4 @@ def test_a_mixture_declares_what_its_components_need(tiny_target):
     assert nested.needs_reference and nested.needs_target and not nested.needs_rollouts
     module = DraftModule(DFlashDrafter(block_size=3, num_layers=1), Mixture([Objective(CE()), GRPO()], [0.5, 0.5]),
                          target=tiny_target)
-    assert len(module._reference) == 1
+    assert module._reference is not None  # the frozen start, kept because a component asked for it
