@@ -151,6 +151,32 @@ def test_a_killed_run_resumes_to_the_same_dataset(tiny_target, prompts, tmp_path
     assert [r for r in more if r["sample"] < 2] == reference
 
 
+def test_a_resumed_run_redraws_every_answer_whose_prompt_changed(tiny_target, prompts, tmp_path, monkeypatch):
+    """Rerun into a finished folder after one prompt's ids changed under the same id (a new chat template, say): that
+    prompt's samples are drawn again for its new ids, every other answer is kept as it was (issue 46)."""
+    folder = tmp_path / "changed"
+    first = run(tiny_target, prompts, folder, batch_size=4).to_list()
+    edited = [dict(p) for p in prompts]
+    edited[2]["prompt_ids"] = edited[2]["prompt_ids"][:8] + edited[2]["prompt_ids"][12:]  # same id, 4 tokens fewer
+    assert edited[2]["prompt_ids"] != prompts[2]["prompt_ids"]
+    drawn = []
+    real_sample = E.sample_batch
+
+    def counting(target, batch_prompts, *args, **kwargs):
+        drawn.extend(map(list, batch_prompts))
+        return real_sample(target, batch_prompts, *args, **kwargs)
+
+    monkeypatch.setattr(E, "sample_batch", counting)
+    again = run(tiny_target, edited, folder, batch_size=4).to_list()
+    assert drawn == [edited[2]["prompt_ids"]] * 2  # its two samples, and nothing else
+    assert [r for r in again if r["prompt_id"] != "p2"] == [r for r in first if r["prompt_id"] != "p2"]
+    redrawn = [r for r in again if r["prompt_id"] == "p2"]
+    assert [r["prompt_ids"] for r in redrawn] == [edited[2]["prompt_ids"]] * 2
+    for row in redrawn:  # what a fresh run would draw for the new prompt
+        seed = rollout_seed(0, "p2", row["sample"])
+        assert row["response_ids"] == generate(tiny_target, edited[2]["prompt_ids"], 24, SAMPLED, seed=seed).tokens
+
+
 def test_refuses_to_resume_under_other_settings(tiny_target, prompts, tmp_path):
     folder = tmp_path / "r"
     run(tiny_target, prompts[:2], folder, n=1, max_new_tokens=4)
