@@ -387,14 +387,16 @@ def _folder_meta(target: Target, wanted: dict[str, Any], n_per_prompt: int,
 
 
 def _print_done(out: Path, table: dict[str, list], tokens: int, rate: float, max_new_tokens: int) -> None:
-    """The run's last line: rollouts stored, first turns ended by EOS or the budget, tokens drawn and their rate."""
+    """The run's last line, what the folder holds: rollouts, first turns ended by EOS (their share) or the budget,
+    the first answers' mean length, turns; and the tokens drawn this run and their rate."""
     from rich.console import Console
 
     n_rows, n_done = len(table["finished"]), sum(table["finished"])
+    mean = sum(map(len, table["response_ids"])) / max(n_rows, 1)
     Console(stderr=True, soft_wrap=True).print(
-        f"rollouts: {n_rows} in {out} ({n_done} first turns ended with EOS, {n_rows - n_done} hit "
-        f"max_new_tokens={max_new_tokens}; {sum(table['turns'])} turns in all); {tokens} tokens drawn this run "
-        f"at {rate:.1f} tokens/s"
+        f"rollouts: {n_rows} in {out} ({n_done} first turns ended with EOS ({n_done / max(n_rows, 1):.0%}), "
+        f"{n_rows - n_done} hit max_new_tokens={max_new_tokens}; first answers {mean:.1f} tokens on average; "
+        f"{sum(table['turns'])} turns in all); {tokens} tokens drawn this run at {rate:.1f} tokens/s"
     )
 
 

@@ -72,6 +72,16 @@ def test_greedy_batched_rollouts_equal_generate_and_flag_finished(tiny_target, p
     assert min(len(r) for r in ds["response_ids"]) < max_new  # a short row left the batch early
 
 
+def test_a_run_ends_with_a_summary_of_what_the_folder_holds(tiny_target, prompts, tmp_path, capsys):
+    """Answers, the share ended by EOS, the mean answer length and the tokens drawn: what to check after hours."""
+    ds = run(tiny_target, prompts, tmp_path / "sum", SamplingConfig(), n=1, max_new_tokens=32, progress=True)
+    err = capsys.readouterr().err
+    n, eos = len(ds), sum(ds["finished"])
+    mean = sum(map(len, ds["response_ids"])) / n
+    assert f"rollouts: {n} in {tmp_path / 'sum'} ({eos} first turns ended with EOS ({eos / n:.0%}), " in err
+    assert f"first answers {mean:.1f} tokens on average" in err and "tokens drawn this run at " in err
+
+
 def test_finished_is_false_at_the_token_budget(tiny_target, prompts, tmp_path):
     ds = run(tiny_target, prompts[:3], tmp_path / "short", SamplingConfig(), n=1, max_new_tokens=3)
     eos = set(tiny_target.eos_token_ids)
