@@ -232,10 +232,10 @@ class SpecDecodeValidation(EvaluationCallback):
                                 self.max_new_tokens, plan=self.choice.plan)
         out = self._reduce(trainer, report, domains, "val/auto")
         plain = metrics.get("val/plain_tokens_per_s")
-        if self.choice.plain_dtype not in (None, str(module.target.dtype).split(".")[-1]):
-            # the fastest plain decoding auto found is in another dtype: the speedup is over that one
-            fastest = decode_prompts(module.target.cast(self.choice.plain_dtype), None, mine, sampling,
-                                     self.max_new_tokens, plan=Plain())
+        if self.plan.dtypes is not None:  # the speedup is over the fastest plain decoding auto found, in its dtype;
+            # decided by the configuration, not by this rank's pick: every rank joins the reduction
+            fastest = decode_prompts(module.target.cast(self.choice.plain_dtype or self.choice.dtype), None, mine,
+                                     sampling, self.max_new_tokens, plan=Plain())
             plain = self._reduce(trainer, fastest, domains, "val/auto/plain")["val/auto/plain/tokens_per_s"]
             out["val/auto/plain/tokens_per_s"] = plain
         if plain is not None:

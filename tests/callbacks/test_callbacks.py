@@ -261,3 +261,33 @@ def test_offline_before_scores_the_initial_weights_as_decoding_with_them_would(d
     assert scored["val/mal/chat"] == pytest.approx(before.mal_by_domain["chat"], abs=1e-9)
     assert scored["val/mal/code"] == pytest.approx(before.mal_by_domain["code"], abs=1e-9)
     assert all(torch.equal(v, live.state_dict()[k]) for k, v in kept.items())  # the live weights are back
+
+
+def test_validation_auto_over_dtypes_logs_the_fastest_plain_and_trains_on_against_float32(tmp_path, monkeypatch):
+    """``decoding: {kind: auto, dtypes: [float32, bfloat16]}`` in the callback after training: the pick decodes in its
+    dtype, plain decoding in the dtype auto found fastest is timed for ``val/auto/speedup`` (on every rank: the
+    configuration decides, not a rank's pick), and the drafter is bound to the float32 target again afterwards."""
+    from lightning_spec.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-spec"])
+
+    class Keep(L.Callback):
+        def on_fit_end(self, trainer, pl_module):
+            self.module = pl_module
+
+    keep = Keep()
+    callback = SpecDecodeValidation(prompts_per_domain=1, max_new_tokens=8, before_training=False,
+                                    decoding={"kind": "auto", "dtypes": ["float32", "bfloat16"]},
+                                    calibration_prompts_per_domain=2)
+    run_cli(["fit", "-c", str(TINY), "--trainer.logger=false", "--trainer.max_steps=2",
+             "--trainer.val_check_interval=null", "--trainer.check_val_every_n_epoch=1000",
+             "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false",
+             "--data.eval_prompts_per_domain=3"], callbacks=[callback, keep], exit_on_error=False)
+    (step, metrics), = callback.history
+    assert step == 2 and callback.choice.dtypes == ["float32", "bfloat16"]
+    assert callback.choice.plain_dtype in ("float32", "bfloat16") and metrics["val/auto/plain/tokens_per_s"] > 0
+    assert metrics["val/auto/speedup"] == pytest.approx(metrics["val/auto/tokens_per_s"]
+                                                        / metrics["val/auto/plain/tokens_per_s"])
+    module = keep.module
+    assert module.drafter.target is module.target and module.target.dtype == torch.float32
