@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -291,6 +292,45 @@ def save_drafter(drafter: Drafter, folder: str | Path, target_spec: str | None =
     record = folder_record(folder / "drafter.pt", drafter.target.fingerprint, fit)
     (folder / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return folder
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """A drafter's folder as ``write_model_folder`` wrote it: where, the layout it chose, the logged model's name and
+    the parameters it is listed by."""
+
+    folder: Path
+    layout: str
+    name: str
+    params: dict[str, str]
+
+
+def write_model_folder(ckpt: str | Path, folder: Path, target: Target, target_spec: str) -> ModelFolder:
+    """The drafter of a finished fit's checkpoint ``ckpt`` as one folder to hand on (the MLflow logged model): the
+    speculators layout where the family exports (vLLM serves it), else our own (``save_drafter``) with the reason,
+    a ``README.md`` card saying which and how to load or serve it, and the fit's provenance. The drafter is read
+    from the file, not a module: whole even if FSDP sharded it."""
+    drafter = load_drafter(ckpt, target=target)
+    fit, family, k = recorded_fit(ckpt), drafter.family or type(drafter).__name__, drafter.block_size
+    try:
+        export_drafter(drafter, folder, "speculators", target_spec, parent={"path": str(ckpt)}, fit=fit)
+        layout = "speculators (vLLM)"
+        serving = vllm_speculative_config(drafter, "<this folder>")
+        use = (f"`load_drafter(folder)`, or serve it: `vllm.LLM(model=<target>, speculative_config="
+               f"{json.dumps(serving)})`" if serving else
+               "`load_drafter(folder)`; no serving engine runs this family from the format yet")
+    except UserError as err:  # the format cannot express this drafter: its own layout, and why
+        save_drafter(drafter, folder, target_spec, fit=fit)
+        layout = "lightning_spec (drafter.json + drafter.pt)"
+        use = f"`load_drafter(folder)`; not exported for serving: {err}"
+    (folder / "README.md").write_text(
+        f"# {type(drafter).__name__} drafter (K = {k}) for {target_spec}\n\n"
+        f"- checkpoint: `{ckpt}`\n- layout: {layout}\n- use: {use}\n"
+        f"- target weights fingerprint: {drafter.target.fingerprint}\n"
+        f"- provenance: `{PROVENANCE_FILE}`: the fit's command and resolved config, the package versions and commit "
+        f"it ran with, and the weights' SHA-256 (rebuild: `lightning-spec fit --config <its config>`)\n")
+    params = {"family": family, "K": str(k), "layout": layout, "target": target_spec}
+    return ModelFolder(folder, layout, f"{family}-K{k}", params)
 
 
 def recorded_fit(path: str | Path) -> dict[str, Any] | None:

@@ -16,8 +16,8 @@ the sweep's study tracker (``sweeps/tracker.py``) opens its store here too.
 - ``checkpoint_record`` (into every checkpoint), ``run_summary`` (printed when ``fit`` ends), ``log_runs``
   (``evaluate --mlflow``).
 - ``log_drafter``: when ``fit`` ends, the trained drafter as the run's logged model (MLflow's Models column): the
-  folder vLLM serves where the family exports (``lightning-spec export``'s speculators layout), else the drafter's
-  own folder (``save_drafter``), each with a ``README.md`` card saying what it is and how to load or serve it.
+  folder ``checkpoint.write_model_folder`` writes (the layout vLLM serves where the family exports, else the
+  drafter's own, with a ``README.md`` card and the fit's provenance); this module only logs it.
 - ``ensure_experiment``, ``log_comparison``, ``runs_link``: one experiment per target, opened on its runs table with
   the columns that compare drafters (docs/sweeps.md, "Comparing drafters in MLflow").
 """
@@ -41,7 +41,6 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_spec.errors import UserError
-from lightning_spec.provenance import PROVENANCE_FILE
 
 if TYPE_CHECKING:
     from lightning_spec.target import Target
@@ -369,39 +368,15 @@ def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Target, target_spe
     """Log the drafter of ``ckpt`` (a finished fit's last checkpoint) to each MLflow run as its logged model, a
     folder with a card (one copy: the run itself holds no second one); returns the lines ``fit`` prints about it.
     Rank 0 only (the caller's)."""
-    from lightning_spec.checkpoint import load_drafter, recorded_fit, save_drafter
-    from lightning_spec.export import export_drafter, vllm_speculative_config
+    from lightning_spec.checkpoint import write_model_folder
 
     runs = [logger for logger in mlflow_loggers(loggers) if started_run(logger)]
     if not runs:
         return []
-    drafter = load_drafter(ckpt, target=target)  # from the file, not the module: whole even if FSDP sharded it
-    fit = recorded_fit(ckpt)
-    family, k = type(drafter).__name__, drafter.block_size
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "drafter"
-        try:
-            export_drafter(drafter, folder, "speculators", target_spec, parent={"path": str(ckpt)}, fit=fit)
-            layout = "speculators (vLLM)"
-            serving = vllm_speculative_config(drafter, "<this folder>")
-            use = (f"`load_drafter(folder)`, or serve it: `vllm.LLM(model=<target>, speculative_config="
-                   f"{json.dumps(serving)})`" if serving else
-                   "`load_drafter(folder)`; no serving engine runs this family from the format yet")
-        except UserError as err:  # the format cannot express this drafter: its own layout, and why
-            save_drafter(drafter, folder, target_spec, fit=fit)
-            layout = "lightning_spec (drafter.json + drafter.pt)"
-            use = f"`load_drafter(folder)`; not exported for serving: {err}"
-        card = (f"# {family} drafter (K = {k}) for {target_spec}\n\n"
-                f"- checkpoint: `{ckpt}`\n- layout: {layout}\n- use: {use}\n"
-                f"- target weights fingerprint: {drafter.target.fingerprint}\n"
-                f"- provenance: `{PROVENANCE_FILE}`: the fit's command and resolved config, the package versions "
-                f"and commit it ran with, and the weights' SHA-256 (rebuild: `lightning-spec fit --config <its "
-                f"config>`)\n")
-        (folder / "README.md").write_text(card)
-        name = f"{drafter.family or family}-K{k}"
-        uris = [_log_model(logger, folder, name, {"family": drafter.family or family, "K": str(k), "layout": layout,
-                                                  "target": target_spec}) for logger in runs]
-    return [f"drafter: MLflow logged model '{name}' of the run ({uris[0]}), {layout}"]
+        model = write_model_folder(ckpt, Path(tmp) / "drafter", target, target_spec)
+        uris = [_log_model(logger, model.folder, model.name, model.params) for logger in runs]
+    return [f"drafter: MLflow logged model '{model.name}' of the run ({uris[0]}), {model.layout}"]
 
 
 def _log_model(logger: MLFlowLogger, folder: Path, name: str, params: dict[str, str]) -> str:
