@@ -269,7 +269,7 @@ def main() -> None:
                           for name, arm in result["arms"].items()}
     summary["offline_accept_rate"] = result["arms"]["chain"]["accept_rate"]
     save()
-    from lightning_spec.target import native_bf16
+    from lightning_spec.target_loading import native_bf16
 
     for dtype in ([] if args.no_speed else ["float32"] + (["bfloat16"] if native_bf16() else [])):
         table = out / f"speed-{dtype}.json"

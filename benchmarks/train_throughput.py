@@ -295,7 +295,7 @@ def main() -> None:
         print(f"\ndata: read and tokenize {args.conversations} conversations: {times[0]:.1f} s first, "
               f"{times[1]:.1f} s again", flush=True)
 
-        from lightning_spec.target import native_bf16
+        from lightning_spec.target_loading import native_bf16
 
         phases = ["data", "target forward", "target distribution", "drafter forward", "objective", "backward",
                   "optimizer", "total"]

@@ -11,6 +11,6 @@ from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
 from lightning_spec.evaluation.offline import offline_rounds
 from lightning_spec.sampling import SamplingConfig
-from lightning_spec.target import load_target
+from lightning_spec.target_loading import load_target
 
 __all__ = ["SamplingConfig", "TreeConfig", "UserError", "generate", "load_drafter", "load_target", "offline_rounds"]

@@ -35,7 +35,8 @@ from lightning_spec.export import (
     vllm_speculative_config,
 )
 from lightning_spec.provenance import PROVENANCE_FILE, PROVENANCE_KEY, folder_record
-from lightning_spec.target import TargetOptions, live_target, load_target
+from lightning_spec.target import TargetOptions, live_target
+from lightning_spec.target_loading import load_target
 
 if TYPE_CHECKING:
     from lightning_spec.target import Target

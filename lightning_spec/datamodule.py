@@ -35,7 +35,8 @@ from lightning_spec.data.sources import Source, as_source, held_out_keys, load_s
 from lightning_spec.data.tokenized import Examples, cache_key, source_identity, tokenized_set, tokenizer_identity
 from lightning_spec.errors import UserError
 from lightning_spec.loaders import DomainSampler, TrainLoader, check_val_check_interval, collate, example_weights
-from lightning_spec.target import TargetOptions, load_tokenizer
+from lightning_spec.target import TargetOptions
+from lightning_spec.target_loading import load_tokenizer
 
 
 class SpecDataModule(L.LightningDataModule):

@@ -42,7 +42,8 @@ from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.optimizers import build_optimizer, check_optimizer_settings
 from lightning_spec.provenance import PROVENANCE_KEY, run_record
 from lightning_spec.schedule import TrainingClock, time_budget
-from lightning_spec.target import TargetOptions, load_target, resolve_dtype
+from lightning_spec.target import TargetOptions
+from lightning_spec.target_loading import load_target, resolve_dtype
 from lightning_spec.tracking import checkpoint_record, log_comparison, mlflow_loggers
 
 

@@ -27,7 +27,8 @@ from transformers import (
 from lightning_spec import generate
 from lightning_spec.errors import UserError
 from lightning_spec.fast_forward import FastForward, StaticCache
-from lightning_spec.target import Target, load_target
+from lightning_spec.target import Target
+from lightning_spec.target_loading import load_target
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, initializer_range=0.3, tie_word_embeddings=False, bos_token_id=None,

@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from lightning_spec import load_target
 from lightning_spec.assets import resolve_target_folder
-from lightning_spec.target import Target, resolve_dtype
+from lightning_spec.target import Target
+from lightning_spec.target_loading import resolve_dtype
 
 
 def reference_target() -> Target:

@@ -43,7 +43,8 @@ from lightning_spec.errors import UserError
 from lightning_spec.files import atomic_write, atomic_write_json, writable_dir
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
-from lightning_spec.target import TargetOptions, load_target
+from lightning_spec.target import TargetOptions
+from lightning_spec.target_loading import load_target
 
 if TYPE_CHECKING:
     from lightning_spec.target import Target

@@ -90,7 +90,7 @@ def recorded_target(checkpoint: str) -> tuple[str, TargetOptions]:
 def open_target(spec: str | None, checkpoint: str | None, how: TargetLoad) -> tuple[str, Target]:
     """(spec, the loaded target): ``spec``, else the target ``checkpoint`` was trained for, loaded with ``how``'s
     options, else the options recorded with ``checkpoint`` (None: no trained drafter, n-gram lookup alone)."""
-    from lightning_spec.target import load_target
+    from lightning_spec.target_loading import load_target
 
     options = how.options
     if checkpoint is None and spec is None:

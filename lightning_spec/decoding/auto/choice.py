@@ -20,7 +20,7 @@ from lightning_spec.errors import UserError
 from lightning_spec.paired import family_confidence
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
-from lightning_spec.target import native_bf16
+from lightning_spec.target_loading import native_bf16
 
 if TYPE_CHECKING:
     from lightning_spec.decoding.proposer import Proposer
