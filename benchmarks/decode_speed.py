@@ -50,6 +50,7 @@ import yaml
 from lightning_spec import SamplingConfig, TreeConfig, generate, load_drafter, load_target
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.decoding.plans import Auto, Chain, Ngram, Plain, Tree, parse_plan
+from lightning_spec.target import dtype_name
 
 
 class Timings:
@@ -238,7 +239,7 @@ def our_modes(target, drafter, tree, calibration, args) -> tuple[dict, dict, dic
         choice = choose_decoding(target, drafter, calibration, max_new_tokens=args.max_new_tokens, progress=True,
                                  auto=Auto(dtypes=searched))
         print(choice.table())
-        own = str(target.dtype).split(".")[-1]
+        own = dtype_name(target.dtype)
         if choice.plain_dtype not in (None, own):  # the fastest plain decoding is in another dtype: a row of its own
             modes[f"plain {choice.plain_dtype}"] = Plain()
             dtypes[f"plain {choice.plain_dtype}"] = choice.plain_dtype

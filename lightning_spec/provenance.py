@@ -16,6 +16,7 @@ same versions; on the same machine and thread count the weights' SHA-256 is the 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import importlib.metadata
 import platform
@@ -43,9 +44,10 @@ def versions() -> dict[str, str]:
     return found
 
 
+@functools.cache
 def commit() -> dict[str, Any] | None:
     """The commit of this package's checkout and whether it had uncommitted changes (None when it runs from an
-    installed wheel, or git is missing)."""
+    installed wheel, or git is missing); asked of git once per process, not at every checkpoint."""
     root = Path(__file__).resolve().parent.parent
     if not (root / ".git").exists():
         return None

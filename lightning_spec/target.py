@@ -33,6 +33,11 @@ def check_decode(decode: str) -> None:
         raise UserError(f"target decode must be one of {', '.join(DECODE_PATHS)}, got {decode!r}.")
 
 
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``float32`` for ``torch.float32``: how configs, stores and reports name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class TargetOptions:
     """How a target named by a string is loaded and prompted, beyond its name (``model.target_options``; the data
@@ -145,7 +150,7 @@ class Target(nn.Module):
         kernel multiplies at once, so a verify forward over K + 1 tokens may round a position differently from the
         1-token forward and the two greedy outputs can part where the target's top two logits nearly tie (sampling
         stays lossless relative to the verify forward's own distributions)."""
-        name = str(self.dtype).replace("torch.", "")
+        name = dtype_name(self.dtype)
         if self.dtype in (torch.float32, torch.float64):
             return f"{name}: greedy identity guaranteed"
         return f"{name}: greedy identity NOT guaranteed (batch-variant low-precision kernels)"

@@ -32,6 +32,7 @@ from lightning_spec.evaluation.report import common_plan
 from lightning_spec.paired import Bootstrap, Comparison, bootstrap_mal, compare, percentile_interval
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
+from lightning_spec.target import dtype_name
 
 if TYPE_CHECKING:
     from lightning_spec.decoding.auto import Choice
@@ -209,7 +210,7 @@ def choose_decodings(decodings: list[Decoding], target: Target, calibration: lis
 def plain_dtype(run: OnlineRun) -> str:
     """The target's dtype the run's plain row decoded in."""
     cast = run.plain.dtype if isinstance(run.plain, DrafterDecoding) else None
-    return cast or str(run.target.dtype).replace("torch.", "")
+    return cast or dtype_name(run.target.dtype)
 
 
 def plain_baseline(decodings: list[Decoding]) -> DrafterDecoding:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_spec.features.store import StoreSpec, dtype_name
+from lightning_spec.features.store import StoreSpec
+from lightning_spec.target import dtype_name
 
 if TYPE_CHECKING:
     from lightning_spec.features.store import FeatureStore

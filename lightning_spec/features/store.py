@@ -59,10 +59,6 @@ def storage_dtype(compute: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if compute == torch.bfloat16 else torch.float16
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def human(size: float) -> str:
     """A byte count for people: 752.3 MB."""
     for unit in ("B", "KB", "MB", "GB"):

@@ -8,8 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lightning_spec.decoding.auto.candidates import PLAIN, candidates
 from lightning_spec.decoding.auto.costs import Costs, machine_name, measure_costs, round_overhead
 from lightning_spec.decoding.auto.estimate import Estimate, Rounds, _with_overheads, count_rounds, output_features
@@ -20,6 +18,7 @@ from lightning_spec.errors import UserError
 from lightning_spec.paired import family_confidence
 from lightning_spec.progress import progress_bar
 from lightning_spec.sampling import SamplingConfig
+from lightning_spec.target import dtype_name
 from lightning_spec.target_loading import native_bf16
 
 if TYPE_CHECKING:
@@ -322,10 +321,6 @@ class _Calibration:
 
     def _prefill(self, name: str) -> list[float] | None:
         return [g.prefill_seconds for g in self.decodes[name]] if self.timed else None
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def search_dtypes(target: Target, dtypes: Sequence[str] | str | None) -> list[str]:
