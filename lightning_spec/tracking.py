@@ -343,6 +343,7 @@ def log_comparison(loggers: Iterable[Logger], params: dict[str, Any], data: dict
     under their stable names, and the training ``data`` as the run's dataset input (MLflow's Dataset column:
     ``name``, ``digest``, ``source``, ``rows``). Rank 0; a resumed run already holds them (same values)."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.exceptions import MlflowException
 
     for logger in mlflow_loggers(loggers):
         logger.log_hyperparams(params)
@@ -350,8 +351,14 @@ def log_comparison(loggers: Iterable[Logger], params: dict[str, Any], data: dict
             continue
         dataset = Dataset(name=data["name"], digest=data["digest"], source_type="local",
                           source=json.dumps({"uri": data["source"]}), profile=json.dumps({"num_rows": data["rows"]}))
-        context = InputTag("mlflow.data.context", "training")
-        logger.experiment.log_inputs(logger.run_id, datasets=[DatasetInput(dataset, tags=[context])])
+        inputs = [DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "training")])]
+        try:
+            logger.experiment.log_inputs(logger.run_id, datasets=inputs)
+        except MlflowException:
+            # Fits of one experiment logging the same data at once (sweep workers): MLflow looks the dataset's row
+            # up, then inserts it, so the later insert of (experiment, name, digest) fails on the unique key. The
+            # row is committed by then: logging again links this run to it.
+            logger.experiment.log_inputs(logger.run_id, datasets=inputs)
 
 
 def tag_runs(loggers: Iterable[Logger], key: str, value: str) -> None:

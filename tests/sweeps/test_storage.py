@@ -108,3 +108,55 @@ def test_unreachable_postgres_storage_is_one_sentence(in_tmp, capsys):
     assert line.endswith("start the database server or correct the host, port, database, user or password in "
                          "storage.")
     assert "Traceback" not in err and SECRET not in err
+
+
+DATASET_SCRIPT = """
+import sys, time
+from pathlib import Path
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning_spec.tracking import log_comparison
+uri, folder, n, name = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+logger = MLFlowLogger(experiment_name="together", tracking_uri=uri, run_name=name)
+logger.experiment.log_param(logger.run_id, "who", name)  # the run exists before the barrier
+(folder / f"ready-{name}").touch()  # then every process logs the same data set at the same moment
+deadline = time.monotonic() + 120
+while len(list(folder.glob("ready-*"))) < n and time.monotonic() < deadline:
+    time.sleep(0.001)
+data = {"name": "sharegpt", "digest": "0123456789abcdef", "source": "sharegpt", "rows": 48}
+log_comparison([logger], {"family": "dflash"}, data)
+logger.finalize("success")
+"""
+
+
+@pytest.mark.integration  # a subprocess: the process boundary is what it tests
+def test_workers_logging_the_same_data_at_once_all_record_it(tmp_path, postgres):
+    """Two fits of one experiment (a sweep's two workers) log the same training data set in the same instant: both
+    runs record it as their input. MLflow looks the data set up and then inserts it, so without the retry in
+    ``log_comparison`` the later insert fails on PostgreSQL's unique key (what failed a CI sweep's trial)."""
+    import sqlalchemy as sa
+    from mlflow import MlflowClient
+
+    name = f"datasets_{uuid.uuid4().hex[:8]}"
+    server = sa.engine.make_url(postgres)
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    uri = server.set(database=name).render_as_string(hide_password=False)
+    try:
+        MlflowClient(uri).create_experiment("together")  # the tables and the experiment, as the sweep's parent makes
+        (tmp_path / "barrier").mkdir()
+        procs = [subprocess.Popen([sys.executable, "-c", DATASET_SCRIPT, uri, str(tmp_path / "barrier"), "2",
+                                   f"run-{i}"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        outs = [p.communicate(timeout=180) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+        client = MlflowClient(uri)
+        found = client.search_runs([client.get_experiment_by_name("together").experiment_id])
+        assert len(found) == 2
+        for run in found:
+            assert [(d.dataset.name, d.dataset.digest) for d in run.inputs.dataset_inputs] == [
+                ("sharegpt", "0123456789abcdef")]
+    finally:
+        admin.dispose()
+        with sa.create_engine(server, isolation_level="AUTOCOMMIT").connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))

@@ -402,7 +402,8 @@ def test_two_workers_share_a_postgres_study(tmp_path, postgres):
 
         trials = optuna.load_study(study_name=name, storage=postgres).trials
         assert sorted(t.number for t in trials) == [0, 1, 2, 3]
-        assert all(t.state.name == "COMPLETE" for t in trials), [(t.number, t.state.name, t.user_attrs) for t in trials]
+        assert all(t.state.name == "COMPLETE" for t in trials), [
+            (t.number, t.state.name, t.user_attrs.get("error"), t.user_attrs.get("interrupted")) for t in trials]
         workers = {t.user_attrs["worker"]["pid"] for t in trials}
         print(f"trials per worker: {[sum(t.user_attrs['worker']['pid'] == w for t in trials) for w in workers]}")
 
