@@ -99,7 +99,8 @@ class Target(nn.Module):
     """A frozen HF causal LM. Eval mode, grads off, never saved in a drafter checkpoint."""
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, name: str | None = None,
-                 options: TargetOptions | None = None, fingerprint: str | None = None, decode: str = "fast") -> None:
+                 options: TargetOptions | None = None, fingerprint: str | None = None, decode: str = "fast",
+                 folder: str | None = None) -> None:
         super().__init__()
         check_decode(decode)
         self.decode = decode  # how decoding forwards run (``DECODE_PATHS``); assign another to switch
@@ -107,6 +108,7 @@ class Target(nn.Module):
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.options = options or TargetOptions()
+        self.folder = folder  # what it was loaded from (a local folder or a hub id); None: a model built in Python
         self._cache_kw = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
         self._fingerprint: str | None = fingerprint
         self.origin: str | None = None  # ``converted``: the fingerprint of the weights this copy was cast from
@@ -186,7 +188,8 @@ class Target(nn.Module):
         """A frozen copy of this target with its weights in ``dtype`` (its own weights: this one is unchanged), e.g.
         bf16 training features beside an fp32 target that decodes exactly."""
         model = copy.deepcopy(self.model).to(dtype)
-        twin = Target(model, tokenizer=self.tokenizer, name=self.name, options=self.options, decode=self.decode)
+        twin = Target(model, tokenizer=self.tokenizer, name=self.name, options=self.options, decode=self.decode,
+                      folder=self.folder)
         twin.origin = self.origin or self.fingerprint  # its own fingerprint differs (cast weights): what it came from
         return twin
 

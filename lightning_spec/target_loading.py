@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +35,40 @@ def _unknown_target(spec: str, err: BaseException) -> UserError:
     )
 
 
-def load_tokenizer(spec: str, options: TargetOptions | dict | None = None):
+@dataclass(frozen=True)
+class TargetSource:
+    """A target spec resolved once, at the edge: the name the user gave (``spec``: a packaged name, a folder or a hub
+    id), what transformers loads (``folder``: the local folder, or the hub id itself), and how (``options``), with
+    the unknown-name check and the remote-code refusal already passed. Loading passes this value on; nothing
+    resolves the spec again (tests/test_target.py counts it)."""
+
+    spec: str
+    folder: str
+    options: TargetOptions
+
+    @classmethod
+    def of(cls, spec: str | TargetSource, options: TargetOptions | dict | None = None) -> TargetSource:
+        """``spec`` resolved (an already resolved source is returned as it is)."""
+        if isinstance(spec, TargetSource):
+            return spec
+        options = TargetOptions.of(options)
+        folder = resolve_target_folder(spec)
+        if spec not in PACKAGED_TARGETS and not os.path.isdir(folder) and "/" not in spec.strip("/"):
+            raise _unknown_target(spec, ValueError("no such folder, and hub ids have the form org/name"))
+        refuse_remote_code(spec, folder, options)
+        return cls(spec, folder, options)
+
+
+def load_tokenizer(spec: str | TargetSource, options: TargetOptions | dict | None = None):
     """The one tokenizer loader: the tokenizer of a packaged name, a local folder or a hub id (at ``options``'
     revision, with its remote code only when ``options.trust_remote_code``)."""
     from transformers import AutoTokenizer
 
-    options = TargetOptions.of(options)
-    folder = resolve_target_folder(spec)
-    refuse_remote_code(spec, folder, options)
+    source = TargetSource.of(spec, options)
     try:
-        return AutoTokenizer.from_pretrained(folder, **options.loading())
+        return AutoTokenizer.from_pretrained(source.folder, **source.options.loading())
     except (OSError, ValueError) as err:
-        raise _unknown_target(spec, err) from None
+        raise _unknown_target(source.spec, err) from None
 
 
 def _local_config(folder: str) -> dict[str, Any] | None:
@@ -100,7 +123,7 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") 
 
 
 def load_target(
-    spec: Any,
+    spec: str | TargetSource | Target | nn.Module,
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     options: TargetOptions | dict | None = None,
@@ -126,15 +149,13 @@ def load_target(
         return spec
     if isinstance(spec, nn.Module):
         return Target(spec.to(device), tokenizer=None, options=options, decode=decode)
-    if not isinstance(spec, str):
+    if not isinstance(spec, (str, TargetSource)):
         raise TypeError(f"model.target must be a name, a folder or a transformers model, not {type(spec).__name__}.")
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(dtype, device)
-    folder = resolve_target_folder(spec)
-    if spec not in PACKAGED_TARGETS and not os.path.isdir(folder) and "/" not in spec.strip("/"):
-        raise _unknown_target(spec, ValueError("no such folder, and hub ids have the form org/name"))
-    refuse_remote_code(spec, folder, options)
+    source = TargetSource.of(spec, options)  # the one resolution of this load
+    spec, folder, options = source.spec, source.folder, source.options
     attention = {} if options.attn_implementation is None else {"attn_implementation": options.attn_implementation}
     try:
         heads = None if layers else _heads_only(spec, folder, dtype, attention, options)
@@ -148,8 +169,8 @@ def load_target(
     if options.attn_implementation is None and getattr(model.config, "_attn_implementation", None) == "sdpa" \
             and layers and register_shared_kv_sdpa():
         model.set_attn_implementation(SHARED_KV_SDPA)  # same outputs, faster verify forwards on CPU
-    return Target(model, tokenizer=load_tokenizer(spec, options), name=spec, options=options,
-                  fingerprint=None if heads is None else fingerprint, decode=decode)
+    return Target(model, tokenizer=load_tokenizer(source), name=spec, options=options,
+                  fingerprint=None if heads is None else fingerprint, decode=decode, folder=folder)
 
 
 def _heads_only(spec: str, folder: str, dtype: torch.dtype, attention: dict[str, Any],

@@ -61,3 +61,28 @@ def test_an_unknown_target_name_lists_the_packaged_names():
         load_target("no-such-name")
     with pytest.raises(ValueError, match="not a packaged name"):
         load_target("no-such-org/no-such-model")  # HF_HUB_OFFLINE=1 in the tests: no download is tried
+
+
+@pytest.mark.parametrize("layers", [True, False], ids=["whole", "heads-only"])
+def test_a_load_resolves_the_target_spec_once(monkeypatch, layers):
+    """``load_target`` resolves its spec to a folder and checks its remote code once (``TargetSource``), and the
+    tokenizer, the heads-only read and an export reuse that folder (``Target.folder``) instead of resolving again."""
+    import lightning_spec.target_loading as loading
+
+    calls = {"resolve": 0, "remote_code": 0}
+
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(loading, "resolve_target_folder", counted("resolve", loading.resolve_target_folder))
+    monkeypatch.setattr(loading, "refuse_remote_code", counted("remote_code", loading.refuse_remote_code))
+    target = load_target("tiny-random", layers=layers)
+    assert calls == {"resolve": 1, "remote_code": 1}
+    assert target.folder == resolve_target_folder("tiny-random") and target.tokenizer is not None
+    if layers:  # a cast copy was loaded from the same place
+        assert target.cast(torch.bfloat16).folder == target.folder
+    source = loading.TargetSource.of("tiny-random")
+    assert loading.load_tokenizer(source) is not None and calls["resolve"] == 2  # a resolved source: no third

@@ -73,7 +73,7 @@ def export_drafter(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     target = drafter.target
-    verifier = target_path or resolve_target_folder(target_spec or target.name)
+    verifier = target_path or target.folder or resolve_target_folder(target_spec or target.name)  # folder: resolved
     config, tensors, extra = codec.write(drafter, verifier)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     from safetensors.torch import save_file
