@@ -41,7 +41,7 @@ import torch
 from decode_speed import mt_bench_prompts  # benchmarks/ is on sys.path when a script here runs
 from lightning_spec import SamplingConfig, generate, load_drafter, load_target, offline_rounds
 from lightning_spec.assets import resolve_target_folder
-from lightning_spec.export import export_drafter, vllm_speculative_config
+from lightning_spec.checkpoint import export_drafter, vllm_speculative_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # family -> the overlays on the quickstart that train its exportable drafter
@@ -123,7 +123,7 @@ def main() -> None:
         ckpt = train(family, work, args.train_time)
         drafter = load_drafter(ckpt, target=target)
         exports[family] = export_drafter(drafter, work / f"{family}_speculators", "speculators", target_name, folder,
-                                         parent={"path": str(ckpt)})
+                                         parent={"path": str(ckpt)}).folder
     plain = run_vllm(args.serve_python, {**base, "speculative": None}, work, "plain", args.serve_script)
     plain_tps = sum(map(len, plain["tokens"])) / sum(plain["seconds"])
     rows, ok = [], True

@@ -13,7 +13,7 @@ killed mid-epoch and resumed from ``last.ckpt`` trains like the uninterrupted on
 tests/integration/test_resume.py). Logged training metrics are those of the global batch (sums all-reduced over ranks).
 
 Checkpoints hold the drafter only: the frozen target's weights are stripped on save and re-attached on load;
-``load_drafter`` rebuilds a drafter from a checkpoint (see ``checkpoint.py``). They also carry the MLflow run id
+``load_drafter`` rebuilds a drafter from a checkpoint (see ``checkpoint/``). They also carry the MLflow run id
 (``tracking.MLFLOW_RUN_KEY``), so ``fit --ckpt_path`` continues the same run (``tracking.prepare_loggers``).
 """
 
@@ -30,9 +30,9 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 
-from lightning_spec.checkpoint import CKPT_KEY, build, describe, drafter_record, init_weights
+from lightning_spec.checkpoint import CKPT_KEY, build, describe, init_weights
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters.base import Drafter, DraftOutput, anchor_seeds
+from lightning_spec.drafters.base import Drafter, DraftOutput, anchor_seeds, drafter_record
 from lightning_spec.errors import DivergedLoss, UserError
 from lightning_spec.features.source import FeatureSource
 from lightning_spec.features.store import StoreSpec, open_training_store, store_folder

@@ -375,7 +375,7 @@ def log_drafter(loggers: Iterable[Logger], ckpt: str, target: Target, target_spe
     """Log the drafter of ``ckpt`` (a finished fit's last checkpoint) to each MLflow run as its logged model, a
     folder with a card (one copy: the run itself holds no second one); returns the lines ``fit`` prints about it.
     Rank 0 only (the caller's)."""
-    from lightning_spec.checkpoint import write_model_folder
+    from lightning_spec.checkpoint.write import write_model_folder
 
     runs = [logger for logger in mlflow_loggers(loggers) if started_run(logger)]
     if not runs:

@@ -25,7 +25,7 @@ from transformers import (
 
 from lightning_spec import generate, load_drafter, load_target
 from lightning_spec.assets import byte_chat_tokenizer
-from lightning_spec.export import FORMATS, export_drafter
+from lightning_spec.checkpoint import FORMATS, export_drafter
 from lightning_spec.objectives import CE, Objective
 from lightning_spec.target import TargetOptions
 
@@ -86,7 +86,7 @@ def test_every_family_trains_decodes_and_exports_on_the_architecture(family, arc
             module.CODECS[drafter.family].check(drafter)
         except ValueError:
             continue  # an option set this format cannot express (the *_served families are the ones it can)
-        out = export_drafter(drafter, tmp_path / fmt, fmt, target_spec=str(folder))
+        out = export_drafter(drafter, tmp_path / fmt, fmt, target_spec=str(folder)).folder
         loaded = load_drafter(out, target=target)
         assert [generate(target, p, NEW, drafter=loaded).tokens for p in PROMPTS] == plain
         assert [generate(target, p, NEW, drafter=loaded).accept_lengths for p in PROMPTS] == [

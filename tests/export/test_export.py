@@ -23,6 +23,7 @@ from helpers.speculators_layouts import build_folder, reference
 from safetensors.torch import load_file
 
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
+from lightning_spec.checkpoint import export_drafter, vllm_speculative_config
 from lightning_spec.cli import main
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import (
@@ -36,7 +37,6 @@ from lightning_spec.drafters import (
 )
 from lightning_spec.drafters.block import ParallelBlockDrafter
 from lightning_spec.errors import UserError
-from lightning_spec.export import export_drafter, vllm_speculative_config
 from lightning_spec.module import DraftModule
 from lightning_spec.objectives import KL, Objective
 
@@ -111,7 +111,7 @@ def decode_all(target, drafter, prompts):
 @pytest.mark.parametrize("name,fmt", ROUND_TRIPS)
 def test_export_round_trip_is_exact(name, fmt, trained_exportable, diverse_target, prompts, tmp_path):
     drafter = trained_exportable(name)
-    folder = export_drafter(drafter, tmp_path / name, fmt, target_spec="random")
+    folder = export_drafter(drafter, tmp_path / name, fmt, target_spec="random").folder
     assert {"config.json", "model.safetensors", "lightning_spec.json"} <= {p.name for p in folder.iterdir()}
     loaded = load_drafter(folder, target=diverse_target)
     assert type(loaded) is type(drafter) and loaded.config_dict() == drafter.config_dict()
@@ -134,7 +134,7 @@ def test_export_round_trip_is_exact(name, fmt, trained_exportable, diverse_targe
 @pytest.mark.parametrize("name", [name for name in EXPORTABLE if name != "mtp"])  # MTP reads no aux layers, no d2t
 def test_serving_fields_carry_the_conventions(name, trained_exportable, diverse_target, tmp_path):
     drafter = trained_exportable(name)
-    config = json.loads((export_drafter(drafter, tmp_path / "s", "speculators") / "config.json").read_text())
+    config = json.loads((export_drafter(drafter, tmp_path / "s", "speculators").folder / "config.json").read_text())
     tensors = load_file(str(tmp_path / "s" / "model.safetensors"))
     # vLLM numbers an aux hidden state by the layer it enters: our layer outputs + 1
     aux = config.get("eagle_aux_hidden_state_layer_ids") or config.get("aux_hidden_state_layer_ids")
@@ -172,7 +172,7 @@ def test_serving_fields_carry_the_conventions(name, trained_exportable, diverse_
         return
     if not name.startswith(("eagle3", "dflash")):
         return  # the families only the speculators format holds: test_dspark_and_mtp_fields_carry_the_conventions
-    sglang = export_drafter(drafter, tmp_path / "g", "sglang")
+    sglang = export_drafter(drafter, tmp_path / "g", "sglang").folder
     names = load_file(str(sglang / "model.safetensors"))
     if name.startswith("eagle3"):
         assert "midlayer.self_attn.q_proj.weight" in names and torch.equal(names["hot_token_id"], drafter.vocab.ids)
@@ -187,7 +187,7 @@ def test_an_eagle3_1_flag_that_disagrees_with_its_weights_is_refused(flag, key, 
                                                                        diverse_target, tmp_path):
     """vLLM drops ``input_norm.*`` without a word when ``norm_before_fc`` is false (vllm #38111): a folder whose flag
     and weights disagree would serve a different drafter than the one trained, so reading it refuses."""
-    folder = export_drafter(trained_exportable(name), tmp_path / "s", "speculators")
+    folder = export_drafter(trained_exportable(name), tmp_path / "s", "speculators").folder
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, flag: False}))
     with pytest.raises(UserError, match=f"says {flag}: false and has {key}"):
@@ -197,7 +197,7 @@ def test_an_eagle3_1_flag_that_disagrees_with_its_weights_is_refused(flag, key, 
 @pytest.mark.parametrize("name", ["dspark", "dspark_rnn", "mtp"])
 def test_dspark_and_mtp_fields_carry_the_conventions(name, trained_exportable, diverse_target, tmp_path):
     drafter = trained_exportable(name)
-    folder = export_drafter(drafter, tmp_path / "s", "speculators")
+    folder = export_drafter(drafter, tmp_path / "s", "speculators").folder
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
     layer = config["transformer_layer_config"]
@@ -379,7 +379,7 @@ def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
         if isinstance(drafter, ParallelBlockDrafter):  # a learned mask, not its start (the token's row)
             with torch.no_grad():
                 drafter.mask_embedding.add_(0.1)
-        folders[name] = str(export_drafter(drafter, tmp_path / name, "speculators"))
+        folders[name] = str(export_drafter(drafter, tmp_path / name, "speculators").folder)
     run = subprocess.run([str(SERVE_PYTHON), str(FIXTURES / "speculators_load.py"), *folders.values()],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -398,7 +398,7 @@ def test_reading_a_serving_folder_runs_no_code_from_it(exportable, diverse_targe
     """speculators folders carry config.py and auto_map (remote code); a sidecar could name any class."""
     monkeypatch.chdir(tmp_path)
     _, drafter = exportable
-    folder = export_drafter(drafter, tmp_path / "d", "speculators", target_spec="random")
+    folder = export_drafter(drafter, tmp_path / "d", "speculators", target_spec="random").folder
     (folder / "config.py").write_text("import pathlib\npathlib.Path('PWNED').touch()\n")
     config = json.loads((folder / "config.json").read_text())
     config["auto_map"] = {"": "config.Anything"}
@@ -449,7 +449,7 @@ def test_a_tied_target_full_vocabulary_head_exports(tmp_path):
     target = Target(LlamaForCausalLM(config), name="tied")
     drafter = Eagle3Drafter(block_size=2)
     drafter.bind(target)
-    folder = export_drafter(drafter, tmp_path / "tied", "speculators")
+    folder = export_drafter(drafter, tmp_path / "tied", "speculators").folder
     tensors = load_file(str(folder / "model.safetensors"))
     assert torch.equal(tensors["lm_head.weight"], target.embed_tokens.weight) and "embed_tokens.weight" not in tensors
     loaded = load_drafter(folder, target=target)
@@ -513,7 +513,7 @@ def test_the_served_folder_repeats_the_targets_embedding_only_where_it_differs(f
     target's when the draft checkpoint has none: ``has_own_embed_tokens``); DSpark ships its own table, whose mask
     row is learned."""
     drafter = trained_exportable(family)
-    tensors = load_file(str(export_drafter(drafter, tmp_path / family, "speculators") / "model.safetensors"))
+    tensors = load_file(str(export_drafter(drafter, tmp_path / family, "speculators").folder / "model.safetensors"))
     assert ("embed_tokens.weight" in tensors) is ships_embedding
 
 
@@ -534,7 +534,7 @@ def test_a_peagle_folder_is_vllms_peagle_type_and_the_earlier_layout_still_reads
     so P-EAGLE exports as ``peagle``; a folder written before as ``eagle3`` + ``parallel_drafting`` still loads, and
     ``fc_norm``, which vLLM's peagle reader drops, is refused in one sentence."""
     drafter = trained_exportable("peagle")
-    folder = export_drafter(drafter, tmp_path / "new", "speculators")
+    folder = export_drafter(drafter, tmp_path / "new", "speculators").folder
     config = json.loads((folder / "config.json").read_text())
     assert config["speculators_model_type"] == "peagle"
     earlier = {**config, "speculators_model_type": "eagle3", "fc_norm": False, "norm_output": False,

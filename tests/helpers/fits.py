@@ -27,7 +27,8 @@ TINY = ROOT / "experiments" / "tiny.yaml"
 
 def fit_checkpoint(drafter, path: Path, target_spec: str) -> Path:
     """``path``: what a ``fit`` checkpoint holds of ``drafter`` (its record and its weights under ``drafter.``)."""
-    from lightning_spec.checkpoint import CKPT_KEY, drafter_record
+    from lightning_spec.checkpoint import CKPT_KEY
+    from lightning_spec.drafters.base import drafter_record
 
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}

@@ -1,7 +1,8 @@
-"""Leave the framework: a trained drafter written in the folder layouts serving engines load, and read back.
+"""The folder layouts serving engines load: one codec per family and format that writes a drafter in it
+(``checkpoint.write.export_drafter`` calls ``codec.write``) and reads such a folder back, ours or another tool's.
 
-    export_drafter(drafter, out, format="speculators")   # config.json + model.safetensors (+ mask_embedding.pt)
-    read_serving_folder(folder)                          # -> (record, state dict) of our drafter class
+    codec_for(drafter, "speculators")   # the codec that writes this family in this format (or one sentence why none)
+    read_serving_folder(folder)         # -> (record, state dict) of our drafter class
 
 Formats (``FORMATS``): ``speculators`` (vLLM's speculators format: EAGLE-3, DFlash and DSpark, which vLLM serves
 directly, and MTP) and ``sglang`` (SGLang's EAGLE-3 layout with ``midlayer.*`` names and ``hot_token_id``, and the
@@ -18,19 +19,16 @@ Reading a folder never runs code from it: tensors come from safetensors (or ``to
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_spec.assets import resolve_target_folder
+from lightning_spec.checkpoint.formats import sglang, speculators
+from lightning_spec.checkpoint.formats.common import SIDECAR, Codec, read_json
 from lightning_spec.drafters import FAMILIES, family_class
-from lightning_spec.drafters.base import Drafter, drafter_record
+from lightning_spec.drafters.base import Drafter
 from lightning_spec.errors import UserError
-from lightning_spec.export import sglang, speculators
-from lightning_spec.export.common import SIDECAR, Codec, read_json
-from lightning_spec.provenance import PROVENANCE_FILE, folder_record
 
 FORMATS: dict[str, Any] = {"speculators": speculators, "sglang": sglang}
 
@@ -53,50 +51,10 @@ def codec_for(drafter: Drafter, fmt: str) -> Codec:
     return codec
 
 
-def export_drafter(
-    drafter: Drafter, out: str | Path, fmt: str = "speculators", target_spec: str | None = None,
-    target_path: str | None = None, parent: dict[str, Any] | None = None, fit: dict[str, Any] | None = None,
-) -> Path:
-    """Write ``drafter`` to the folder ``out`` in format ``fmt``; returns the folder.
-
-    ``target_spec``: the target name recorded for ``load_drafter`` (default the bound target's); ``target_path``:
-    the verifier path written into the serving config (default the target's local folder), the model vLLM or
-    SGLang serves next to the drafter; ``fit``: the record of the fit that trained it (a checkpoint's ``provenance``),
-    kept in the folder's ``provenance.json`` with the weights' SHA-256."""
-    codec = codec_for(drafter, fmt)
-    codec.check(drafter)
-    if not bool(drafter.vocab.ready):
-        raise UserError(
-            "The drafter's reduced draft vocabulary was never chosen (vocab.ready is False): export a drafter "
-            "after `fit` has set it from the data."
-        )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    target = drafter.target
-    verifier = target_path or target.folder or resolve_target_folder(target_spec or target.name)  # folder: resolved
-    config, tensors, extra = codec.write(drafter, verifier)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    from safetensors.torch import save_file
-
-    # cloned: a tied target's full-vocabulary head and its embedding are one tensor, which safetensors refuses twice
-    save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    record = folder_record(out / "model.safetensors", target.fingerprint, fit)
-    (out / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    for name, obj in extra.items():  # e.g. DFlash's mask_embedding.pt, DSpark's dspark_calibration.json
-        if name.endswith(".json"):
-            (out / name).write_text(json.dumps(obj, indent=2) + "\n")
-        else:
-            torch.save(obj, out / name)
-    record = drafter_record(drafter, target_spec or target.name)
-    record.update(format=fmt, parent=parent)
-    (out / SIDECAR).write_text(json.dumps(record, indent=2) + "\n")
-    return out
-
-
-def vllm_speculative_config(drafter: Drafter, folder: str | Path) -> dict[str, Any] | None:
+def vllm_speculative_config(drafter: Drafter, folder: str | Path, codec: Codec | None = None) -> dict[str, Any] | None:
     """The ``speculative_config`` vLLM serves ``drafter``'s speculators export in ``folder`` with (None: no vLLM
-    method runs the family from the format)."""
-    codec = codec_for(drafter, "speculators")
+    method runs the family from the format); ``codec``: the speculators codec that wrote it, when known."""
+    codec = codec or codec_for(drafter, "speculators")
     if not codec.vllm:
         return None
     return {"method": codec.vllm, "model": str(folder), "num_speculative_tokens": drafter.block_size,
@@ -143,5 +101,4 @@ def _read_safetensors(folder: Path, what: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-__all__ = ["FORMATS", "codec_for", "export_drafter", "is_serving_folder", "read_serving_folder",
-           "vllm_speculative_config"]
+__all__ = ["FORMATS", "codec_for", "is_serving_folder", "read_serving_folder", "vllm_speculative_config"]

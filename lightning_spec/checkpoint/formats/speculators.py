@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_spec.checkpoint.formats.common import layer_config, read_json, record, take, vocab_ids, vocab_tensors
 from lightning_spec.drafters import DFlashDrafter, Drafter, DSparkDrafter, Eagle3Drafter, MTPDrafter, PEagleDrafter
 from lightning_spec.drafters.eagle import EagleDrafter
 from lightning_spec.errors import UserError
-from lightning_spec.export.common import layer_config, read_json, record, take, vocab_ids, vocab_tensors
 
 if TYPE_CHECKING:
     from lightning_spec.target import Target

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from lightning_spec.checkpoint.formats.common import layer_config
+from lightning_spec.checkpoint.formats.speculators import DFlashCodec, Eagle3Codec
 from lightning_spec.drafters import DFlashDrafter, Drafter, Eagle3Drafter
 from lightning_spec.errors import UserError
-from lightning_spec.export.common import layer_config
-from lightning_spec.export.speculators import DFlashCodec, Eagle3Codec
 
 
 class SGLangEagle3Codec(Eagle3Codec):
