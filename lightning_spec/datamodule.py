@@ -306,6 +306,23 @@ class SpecDataModule(L.LightningDataModule):
         val_set = set(val_idx)
         return [i for i in range(len(keys)) if i not in val_set], sorted(val_set)
 
+    def check_trained_for(self, target_fingerprint: str, target_spec: str, block_size: int) -> None:
+        """Refuse, in one sentence, data a fit of this target and block size cannot train on: rollouts of other
+        target weights (target-regenerated SFT holds for the same weights only), or a block no example holds."""
+        for meta in self.rollout_meta:
+            if meta.get("target_fingerprint") != target_fingerprint:
+                raise UserError(
+                    f"data.train_sources '{meta['folder']}' holds rollouts of target '{meta.get('target')}' with "
+                    f"weight fingerprint {meta.get('target_fingerprint')}, but model.target has fingerprint "
+                    f"{target_fingerprint}; regenerate them with `lightning-spec rollouts --target {target_spec} ...`."
+                )
+        self.check_block_size(block_size)
+
+    def dataset_input(self) -> dict[str, Any]:
+        """The training data as a run's MLflow dataset input: name, content digest, source and rows."""
+        sources, rows = ", ".join(s.name for s in self.train_sources), len(self.train_dataset)
+        return {"name": sources[:200], "digest": self.fingerprint, "source": sources, "rows": rows}
+
     def check_block_size(self, block_size: int) -> None:
         """Refuse, in one sentence, a drafter block that no example can hold: an anchor needs a token before it and
         the K it drafts after it (``block_size + 2 <= max_length``)."""

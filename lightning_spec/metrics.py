@@ -10,15 +10,12 @@ Lightning's ``self.log`` (the validation loss), where torchmetrics does the addi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
-
-if TYPE_CHECKING:
-    from lightning_spec.drafters.base import DraftOutput
 
 
 def slot_counts(
@@ -100,12 +97,14 @@ class RatioOfSums(Metric):
         return (self.num / self.den.clamp_min(1e-12)).float()
 
 
-def slot_hits(draft: DraftOutput, chunk: int | None) -> Tensor:
-    """(N, A, K) bool: the draft's argmax is the label; in chunks of anchors when the logits are (lazy and) large."""
-    if chunk is None or draft.num_anchors <= chunk:
-        return draft.logits.argmax(-1) == draft.labels
-    parts = []
-    for lo in range(0, draft.num_anchors, chunk):
-        part = draft.chunk(torch.arange(lo, min(lo + chunk, draft.num_anchors), device=draft.valid.device))
-        parts.append(part.logits.argmax(-1) == part.labels)
-    return torch.cat(parts, dim=1)
+def global_totals(num: Tensor, den: Tensor, hits: Tensor, labels: Tensor,
+                  reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """One training step's (Σ num, Σ den, acceptance per slot (K,)) over the global batch: ``hits`` and ``labels``
+    (N, A, K) bool counted per slot, everything summed over the DDP ranks in one all-reduce (``reduce``), so a logged
+    value is a ratio of sums, the same as one process with the whole batch."""
+    k = labels.shape[-1]
+    sums = torch.cat([num.detach().double().view(1), den.detach().double().view(1), hits.sum((0, 1)).double(),
+                      labels.sum((0, 1)).double()])
+    if reduce is not None:
+        sums = reduce(sums)
+    return sums[0], sums[1], sums[2 : 2 + k] / sums[2 + k :].clamp_min(1)

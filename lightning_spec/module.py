@@ -12,16 +12,14 @@ DDP rank or resumed process it lands in: 2 DDP ranks train like 1 process with t
 killed mid-epoch and resumed from ``last.ckpt`` trains like the uninterrupted one (tests/integration/test_ddp.py,
 tests/integration/test_resume.py). Logged training metrics are those of the global batch (sums all-reduced over ranks).
 
-Checkpoints hold the drafter only: the frozen target's weights are stripped on save and re-attached on load;
-``load_drafter`` rebuilds a drafter from a checkpoint (see ``checkpoint/``). They also carry the MLflow run id
-(``tracking.MLFLOW_RUN_KEY``), so ``fit --ckpt_path`` continues the same run (``tracking.prepare_loggers``).
+Checkpoints hold the drafter only, with what a resumed fit needs (``checkpoint/fit.py``).
 """
 
 from __future__ import annotations
 
 import os
-import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,18 +28,18 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
 
-from lightning_spec.checkpoint import CKPT_KEY, build, describe, init_weights
+from lightning_spec.checkpoint import build, describe, init_weights
+from lightning_spec.checkpoint.fit import read_fit_state, write_fit_state
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters.base import Drafter, DraftOutput, anchor_seeds, drafter_record
+from lightning_spec.drafters.base import Drafter, DraftOutput, anchor_seeds
 from lightning_spec.errors import DivergedLoss, UserError
-from lightning_spec.features.source import FeatureSource
+from lightning_spec.features.source import FeatureSource, check_feature_options
 from lightning_spec.features.store import StoreSpec, open_training_store, store_folder
-from lightning_spec.metrics import RatioOfSums, slot_hits
+from lightning_spec.metrics import RatioOfSums, global_totals
 from lightning_spec.objectives.context import ReferenceDrafter, StepContext, slot_hidden
 from lightning_spec.objectives.objective import Objective, TargetInfo
 from lightning_spec.optimizers import build_optimizer, check_optimizer_settings
-from lightning_spec.provenance import PROVENANCE_KEY, run_record
-from lightning_spec.schedule import TrainingClock, time_budget
+from lightning_spec.schedule import TrainingClock, lr_schedule, time_budget
 from lightning_spec.target import TargetOptions
 from lightning_spec.target_loading import load_target, resolve_dtype
 from lightning_spec.tracking import checkpoint_record, log_comparison, mlflow_loggers
@@ -54,41 +52,28 @@ class DraftModule(L.LightningModule):
         drafter: the draft model (e.g. ``lightning_spec.drafters.DFlashDrafter``).
         objective: the training objective (``lightning_spec.objectives.Objective`` and its parts).
         target: packaged name (``smollm2-135m-instruct``, ``tiny-random``), HF hub id or local folder.
-        target_options: how that target is loaded and prompted (``TargetOptions``): ``revision``,
-            ``trust_remote_code`` (off), ``attn_implementation``, ``chat_template_kwargs``; the data module gets the
-            same options (``data.target_options`` is linked to this field).
-        target_dtype: dtype of the frozen target: ``float32`` on CPU, ``bfloat16`` on GPUs, ``auto``: bf16 where the
-            device multiplies it natively (``target.resolve_dtype``).
+        target_options: how the target is loaded and prompted (``TargetOptions``: revision, trust_remote_code (off),
+            attn_implementation, chat_template_kwargs); ``data.target_options`` is linked to it.
+        target_dtype: ``float32`` (CPU), ``bfloat16`` (GPUs) or ``auto``: bf16 where the device has it natively.
         lr: peak learning rate (AdamW's; Muon's too unless ``muon_lr``).
         weight_decay: weight decay of the matrices (AdamW's decoupled decay; Muon's).
         betas: AdamW betas.
-        optimizer: ``adamw`` or ``muon``: Muon on the hidden matrices, AdamW on norms, tables and heads
-            (``optimizers.py``; the speculators trainer's default since its RFC #979).
-        muon_lr: Muon's peak learning rate (None: ``lr``; Muon's update is scaled to AdamW's RMS).
+        optimizer: ``adamw``, or ``muon`` on the hidden matrices with AdamW on the rest (``optimizers.py``).
+        muon_lr: Muon's peak learning rate (None: ``lr``; its update is scaled to AdamW's RMS).
         warmup_ratio: fraction of the optimizer steps with a linear warm-up.
         min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
-        feature_cache: ``disk`` writes the target's features of each training example to a feature store the first
-            time they are computed (``features/store.py``: sharded safetensors, read back lazily), so later epochs
-            and later runs with the same target, layers, data and dtype never run the target; ``memory`` keeps them
-            in RAM for this run only; ``off`` runs the target forward every step.
-        feature_store: the folder of the feature store (``lightning-spec features --out`` writes one ahead of
-            training); null: ``$LIGHTNING_SPEC_CACHE/features/<key>``, the key naming target, layers, data and dtype.
-        feature_dtype: the dtype the target computes training features in: ``target`` (``target_dtype``), ``auto``
-            (bf16 where the device multiplies it natively: the fast path on such CPUs, while decoding keeps
-            ``target_dtype``), or ``float32``/``bfloat16``/``float16``. A dtype other than the target's keeps a
-            second copy of the target's weights in that dtype.
-        loss_chunk: compute the objective this many anchors at a time, each chunk's draft and target logits
-            recomputed in the backward pass: memory grows with loss_chunk x K x Vd instead of anchors x K x Vd,
-            for one more head forward per step (``benchmarks/objective_memory.py``). None: all anchors at once.
-        shard_target: under DDP over several ranks, shard the frozen target's decoder layers across them (FSDP2
-            ``fully_shard`` per layer, ``Target.shard_layers``): a target larger than one device trains a drafter,
-            each rank gathering one layer at a time for its own batch. Every rank then runs the target in step, so it
-            needs ``feature_cache: off``, and callbacks that decode or roll out on one rank's prompts refuse it
-            (evaluate the checkpoint with ``lightning-spec evaluate`` instead). docs/scaling.md has the memory.
-        init_from: start from a trained drafter, a ``fit`` checkpoint or an exported folder: its weights only (this
-            fit has its own optimizer, schedule and steps), so "SFT, then X" is two YAMLs. Checkpoints of this fit
-            record it as their ``parent``. An objective that regularises towards a reference drafter (GRPO's KL)
-            gets a frozen copy of these starting weights.
+        feature_cache: ``disk``: each example's target features written once to a feature store (``features/``),
+            reused by later epochs and runs of the same target, layers, data and dtype; ``memory``: this run only;
+            ``off``: the target's forward every step.
+        feature_store: the store's folder (null: ``$LIGHTNING_SPEC_CACHE/features/<key>``).
+        feature_dtype: the dtype of training features: ``target``, ``auto`` (bf16 where native, while decoding keeps
+            ``target_dtype``: a second copy of the weights) or ``float32``/``bfloat16``/``float16``.
+        loss_chunk: the objective this many anchors at a time, recomputed in backward: memory ~ loss_chunk x K x Vd
+            instead of anchors x K x Vd (``benchmarks/objective_memory.py``). None: all anchors at once.
+        shard_target: under DDP, shard the target's decoder layers over the ranks (FSDP2 per layer): a target larger
+            than one device; needs ``feature_cache: off`` (docs/scaling.md).
+        init_from: start from a trained drafter (.ckpt or folder): its weights only, recorded as the ``parent``; an
+            objective with a reference drafter (GRPO's KL) gets a frozen copy of them.
     """
 
     def __init__(
@@ -117,15 +102,8 @@ class DraftModule(L.LightningModule):
         self.save_hyperparameters(ignore=ignore)  # drafter and objective are recorded below via describe()
         options = TargetOptions.of(target_options)
         self.hparams["target_options"] = options.to_dict()  # plain values: checkpoints are read weights_only
-        if feature_cache not in ("memory", "disk", "off"):
-            raise UserError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
+        check_feature_options(feature_cache, feature_dtype, target_dtype, shard_target)
         check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio, optimizer, muon_lr)
-        if shard_target and (feature_cache != "off" or feature_dtype not in ("target", target_dtype)):
-            raise UserError(
-                "model.shard_target runs the target's forward on every rank in step, so each rank must compute the "
-                "features of every batch: set model.feature_cache: off and model.feature_dtype: target (or write the "
-                "features ahead with `lightning-spec features` and train without shard_target)."
-            )
         if loss_chunk is not None and loss_chunk < 1:
             raise UserError(f"model.loss_chunk is {loss_chunk}; it must be >= 1 anchors, or null for no chunks.")
         self.target = load_target(target, dtype=target_dtype, options=options) if isinstance(target, str) else \
@@ -151,7 +129,6 @@ class DraftModule(L.LightningModule):
         self.val_loss = RatioOfSums()
         self._den_accum = torch.zeros((), dtype=torch.float64)
         self._anchor_seed: int | None = None  # run seed of anchor_seeds; set in setup, restored from checkpoints
-        self._last_step_time: float | None = None
         self._clock: TrainingClock | None = None  # the LR schedule's clock, built in configure_optimizers
         self._clock_state: dict[str, Any] | None = None  # a checkpoint's clock, restored when the clock is built
         self._quiet: Any = None  # the warnings filter of a running fit (on_fit_start .. teardown)
@@ -164,18 +141,9 @@ class DraftModule(L.LightningModule):
         dm = self.trainer.datamodule if self._trainer is not None else None
         if not isinstance(dm, SpecDataModule):  # plain dataloaders (Python use): nothing of the data to check
             return
-        for meta in dm.rollout_meta:  # target-regenerated SFT: the same weights only
-            if meta.get("target_fingerprint") != self.target.fingerprint:
-                raise UserError(
-                    f"data.train_sources '{meta['folder']}' holds rollouts of target '{meta.get('target')}' with "
-                    f"weight fingerprint {meta.get('target_fingerprint')}, but model.target has fingerprint "
-                    f"{self.target.fingerprint}; regenerate them with `lightning-spec rollouts --target "
-                    f"{self.target_spec} ...`."
-                )
-        dm.check_block_size(self.drafter.block_size)
+        dm.check_trained_for(self.target.fingerprint, self.target_spec, self.drafter.block_size)
         if stage == "fit" and not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens
-            self.drafter.vocab.set_from_counts(dm.token_counts(self.target.vocab_size))
-            self.drafter.on_vocab_chosen()
+            self.drafter.choose_vocab(dm.token_counts(self.target.vocab_size))
         on_policy = self._on_policy
         if stage == "fit" and self.objective.needs_rollouts and not on_policy:
             raise UserError(
@@ -225,17 +193,6 @@ class DraftModule(L.LightningModule):
     def target_head(self, hidden: Tensor) -> Tensor:
         return self.drafter.head(hidden)  # (..., Vd) target logits over the draft vocabulary, no gradient
 
-    def target_info(self, last_hidden: Tensor) -> TargetInfo:
-        """What an objective that picks its own anchors may read (EDR: p_t at every position)."""
-        head = self.target.lm_head
-        return TargetInfo(
-            last_hidden=last_hidden,
-            logits=lambda h: head(h.to(head.weight.dtype)).float(),
-            vocab=self.drafter.vocab,
-            block_size=self.drafter.block_size,
-            eos_ids=self.target.eos_token_ids,
-        )
-
     def draft_step(self, batch: dict[str, Tensor], use_cache: bool) -> tuple[DraftOutput, Any]:
         draft, ctx = self.draft_and_context(batch, use_cache)
         return draft, self.objective(draft, ctx, chunk=self.hparams.loss_chunk)
@@ -244,7 +201,8 @@ class DraftModule(L.LightningModule):
         """The drafter's forward over the batch, and what the objective reads next to it, each written once here."""
         features, last = self.target_features(batch, use_cache)
         draft_fn = lambda anchors: self.drafter(batch, features, anchors)  # noqa: E731
-        chosen = self.objective.select_anchors(batch, draft_fn, self.target_info(last))  # EDR chooses; else None
+        info = TargetInfo.of(self.target, self.drafter, last)
+        chosen = self.objective.select_anchors(batch, draft_fn, info)  # EDR chooses; else None
         anchors, extra = (None, None) if chosen is None else chosen
         draft = self.drafter(batch, features, anchors)
         needs_target = self.objective.needs_target
@@ -276,18 +234,8 @@ class DraftModule(L.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         draft, terms = self.draft_step(self.seeded(batch, self.global_step), use_cache=True)
         self._den_accum = self._den_accum.to(terms.den.device) + terms.den.detach().double()
-        n = batch["input_ids"].shape[0]
-        with torch.no_grad():
-            valid = draft.valid
-            hits = slot_hits(draft, self.hparams.loss_chunk) & valid  # (N, A, K)
-            k = valid.shape[-1]
-            # [num, den, hits (K), labels (K)], summed over the DDP ranks in one all-reduce: logged values are
-            # those of the global batch (ratios of sums), the same as one process with the whole batch
-            sums = torch.cat([terms.num.detach().double().view(1), terms.den.detach().double().view(1),
-                              hits.sum((0, 1)).double(), valid.sum((0, 1)).double()])
-            if self.trainer.world_size > 1:
-                sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        num, den, acc = sums[0], sums[1], sums[2 : 2 + k] / sums[2 + k :].clamp_min(1)  # acc (K,)
+        n, hits = batch["input_ids"].shape[0], draft.slot_hits(self.hparams.loss_chunk) & draft.valid  # (N, A, K)
+        num, den, acc = global_totals(terms.num, terms.den, hits, draft.valid, self._sum_over_ranks())  # acc (K,)
         if not torch.isfinite(num):  # the global value: every rank raises together
             lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer.optimizers else self.hparams.lr
             raise DivergedLoss(
@@ -301,27 +249,23 @@ class DraftModule(L.LightningModule):
             staleness = (self.global_step - batch["drawn_step"]).float().mean()
             self.log("train/staleness", staleness, batch_size=n, sync_dist=True)
         self.log("train/acc/t1", acc[0].float(), batch_size=n)
-        self.log(f"train/acc/t{k}", acc[-1].float(), batch_size=n)
+        self.log(f"train/acc/t{acc.numel()}", acc[-1].float(), batch_size=n)
         return terms.num  # divided by the global Σ den in on_before_optimizer_step
 
-    def _tick(self) -> None:
-        """Feed the training clock one optimizer step: its wall time and the target forwards inside it."""
-        now = time.perf_counter()
-        last, self._last_step_time = self._last_step_time, now
-        seconds, examples = self.feature_source.take_work()
-        if last is None or self._clock is None:
-            return
-        uncached = 0
-        dm, store = self.trainer.datamodule, self.feature_source.store
-        if store is not None and isinstance(dm, SpecDataModule):  # a store opens only for a SpecDataModule
-            uncached = max(len(dm.train_dataset) - len(store), 0)  # len: a count, not a pass over the store
-        self._clock.record(self.global_step + 1, now - last, seconds, examples, uncached)
+    def _sum_over_ranks(self) -> Callable[[Tensor], Tensor] | None:
+        """The DDP all-reduce (sum) of a tensor, or None on one process."""
+        if self.trainer.world_size == 1:
+            return None
+        return lambda t: self.trainer.strategy.reduce(t, reduce_op="sum")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._tick()
-        den = self._den_accum.clone()
-        if self.trainer.world_size > 1:
-            den = self.trainer.strategy.reduce(den, reduce_op="sum")
+        seconds, examples = self.feature_source.take_work()  # the clock: this step's time and its target forwards
+        if self._clock is not None:
+            dm = self.trainer.datamodule  # (a store opens only for a SpecDataModule)
+            uncached = self.feature_source.uncached(len(dm.train_dataset)) if isinstance(dm, SpecDataModule) else 0
+            self._clock.tick(self.global_step + 1, seconds, examples, uncached)
+        reduce, den = self._sum_over_ranks(), self._den_accum.clone()
+        den = den if reduce is None else reduce(den)
         # Lightning divided each micro-batch loss by accumulate_grad_batches and DDP averaged over ranks. Under
         # FSDP each rank holds a shard of every reduced (averaged) gradient: scaling each shard by the same
         # scalar scales the whole gradient, so this is right there too.
@@ -351,9 +295,8 @@ class DraftModule(L.LightningModule):
         dm = self.trainer.datamodule
         if not isinstance(dm, SpecDataModule):
             return params, None
-        sources, rows = ", ".join(s.name for s in dm.train_sources), len(dm.train_dataset)
-        params["train_examples"] = rows
-        return params, {"name": sources[:200], "digest": dm.fingerprint, "source": sources, "rows": rows}
+        params["train_examples"] = len(dm.train_dataset)
+        return params, dm.dataset_input()
 
     def on_train_end(self) -> None:
         """The optimizer steps reached, as the run's ``steps`` (a time budget may stop a fit before max_steps)."""
@@ -378,18 +321,16 @@ class DraftModule(L.LightningModule):
         _, terms = self.draft_step(self.seeded(batch, -1), use_cache=False)  # the same anchors at every validation
         self.val_loss.update(terms.num.detach(), terms.den)
 
-    def on_validation_epoch_end(self) -> None:
+    def on_validation_epoch_end(self, name: str = "val/loss") -> None:
         if self.val_loss.update_count:
-            self.log("val/loss", self.val_loss.compute())
+            self.log(name, self.val_loss.compute())
         self.val_loss.reset()
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
 
     def on_test_epoch_end(self) -> None:
-        if self.val_loss.update_count:
-            self.log("test/loss", self.val_loss.compute())
-        self.val_loss.reset()
+        self.on_validation_epoch_end("test/loss")
 
     # ------------------------------------------------------------------------------------------ optimizer
     def configure_optimizers(self):
@@ -401,12 +342,7 @@ class DraftModule(L.LightningModule):
         self._clock = TrainingClock(total, warmup, time_budget(self.trainer.callbacks))
         if self._clock_state:  # a resumed run keeps a switch to the time schedule
             self._clock.load_state_dict(self._clock_state)
-
-        def schedule(step: int) -> float:  # linear warm-up, then cosine to min_lr_ratio; ends on time (schedule.py)
-            return self._clock.multiplier(step, hp.min_lr_ratio)
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": lr_schedule(opt, self._clock, hp.min_lr_ratio)}
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def record_fit(self, record: dict[str, Any]) -> None:
@@ -414,20 +350,16 @@ class DraftModule(L.LightningModule):
         self.provenance = record
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The drafter without the target, and what a resumed fit needs (``checkpoint/fit.py``)."""
         self.feature_source.flush()  # a run killed after this checkpoint resumes with these features stored
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("target.")}
-        checkpoint[CKPT_KEY] = {**drafter_record(self.drafter, self.target_spec), "parent": self._parent}
-        checkpoint[PROVENANCE_KEY] = self.provenance or run_record()  # a fit from Python: its command, no config
-        checkpoint["anchor_seed"] = self._anchor_seed
-        if self._clock is not None:
-            checkpoint["training_clock"] = self._clock.state_dict()
-        if self._trainer is not None and self.trainer.is_global_zero:  # rank 0 writes the file and owns the run
-            checkpoint.update(checkpoint_record(self.trainer.loggers))
+        run = checkpoint_record(self.trainer.loggers) if self._trainer is not None and self.trainer.is_global_zero \
+            else None  # rank 0 writes the file and owns the MLflow run
+        write_fit_state(checkpoint, self.drafter, self.target_spec, self._parent, self.provenance, self._anchor_seed,
+                        None if self._clock is None else self._clock.state_dict(), run)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        own = self.state_dict()
-        checkpoint["state_dict"].update({k: v for k, v in own.items() if k.startswith("target.")})
-        self._clock_state = checkpoint.get("training_clock")  # restored once configure_optimizers built the clock
-        if checkpoint.get("anchor_seed") is not None:  # a resumed run draws the anchors the original would have
-            self._anchor_seed = int(checkpoint["anchor_seed"])
+        state = read_fit_state(checkpoint, self.state_dict())
+        self._clock_state = state.clock  # restored once configure_optimizers built the clock
+        if state.anchor_seed is not None:  # a resumed run draws the anchors the original would have
+            self._anchor_seed = state.anchor_seed
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +72,7 @@ class TrainingClock:
         self.target_seconds: deque[float] = deque(maxlen=window)  # per example that needed a target forward
         self.step_seconds: deque[float] = deque(maxlen=window)  # whole steps, for when the next one will end
         self.switch: tuple[float, float] | None = None  # (progress, elapsed seconds) when time took over
+        self._last_tick: float | None = None  # perf_counter at the previous optimizer step
 
     def run_progress(self, step: int) -> float:
         """Share 0..1 of the run done after ``step`` optimizer steps: by steps, or by time once the remaining steps
@@ -95,6 +97,13 @@ class TrainingClock:
         if u < w:
             return max(u / w, (step + 1) / (self.warmup + 1))
         return _cosine((u - w) / max(1 - w, 1e-9), min_lr_ratio)
+
+    def tick(self, step: int, target_seconds: float, target_examples: int, uncached_examples: int) -> None:
+        """Optimizer step ``step`` is about to run: the wall time since the previous one is that step's (``record``)."""
+        now = time.perf_counter()
+        last, self._last_tick = self._last_tick, now
+        if last is not None:
+            self.record(step, now - last, target_seconds, target_examples, uncached_examples)
 
     def record(self, step: int, step_seconds: float, target_seconds: float, target_examples: int,
                uncached_examples: int) -> None:
@@ -124,3 +133,12 @@ class TrainingClock:
         switch = state.get("switch")
         self.switch = tuple(switch) if switch is not None else None
         self.step_seconds.extend(state.get("step_seconds", []))
+
+
+def lr_schedule(optimizer: Any, clock: TrainingClock, min_lr_ratio: float) -> dict[str, Any]:
+    """Lightning's ``lr_scheduler`` entry: linear warm-up, then cosine to ``min_lr_ratio``, on ``clock`` (steps, or
+    time once ``max_time`` binds), stepped after every optimizer step."""
+    import torch
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: clock.multiplier(step, min_lr_ratio))
+    return {"scheduler": scheduler, "interval": "step"}

@@ -108,18 +108,18 @@ def test_the_switch_survives_a_resume():
 
 def test_a_time_bound_fit_ends_annealed(tmp_path, monkeypatch):
     """A real fit whose max_time binds long before max_steps: the last learning rate is the floor. The clocks are
-    injected (Lightning's Timer and the module's step timer read one hand-moved clock that every batch moves by 1 s),
-    so the 20 s budget buys exactly 20 steps on any machine."""
+    injected (Lightning's Timer and the training clock's step timer read one hand-moved clock that every batch moves
+    by 1 s), so the 20 s budget buys exactly 20 steps on any machine."""
     import lightning as L
     import lightning.pytorch.callbacks.timer as timer
     from helpers.clock import FakeClock
 
-    import lightning_spec.module as module
+    import lightning_spec.schedule as schedule
     from lightning_spec.cli import run_cli
 
     clock = FakeClock()
     monkeypatch.setattr(timer, "time", clock)
-    monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setattr(schedule, "time", clock)
     seen = {}
 
     class LastLR(L.Callback):

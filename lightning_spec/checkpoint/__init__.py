@@ -10,11 +10,13 @@ folders with a card). Files are shared between people, so reading one is a trust
     formats/     the serving layouts (speculators, SGLang): one codec per family and format, writing and reading
     read.py      any artifact as ``(record, state dict)``; a checkpoint's recorded target and fit
     load.py      ``load_drafter`` (a drafter bound to its target), ``init_weights`` (``model.init_from``)
+    fit.py       what a ``fit`` checkpoint holds beside Lightning's state (``DraftModule``'s save and load hooks)
     write.py     ``save_drafter``, ``export_drafter``, ``write_model_folder`` (the logged model), ``export_checkpoint``
                  (``lightning-spec export``); every folder carries ``provenance.json``
 
-The layers go one way: ``write`` uses ``load`` and ``read``, ``read`` uses ``formats``; none of them imports a module
-above this package (``tracking.py`` only logs the folder ``write_model_folder`` made).
+The layers go one way: ``write`` uses ``load`` and ``read``; ``fit`` and ``load`` use ``read``; ``read`` uses
+``formats``. None of them imports a module above this package (``tracking.py`` only logs the folder
+``write_model_folder`` made).
 """
 
 from lightning_spec.checkpoint.classes import build, describe, drafter_classes

@@ -218,6 +218,16 @@ class DraftOutput:
         return DraftOutput(logits, take(self.labels), take(self.valid), take(self.anchors), hidden=hidden, aux=aux,
                            drafted=take(self.drafted))
 
+    @torch.no_grad()
+    def slot_hits(self, chunk: int | None = None) -> Tensor:
+        """(N, A, K) bool: the slot's argmax is its label; ``chunk`` anchors at a time when the logits are lazy."""
+        if chunk is None or self.num_anchors <= chunk:
+            return self.logits.argmax(-1) == self.labels
+        device = self.valid.device
+        parts = [self.chunk(torch.arange(lo, min(lo + chunk, self.num_anchors), device=device))
+                 for lo in range(0, self.num_anchors, chunk)]
+        return torch.cat([part.logits.argmax(-1) == part.labels for part in parts], dim=1)
+
 
 # ---------------------------------------------------------------------------------------------------- drafter
 class Drafter(nn.Module, Proposer):
@@ -312,6 +322,12 @@ class Drafter(nn.Module, Proposer):
     def head(self, hidden: Tensor) -> Tensor:
         """Draft logits over the draft vocabulary through the frozen target head: (..., H) -> (..., Vd)."""
         return self.vocab.logits(hidden, self.target.lm_head)
+
+    def choose_vocab(self, token_counts: Tensor) -> None:
+        """Keep the ``Vd`` most frequent target tokens of the training data (``token_counts`` (V,)) as the draft
+        vocabulary, then let the family set what depends on it (``on_vocab_chosen``)."""
+        self.vocab.set_from_counts(token_counts)
+        self.on_vocab_chosen()
 
     def on_vocab_chosen(self) -> None:
         """Called once ``fit`` chose a reduced draft vocabulary (``vocab.set_from_counts``): a family whose weights

@@ -16,12 +16,26 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lightning_spec.errors import UserError
 from lightning_spec.features.store import StoreSpec
 from lightning_spec.target import dtype_name
 
 if TYPE_CHECKING:
     from lightning_spec.features.store import FeatureStore
     from lightning_spec.target import Target
+
+
+def check_feature_options(feature_cache: str, feature_dtype: str, target_dtype: str, shard_target: bool) -> None:
+    """``model.feature_cache`` is one of memory, disk, off; a sharded target computes every batch's features on
+    every rank in step, so it trains without a cache and in the target's dtype (one sentence each)."""
+    if feature_cache not in ("memory", "disk", "off"):
+        raise UserError(f"model.feature_cache must be 'memory', 'disk' or 'off', got {feature_cache!r}.")
+    if shard_target and (feature_cache != "off" or feature_dtype not in ("target", target_dtype)):
+        raise UserError(
+            "model.shard_target runs the target's forward on every rank in step, so each rank must compute the "
+            "features of every batch: set model.feature_cache: off and model.feature_dtype: target (or write the "
+            "features ahead with `lightning-spec features` and train without shard_target)."
+        )
 
 
 class FeatureSource:
@@ -81,6 +95,10 @@ class FeatureSource:
             return False
         self.store.flush()
         return True
+
+    def uncached(self, examples: int) -> int:
+        """How many of ``examples`` training examples the store does not hold yet (0 without a store)."""
+        return 0 if self.store is None else max(examples - len(self.store), 0)  # len: a count, not a pass
 
     def take_work(self) -> tuple[float, int]:
         """Seconds and examples of target forwards since the last call (the training clock's projection,

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from lightning_spec.drafters.base import Anchors, DraftOutput, DraftVocab
+from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 
 @dataclass
@@ -34,6 +37,13 @@ class TargetInfo:
     vocab: DraftVocab  # the drafter's draft vocabulary
     block_size: int  # the drafter's K
     eos_ids: list[int] = field(default_factory=list)  # target ids that end a generation
+
+    @classmethod
+    def of(cls, target: Target, drafter: Drafter, last_hidden: Tensor) -> TargetInfo:
+        """The target's side of a training step (``last_hidden`` (N, S, H)) with the drafter's vocabulary and K."""
+        head = target.lm_head
+        return cls(last_hidden, lambda h: head(h.to(head.weight.dtype)).float(), drafter.vocab, drafter.block_size,
+                   target.eos_token_ids)
 
 
 DraftFn = Callable[[Anchors], DraftOutput]  # the drafter's training forward from chosen anchors

@@ -23,7 +23,7 @@ from helpers.speculators_layouts import build_folder, reference
 from safetensors.torch import load_file
 
 from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
-from lightning_spec.checkpoint import export_drafter, vllm_speculative_config
+from lightning_spec.checkpoint import codec_for, export_drafter, vllm_speculative_config
 from lightning_spec.cli import main
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import (
@@ -526,6 +526,19 @@ def test_the_serving_config_names_what_vllm_needs(trained_exportable, tmp_path):
     assert vllm_speculative_config(trained_exportable("peagle"), tmp_path) == {
         "method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3, "parallel_drafting": True}
     assert vllm_speculative_config(trained_exportable("mtp"), tmp_path) is None
+
+
+@pytest.mark.parametrize("family,fmt", [("eagle3", "speculators"), ("mtp", "speculators"), ("eagle3", "sglang")])
+def test_export_returns_what_it_wrote(trained_exportable, tmp_path, family, fmt):
+    """``export_drafter`` returns the codec it wrote with, the verifier its config names and vLLM's
+    speculative_config of the folder (speculators only; None where vLLM runs no method of the family), so no caller
+    looks the codec up again."""
+    drafter = trained_exportable(family)
+    exported = export_drafter(drafter, tmp_path / "out", fmt, target_path="/models/target")
+    assert exported.folder == tmp_path / "out" and (exported.folder / "config.json").is_file()
+    assert exported.codec is codec_for(drafter, fmt) and exported.verifier == "/models/target"
+    want = vllm_speculative_config(drafter, exported.folder) if fmt == "speculators" else None
+    assert exported.serving == want and (want is None) == (family == "mtp" or fmt == "sglang")
 
 
 def test_a_peagle_folder_is_vllms_peagle_type_and_the_earlier_layout_still_reads(trained_exportable, tmp_path):
