@@ -54,7 +54,7 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("lightning_spec/tracking.py", 'hasattr(entry, "get")', "a parsed YAML entry (dict or Namespace)"),
     ("lightning_spec/cli.py", "vars(parser.instantiate_classes(cfg))", "jsonargparse Namespace"),
     ("lightning_spec/evaluation/report.py", 'getattr(out, "isatty"', "an output stream"),
-    ("lightning_spec/decoding/adaptation.py", 'hasattr(input_ids, "keys")', "a tokenizer's BatchEncoding"),
+    ("lightning_spec/adaptation.py", 'hasattr(input_ids, "keys")', "a tokenizer's BatchEncoding"),
     ("lightning_spec/checkpoint/formats/common.py", "getattr(cfg, ", "HF config"),
     ("lightning_spec/checkpoint/formats/speculators.py", 'getattr(target.config, "architectures"', "HF config"),
     ("lightning_spec/drafters/layers.py", "getattr(cfg, ", "HF config"),

@@ -14,7 +14,7 @@ from helpers.rounds import chain_dp_reference, generations
 from torch.overrides import TorchFunctionMode
 
 import lightning_spec
-from lightning_spec.rounds import chain, chain_dp
+from lightning_spec.decoding.rounds import chain, chain_dp
 
 # ------------------------------------------------------------------ an independent reading of the chain
 

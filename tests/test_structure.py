@@ -8,6 +8,10 @@ The scan reads the package's source with ``ast`` (as ``test_declared.py`` does):
 parameter but ``self`` and ``cls``.
 
 Typed seams (issue 47, item 3): no parameter or field named ``target``, ``drafter`` or ``tree`` is annotated ``Any``.
+
+Layers (issue 47): the package's rooms (a top-level module, or a first-level folder as one room) import each other
+without a cycle, every import counted (``TYPE_CHECKING`` and function-level ones too), so they stack in floors and
+no import climbs from a lower floor to a higher one.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ EXEMPT: dict[tuple[str, str], str] = {
                                                    "every field defaulted and named by callers",
     ("lightning_spec/decoding/engine.py", "Generation"): "a result record the engine fills, not an argument list",
     ("lightning_spec/decoding/timed.py", "DecodeReport"): "a result record the runner fills",
-    ("lightning_spec/decoding/adaptation.py", "Decision"): "a result record: one window's decision, logged",
+    ("lightning_spec/adaptation.py", "Decision"): "a result record: one window's decision, logged",
 }
 
 
@@ -147,3 +151,75 @@ def test_targets_drafters_and_trees_are_typed_where_they_pass():
     assert not {path: seams for path, seams in found.items() if seams}
     assert untyped_seams("def f(target: Any, tree: TreeConfig): ...\nclass C:\n    drafter: Any\n") == [
         "f(target: Any) line 1", "drafter: Any line 3"]
+
+
+# ------------------------------------------------------------------------------------------------ layers
+def room_of(module: str) -> str | None:
+    """``lightning_spec.decoding.auto.choice`` -> ``decoding``: the room a dotted module belongs to (None: outside)."""
+    parts = module.split(".")
+    if parts[0] != "lightning_spec":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def room_imports(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """room -> the other rooms it imports, from every ``import`` / ``from ... import`` anywhere in its files."""
+    edges: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        relative = path.relative_to(root.parent).with_suffix("")
+        module = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
+        here = room_of(module)
+        if here in (None, "__init__", "__main__"):  # the package's face and entry point re-export every layer
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module == "lightning_spec":  # from lightning_spec import x
+                names = [f"lightning_spec.{a.name}" for a in node.names]
+            for name in names:
+                there = room_of(name)
+                if there not in (None, here, "__init__"):
+                    edges.setdefault(here, set()).add(there)
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of rooms (first room repeated at the end), or None when the imports stack in floors."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(room: str) -> list[str] | None:
+        state[room] = 1
+        path.append(room)
+        for nxt in sorted(edges.get(room, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[room] = 2
+        path.pop()
+        return None
+
+    for room in sorted(edges):
+        if room not in state and (found := visit(room)):
+            return found
+    return None
+
+
+def test_the_rooms_stack_in_floors_without_an_import_back_up():
+    """No cycle among the package's rooms: an import from a lower room to a higher one (``decoding`` importing
+    ``objectives``, ``metrics`` importing ``drafters``) would close one, and the test names it."""
+    cycle = find_cycle(room_imports())
+    assert cycle is None, f"the imports {' -> '.join(cycle)} climb back up: move the type or the code down a floor"
+
+
+def test_the_layer_check_sees_a_climb(tmp_path):
+    """The check itself: a type-only import from a low room back up to the room that imports it is a cycle."""
+    package = tmp_path / "lightning_spec"
+    (package / "drafters").mkdir(parents=True)
+    (package / "metrics.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                        "    from lightning_spec.drafters.base import DraftOutput\n")
+    (package / "drafters" / "base.py").write_text("from lightning_spec.metrics import RatioOfSums\n")
+    assert find_cycle(room_imports(package)) == ["drafters", "metrics", "drafters"]
+    (package / "metrics.py").write_text("import torch\n")
+    assert find_cycle(room_imports(package)) is None

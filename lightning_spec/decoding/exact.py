@@ -23,8 +23,8 @@ from torch import Tensor
 
 from lightning_spec.decoding.engine import draft
 from lightning_spec.decoding.proposer import Drafting, Proposer, TreeGrowth
+from lightning_spec.decoding.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.decoding.trees import TreeConfig
-from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 Every way a prompt can be decoded is a small frozen dataclass registered here under its ``kind``: plain decoding, the
 drafter's chain (all K slots, fewer, or stopping where the drafter's confidence falls), one of its token trees (with
 n-gram nodes or not, stopping at a path value or not), n-gram lookup, ``auto`` (decoding auto's choice among the
-others, ``decoding/auto/``) and ``adapt`` (a drafter that updates itself while it decodes, ``decoding/adaptation.py``).
+others, ``decoding/auto/``) and ``adapt`` (a drafter that updates itself while it decodes, ``adaptation.py``).
 ``generate(..., plan=...)`` runs one; ``parse_plan`` reads one from YAML or a command line (``decoding: {kind: tree,
 nodes: 16, top_k: 4, ngram: 2}``, or just ``decoding: chain``) and refuses a bad one in one sentence. A plan says
 what to run; the drafter is given beside it, and ``resolve`` turns the two into what the engine runs: the proposer,
@@ -246,13 +246,13 @@ class Auto(Plan):
                         "its .plan.")
 
 
-SCOPES = ("head", "last", "all")  # what an adapting drafter may update (decoding/adaptation.py, scope_parameters)
+SCOPES = ("head", "last", "all")  # what an adapting drafter may update (adaptation.py, scope_parameters)
 
 
 @register
 @dataclass(frozen=True)
 class Adapt(Plan):
-    """A drafter that adapts while it decodes (``decoding/adaptation.py``; SpecBlock, arXiv 2605.07243): after each
+    """A drafter that adapts while it decodes (``adaptation.py``; SpecBlock, arXiv 2605.07243): after each
     prompt it may update itself on the tokens the target verified, when a bandit over update scopes expects the
     time saved to beat the update's measured cost; its update time counts in its tokens/s. It decodes with its own
     copy of the drafter (``CostAwareAdapter``), never through ``generate`` alone.
@@ -328,7 +328,7 @@ class Adapt(Plan):
 
     def resolve(self, drafter: Proposer | None) -> Run:
         raise UserError("decoding 'adapt' changes its drafter as it decodes: decode with "
-                        "lightning_spec.decoding.adaptation.CostAwareAdapter(drafter, target, plan), or give the plan "
+                        "lightning_spec.adaptation.CostAwareAdapter(drafter, target, plan), or give the plan "
                         "to lightning-spec evaluate --mode online.")
 
 

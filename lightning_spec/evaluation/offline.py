@@ -2,7 +2,7 @@
 2610.10411, §3 and the offline evaluator of §3.4).
 
 Condition on a target rollout x = prompt + response. Speculative decoding of x is a Markov chain over round
-states (``lightning_spec/rounds.py``, the same code EDR trains with); the expected number of rounds given x is
+states (``lightning_spec/decoding/rounds.py``, the same code EDR trains with); the expected number of rounds given x is
 τ(x) = Σ_t ω_{t,t+1}, the occupancies of the round starts (EDR Prop. 1). Because lossless decoding outputs x
 with the target's probability, the mean of τ over target rollouts is the expected round count of real
 speculative decoding, with less noise: the acceptance coin flips are integrated out, and every drafter is scored

@@ -5,7 +5,7 @@ Three parts, each usable alone:
 
 - what decodes: one ``Decoding`` per checkpoint and plan (``decoding_of``): a ``DrafterDecoding`` (a drafter decoding
   with a plan, or with what decoding auto picked; plain decoding is one without a drafter) or an
-  ``AdaptingDecoding`` (a drafter adapting while it decodes, an ``adapt`` plan, ``decoding/adaptation.py``). The
+  ``AdaptingDecoding`` (a drafter adapting while it decodes, an ``adapt`` plan, ``adaptation.py``). The
   runner only asks each to decode.
 - the timed loop: ``OnlineRun.run()`` warms every decoding up, decodes prompt by prompt and returns the raw record,
   ``OnlineTimings`` (tokens, rounds and seconds per decoding and prompt, acceptance counts per slot).
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from lightning_spec.decoding.adaptation import CostAwareAdapter, decode_adapting
+from lightning_spec.adaptation import CostAwareAdapter, decode_adapting
 from lightning_spec.decoding.plans import Adapt, Auto, Chain, Plain, Plan, Run
 from lightning_spec.decoding.proposer import Proposer
 from lightning_spec.decoding.timed import DecodeReport, decode_prompts
@@ -151,7 +151,7 @@ class DrafterDecoding:
 @dataclass
 class AdaptingDecoding:
     """A checkpoint's drafter adapting while it decodes the prompts in order (an ``adapt`` plan,
-    ``decoding/adaptation.py``): each prompt is its next window, its update time counted in its seconds."""
+    ``adaptation.py``): each prompt is its next window, its update time counted in its seconds."""
 
     name: str
     checkpoint: str

@@ -8,7 +8,7 @@ occupancies ω (forward recursion) and the EOS-aware local cost c (Def. 1); its 
 temporal-difference form Σ ω [∇c + ∇A (V_{n,t+1} - V_{t,t+1})] with V from the backward recursion (Eq. 12).
 
 The chain itself (its structure, both recursions, the target's table, the slot statistics, the drafter from
-every start) is ``lightning_spec/rounds.py``, shared with the offline evaluator. Here:
+every start) is ``lightning_spec/decoding/rounds.py``, shared with the offline evaluator. Here:
 - ``inclusion_probabilities`` + ``systematic_sample``: at most ``max_anchors`` anchors per sequence, π_n =
   min(1, λ ω_{n,n+1}) with Σ π = budget (water-filling), drawn by random-start systematic sampling (each
   anchor is drawn with probability exactly π_n), weights sg(ω / π): an unbiased estimate of the full sum.
@@ -28,13 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
-from lightning_spec.errors import UserError
-from lightning_spec.objectives.context import PerAnchor, StepContext
-from lightning_spec.objectives.losses import Loss
-from lightning_spec.objectives.objective import DraftFn, Objective, TargetInfo
-from lightning_spec.objectives.weights import AnchorWeight, PositionWeight
-from lightning_spec.rounds import (
+from lightning_spec.decoding.rounds import (
     Chain,
     ChainValues,
     TargetTable,
@@ -44,6 +38,12 @@ from lightning_spec.rounds import (
     slot_statistics,
     target_table,
 )
+from lightning_spec.drafters.base import Anchors, DraftOutput, seeded_rand
+from lightning_spec.errors import UserError
+from lightning_spec.objectives.context import PerAnchor, StepContext
+from lightning_spec.objectives.losses import Loss
+from lightning_spec.objectives.objective import DraftFn, Objective, TargetInfo
+from lightning_spec.objectives.weights import AnchorWeight, PositionWeight
 from lightning_spec.sampling import SamplingConfig
 
 

@@ -12,7 +12,7 @@ import torch
 from helpers.offline import saved_drafters
 
 from lightning_spec import generate
-from lightning_spec.decoding.adaptation import (
+from lightning_spec.adaptation import (
     ArmStats,
     CostAwareAdapter,
     decide,
@@ -183,7 +183,7 @@ def test_update_time_is_inside_the_window_seconds(diverse_target, make_block_dra
     injected, every round of decoding takes 0.125 s and the update 0.25 s, exactly."""
     from helpers.clock import FakeClock
 
-    import lightning_spec.decoding.adaptation as adaptation
+    import lightning_spec.adaptation as adaptation
     import lightning_spec.decoding.engine as engine
 
     clock = FakeClock()

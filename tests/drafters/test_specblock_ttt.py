@@ -447,7 +447,7 @@ def test_sampled_block_expansion_trees_are_lossless(small_target):
 def test_edr_refuses_a_training_forward_with_one_row_per_block_in_one_sentence(diverse_target):
     """EDR reads one chain of ``block_size`` slots per anchor from the training forward; with blocks > 1 training
     mode returns one row per block, so the statistics pass says so instead of failing on a reshape."""
-    from lightning_spec.rounds import every_anchor, target_table
+    from lightning_spec.decoding.rounds import every_anchor, target_table
 
     d = sb(diverse_target, k=4, blocks=2).train()
     batch = a_batch(diverse_target)

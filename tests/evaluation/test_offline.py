@@ -10,10 +10,11 @@ import pytest
 import torch
 from helpers.offline import enumerate_rounds, saved_drafters
 
-from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds, rounds
+from lightning_spec import SamplingConfig, generate, load_drafter, offline_rounds
 from lightning_spec.data import prompt_ids
 from lightning_spec.data.rollout_writer import Draw, generate_rollouts
 from lightning_spec.data.rollouts import load_rollout_set, spread
+from lightning_spec.decoding import rounds
 from lightning_spec.decoding.proposals import ChainProposal
 from lightning_spec.drafters import DFlashDrafter, DraftOutput
 from lightning_spec.evaluation.offline import offline_report

@@ -4,7 +4,7 @@ paper's plain loops (tests/test_rounds.py, tests/objectives/test_edr.py)."""
 import torch
 from torch import Tensor
 
-from lightning_spec.rounds import Chain, ChainValues
+from lightning_spec.decoding.rounds import Chain, ChainValues
 
 
 def generations(mask: list[bool]) -> list[tuple[int, int]]:

@@ -9,10 +9,10 @@ import pytest
 import torch
 from helpers.rounds import generations
 
+from lightning_spec.decoding.rounds import chain, chain_dp, slot_statistics, target_table
 from lightning_spec.drafters import Anchors, DraftOutput, DraftVocab
 from lightning_spec.objectives import CE, EDR, EDROccupancy, EDRReach, Objective, StepContext, TargetInfo
 from lightning_spec.objectives.edr import inclusion_probabilities, systematic_sample
-from lightning_spec.rounds import chain, chain_dp, slot_statistics, target_table
 from lightning_spec.sampling import SamplingConfig
 
 # ------------------------------------------------------------------------------ toy target, drafter, rollouts

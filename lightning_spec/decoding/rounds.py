@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.trees import TreeConfig, best_first_tree, tree_probs
-from lightning_spec.drafters.base import Anchors, DraftOutput, DraftVocab
+from lightning_spec.drafts import Anchors, DraftOutput, DraftVocab
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 

@@ -48,11 +48,11 @@ from lightning_spec.decoding.engine import Generation, generate
 from lightning_spec.decoding.exact import replay_tree_rounds
 from lightning_spec.decoding.plans import SCOPES, Adapt
 from lightning_spec.decoding.proposer import TreeGrowth
+from lightning_spec.decoding.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.decoding.timed import DecodeReport
 from lightning_spec.decoding.trees import TreeConfig
 from lightning_spec.errors import UserError
 from lightning_spec.objectives import CE, Objective
-from lightning_spec.rounds import chain, chain_dp, every_anchor, target_table
 from lightning_spec.sampling import SamplingConfig
 
 if TYPE_CHECKING:
