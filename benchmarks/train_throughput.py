@@ -92,14 +92,11 @@ def data_module(args: argparse.Namespace):
 def attach_data(module, dm) -> None:
     """What ``DraftModule.setup('fit')`` does with the data module: the draft vocabulary and the feature store."""
     if not bool(module.drafter.vocab.ready):
-        module.drafter.vocab.set_from_counts(dm.token_counts(module.target.vocab_size))
-        module.drafter.on_vocab_chosen()
-    if module.hparams.feature_cache != "off":
-        from lightning_spec.features.store import open_training_store
-
-        spec = module.store_spec(dm.fingerprint, len(dm.train_dataset))
-        directory = module.store_directory(spec) if module.hparams.feature_cache == "disk" else None
-        module.feature_source = module.feature_source.with_store(open_training_store(directory, spec, rank=0))
+        module.drafter.choose_vocab(dm.token_counts(module.target.vocab_size))
+    hp = module.hparams
+    if hp.feature_cache != "off":
+        module.feature_source = module.feature_source.for_fit(module.target_spec, dm.fingerprint, len(dm.train_dataset),
+                                                              hp.feature_cache, hp.feature_store, rank=0)
 
 
 def optimizer(module):

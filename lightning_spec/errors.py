@@ -22,3 +22,9 @@ class UserError(ValueError):
 class DivergedLoss(UserError, FloatingPointError):
     """The training loss is not finite: the run diverged (too high a learning rate, broken examples). A
     ``FloatingPointError`` as well, so what caught the module's ``FloatingPointError`` still does."""
+
+    @classmethod
+    def at(cls, loss: float, step: int, lr: float) -> DivergedLoss:
+        """The sentence for a non-finite ``loss`` at optimizer ``step`` under learning rate ``lr``."""
+        return cls(f"train/loss is not finite ({loss}) at step {step}: training diverged; lower model.lr (the learning "
+                   f"rate is {lr:g}) or check the data for broken examples.")

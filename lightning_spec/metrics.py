@@ -108,3 +108,10 @@ def global_totals(num: Tensor, den: Tensor, hits: Tensor, labels: Tensor,
     if reduce is not None:
         sums = reduce(sums)
     return sums[0], sums[1], sums[2 : 2 + k] / sums[2 + k :].clamp_min(1)
+
+
+def sum_over_ranks(trainer: Any) -> Callable[[Tensor], Tensor] | None:
+    """The sum of a tensor over a Lightning ``trainer``'s DDP ranks (its strategy's all-reduce); None on one process."""
+    if trainer.world_size == 1:
+        return None
+    return lambda t: trainer.strategy.reduce(t, reduce_op="sum")

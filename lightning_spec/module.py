@@ -1,16 +1,13 @@
 """DraftModule: target + drafter + objective, one ``training_step`` for every method: a batch's target features,
 the anchors, the drafter's forward over them, the objective's ``(num, den)``, one reduction.
 
-Reduction. The objective returns ``LossTerms(num, den)``. We back-propagate the *numerator* of each micro-batch
-and, just before the optimizer step, divide the accumulated gradients by the global Σ den (summed over the
-accumulation window and all DDP ranks). So batch 8 x accumulation 1 and batch 1 x accumulation 8 give the same
-gradient, and 2 ranks give the same gradient as 1 rank with the doubled batch.
+Reduction. The objective returns ``LossTerms(num, den)``: we back-propagate each micro-batch's *numerator* and,
+before the optimizer step, divide the gradients by the global Σ den (over the accumulation window and the DDP ranks),
+so batch 8 x accumulation 1, batch 1 x accumulation 8 and 2 ranks x batch 4 give the same gradient.
 
-Determinism across batch layouts. Anchors are drawn per example from a seed of (run seed, optimizer step,
-example index) (``anchor_seeds``), not from the global RNG, so an example gets the same anchors whichever batch,
-DDP rank or resumed process it lands in: 2 DDP ranks train like 1 process with the doubled batch, and a run
-killed mid-epoch and resumed from ``last.ckpt`` trains like the uninterrupted one (tests/integration/test_ddp.py,
-tests/integration/test_resume.py). Logged training metrics are those of the global batch (sums all-reduced over ranks).
+Determinism across batch layouts. Anchors are drawn per example from a seed of (run seed, optimizer step, example
+index) (``anchor_seeds``), never the global RNG: an example gets the same anchors in whichever batch, DDP rank or
+resumed process it lands (tests/integration/test_ddp.py, test_resume.py). Logged metrics are the global batch's.
 
 Checkpoints hold the drafter only, with what a resumed fit needs (``checkpoint/fit.py``).
 """
@@ -19,8 +16,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -31,18 +26,17 @@ from torch import Tensor
 from lightning_spec.checkpoint import build, describe, init_weights
 from lightning_spec.checkpoint.fit import read_fit_state, write_fit_state
 from lightning_spec.datamodule import SpecDataModule
-from lightning_spec.drafters.base import Drafter, DraftOutput, anchor_seeds
-from lightning_spec.errors import DivergedLoss, UserError
+from lightning_spec.drafters.base import Drafter, DraftOutput, with_anchor_seeds
+from lightning_spec.errors import DivergedLoss
 from lightning_spec.features.source import FeatureSource, check_feature_options
-from lightning_spec.features.store import StoreSpec, open_training_store, store_folder
-from lightning_spec.metrics import RatioOfSums, global_totals
+from lightning_spec.metrics import RatioOfSums, global_totals, sum_over_ranks
 from lightning_spec.objectives.context import ReferenceDrafter, StepContext, slot_hidden
-from lightning_spec.objectives.objective import Objective, TargetInfo
-from lightning_spec.optimizers import build_optimizer, check_optimizer_settings
-from lightning_spec.schedule import TrainingClock, lr_schedule, time_budget
+from lightning_spec.objectives.objective import Objective, TargetInfo, check_loss_chunk
+from lightning_spec.optimizers import build_optimizer, check_optimizer_settings, scale_gradients
+from lightning_spec.schedule import TrainingClock, lr_schedule
 from lightning_spec.target import TargetOptions
 from lightning_spec.target_loading import load_target, resolve_dtype
-from lightning_spec.tracking import checkpoint_record, log_comparison, mlflow_loggers
+from lightning_spec.tracking import checkpoint_record, comparison_of, log_comparison, mlflow_loggers
 
 
 class DraftModule(L.LightningModule):
@@ -62,9 +56,8 @@ class DraftModule(L.LightningModule):
         muon_lr: Muon's peak learning rate (None: ``lr``; its update is scaled to AdamW's RMS).
         warmup_ratio: fraction of the optimizer steps with a linear warm-up.
         min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
-        feature_cache: ``disk``: each example's target features written once to a feature store (``features/``),
-            reused by later epochs and runs of the same target, layers, data and dtype; ``memory``: this run only;
-            ``off``: the target's forward every step.
+        feature_cache: ``disk``: each example's target features stored once (``features/``) for later epochs and
+            runs of the same target, layers, data and dtype; ``memory``: this run only; ``off``: the target every step.
         feature_store: the store's folder (null: ``$LIGHTNING_SPEC_CACHE/features/<key>``).
         feature_dtype: the dtype of training features: ``target``, ``auto`` (bf16 where native, while decoding keeps
             ``target_dtype``: a second copy of the weights) or ``float32``/``bfloat16``/``float16``.
@@ -104,28 +97,21 @@ class DraftModule(L.LightningModule):
         self.hparams["target_options"] = options.to_dict()  # plain values: checkpoints are read weights_only
         check_feature_options(feature_cache, feature_dtype, target_dtype, shard_target)
         check_optimizer_settings(lr, weight_decay, betas, warmup_ratio, min_lr_ratio, optimizer, muon_lr)
-        if loss_chunk is not None and loss_chunk < 1:
-            raise UserError(f"model.loss_chunk is {loss_chunk}; it must be >= 1 anchors, or null for no chunks.")
-        self.target = load_target(target, dtype=target_dtype, options=options) if isinstance(target, str) else \
-            load_target(target, options=options)
+        check_loss_chunk(loss_chunk)
+        self.target = load_target(target, dtype=target_dtype, options=options)  # (a built model keeps its dtype)
         self.target_spec = target if isinstance(target, str) else self.target.name
         wanted = self.target.dtype if feature_dtype == "target" else resolve_dtype(feature_dtype, self.target.device)
-        drafter, objective = build(drafter), build(objective)  # dicts when reloaded from hparams
-        self.drafter = drafter
+        self.drafter, objective = build(drafter), build(objective)  # dicts when reloaded from hparams
         self.drafter.bind(self.target)  # sets the drafter's target layers when it names none
-        # training features: the target's (or its copy's in the feature dtype), through the feature store once setup
-        # opens one (model.feature_cache)
+        # training features: the target's (or its copy's in feature_dtype), through the store setup opens
         self.feature_source = FeatureSource(self.target, self.drafter.target_layers, dtype=wanted)
         self.objective = objective if objective is not None else Objective()
         self._parent = None if init_from is None else init_weights(self.drafter, init_from, self.target.fingerprint)
-        self.provenance: dict[str, Any] | None = None  # the fit's command and resolved config (the CLI's), if any
-        # the starting drafter, frozen, where the objective declares it needs one (GRPO's KL to the reference)
-        self._reference = ReferenceDrafter(self.drafter) if self.objective.needs_reference else None
-        # Record what was trained, so MLflow can compare runs by block size, loss, gamma... (the objects
-        # themselves are not hyperparameters: the drafter is a module, the objective a tree of parts).
-        self.save_hyperparameters(
-            {**self.hparams, "drafter": describe(self.drafter), "objective": describe(self.objective)}
-        )
+        self.provenance: dict[str, Any] | None = None  # the fit's command and resolved config, set by the CLI
+        self._reference = ReferenceDrafter(self.drafter) if self.objective.needs_reference else None  # GRPO's KL
+        # what was trained, as plain values MLflow compares runs by (block size, loss, gamma...)
+        described = {"drafter": describe(self.drafter), "objective": describe(self.objective)}
+        self.save_hyperparameters({**self.hparams, **described})
         self.val_loss = RatioOfSums()
         self._den_accum = torch.zeros((), dtype=torch.float64)
         self._anchor_seed: int | None = None  # run seed of anchor_seeds; set in setup, restored from checkpoints
@@ -142,45 +128,29 @@ class DraftModule(L.LightningModule):
         if not isinstance(dm, SpecDataModule):  # plain dataloaders (Python use): nothing of the data to check
             return
         dm.check_trained_for(self.target.fingerprint, self.target_spec, self.drafter.block_size)
-        if stage == "fit" and not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens
+        if stage != "fit":
+            return
+        if not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens
             self.drafter.choose_vocab(dm.token_counts(self.target.vocab_size))
-        on_policy = self._on_policy
-        if stage == "fit" and self.objective.needs_rollouts and not on_policy:
-            raise UserError(
-                f"model.objective {type(self.objective).__name__} trains on the rounds of on-policy rollouts; add "
-                "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."
-            )
-        if stage == "fit" and self.hparams.feature_cache != "off" and not on_policy:  # no store for a changing set
-            spec = self.store_spec(dm.fingerprint, len(dm.train_dataset))
-            directory = self.store_directory(spec) if self.hparams.feature_cache == "disk" else None
-            rank = self.trainer.global_rank if self._trainer is not None else 0
-            self.feature_source = self.feature_source.with_store(open_training_store(directory, spec, rank))
+        self.objective.check_fit(self._on_policy)
+        hp, rank = self.hparams, self.trainer.global_rank if self._trainer is not None else 0
+        if hp.feature_cache != "off" and not self._on_policy:  # no store for a changing set
+            self.feature_source = self.feature_source.for_fit(self.target_spec, dm.fingerprint, len(dm.train_dataset),
+                                                              hp.feature_cache, hp.feature_store, rank)
 
     def train_on_policy(self) -> None:
-        """Declared by ``OnPolicyRollouts.setup``, which Lightning runs before this module's: the fit trains on a
-        replay buffer of rollouts, so no feature store is opened for it (its rows change)."""
+        """Declared by ``OnPolicyRollouts.setup`` (run before ours): a replay buffer's rows change, so no store."""
         self._on_policy = True
 
-    def store_spec(self, data_fingerprint: str, examples: int) -> StoreSpec:
-        """What this fit's feature store holds: its target, layers, data and feature dtype."""
-        return self.feature_source.store_spec(self.target_spec, data_fingerprint, examples)
-
-    def store_directory(self, spec: StoreSpec) -> Path:
-        """``model.feature_store``, else the store's folder in the cache, named by its key."""
-        return store_folder(spec, self.hparams.feature_store)
-
     def configure_model(self) -> None:
-        """The frozen target placed for the strategy (``Target.place_for``): its decoder layers sharded over the
-        ranks with ``shard_target`` under DDP, whole and ignored by FSDP, which shards the drafter only."""
+        """The frozen target placed for the strategy: sharded with ``shard_target`` (``Target.place_for``)."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         if strategy is None:
             return
         ignored = self.target.place_for(strategy, self._trainer.world_size if self.hparams.shard_target else 1)
         if ignored:  # DDP would broadcast every parameter from rank 0 when it wraps the module: the shards differ
             self._ddp_params_and_buffers_to_ignore = [f"target.{name}" for name in ignored]
-        if isinstance(strategy, FSDPStrategy):
-            # FSDP loads a checkpoint's weights itself, before on_load_checkpoint could put back the target's
-            # (stripped on save): the target's keys are missing by design
+        if isinstance(strategy, FSDPStrategy):  # FSDP loads a checkpoint before on_load_checkpoint puts the target back
             self.strict_loading = False
 
     # ------------------------------------------------------------------------------------------- features
@@ -219,29 +189,21 @@ class DraftModule(L.LightningModule):
 
     def training_progress(self) -> float:
         """The share 0..1 of training done: by the LR schedule's clock (steps, or time when ``max_time`` binds)."""
-        if self._clock is None or self._trainer is None:
-            return 0.0
-        return self._clock.run_progress(self.global_step)
+        return 0.0 if self._clock is None else self._clock.run_progress(self.global_step)
 
     # ------------------------------------------------------------------------------------------- training
     def seeded(self, batch: dict[str, Tensor], salt: int) -> dict[str, Tensor]:
-        """The batch plus ``anchor_seed`` (N,) for per-example anchor sampling (needs the examples' ``index``)."""
-        if "index" not in batch:
-            return batch
-        run_seed = self._anchor_seed if self._anchor_seed is not None else 0
-        return {**batch, "anchor_seed": anchor_seeds(run_seed, salt, batch["index"])}
+        """The batch plus ``anchor_seed`` (N,) for per-example anchor sampling (``with_anchor_seeds``)."""
+        return with_anchor_seeds(batch, self._anchor_seed or 0, salt)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         draft, terms = self.draft_step(self.seeded(batch, self.global_step), use_cache=True)
         self._den_accum = self._den_accum.to(terms.den.device) + terms.den.detach().double()
         n, hits = batch["input_ids"].shape[0], draft.slot_hits(self.hparams.loss_chunk) & draft.valid  # (N, A, K)
-        num, den, acc = global_totals(terms.num, terms.den, hits, draft.valid, self._sum_over_ranks())  # acc (K,)
+        num, den, acc = global_totals(terms.num, terms.den, hits, draft.valid, sum_over_ranks(self.trainer))  # acc (K,)
         if not torch.isfinite(num):  # the global value: every rank raises together
             lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer.optimizers else self.hparams.lr
-            raise DivergedLoss(
-                f"train/loss is not finite ({float(num)}) at step {self.global_step}: training diverged; lower "
-                f"model.lr (the learning rate is {lr:g}) or check the data for broken examples."
-            )
+            raise DivergedLoss.at(float(num), self.global_step, lr)
         self.log("train/loss", (num / den.clamp_min(1e-12)).float(), prog_bar=True, batch_size=n)
         for name, value in terms.metrics.items():  # objective-specific scalars, e.g. train/edr_expected_rounds
             self.log(f"train/{name}", value, batch_size=n, sync_dist=True)  # DDP: the mean over ranks
@@ -252,51 +214,29 @@ class DraftModule(L.LightningModule):
         self.log(f"train/acc/t{acc.numel()}", acc[-1].float(), batch_size=n)
         return terms.num  # divided by the global Σ den in on_before_optimizer_step
 
-    def _sum_over_ranks(self) -> Callable[[Tensor], Tensor] | None:
-        """The DDP all-reduce (sum) of a tensor, or None on one process."""
-        if self.trainer.world_size == 1:
-            return None
-        return lambda t: self.trainer.strategy.reduce(t, reduce_op="sum")
-
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         seconds, examples = self.feature_source.take_work()  # the clock: this step's time and its target forwards
         if self._clock is not None:
             dm = self.trainer.datamodule  # (a store opens only for a SpecDataModule)
             uncached = self.feature_source.uncached(len(dm.train_dataset)) if isinstance(dm, SpecDataModule) else 0
             self._clock.tick(self.global_step + 1, seconds, examples, uncached)
-        reduce, den = self._sum_over_ranks(), self._den_accum.clone()
+        reduce, den = sum_over_ranks(self.trainer), self._den_accum.clone()
         den = den if reduce is None else reduce(den)
-        # Lightning divided each micro-batch loss by accumulate_grad_batches and DDP averaged over ranks. Under
-        # FSDP each rank holds a shard of every reduced (averaged) gradient: scaling each shard by the same
-        # scalar scales the whole gradient, so this is right there too.
-        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / max(float(den), 1e-12)
-        for p in self.drafter.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        # Lightning divided each micro-batch loss by accumulate_grad_batches and DDP averaged over ranks (under FSDP
+        # each rank scales its shard of the averaged gradient by the same scalar: the same)
+        trainer = self.trainer
+        scale_gradients(self.drafter, trainer.accumulate_grad_batches * trainer.world_size / max(float(den), 1e-12))
         self._den_accum = torch.zeros_like(self._den_accum)
 
     def on_fit_start(self) -> None:
-        # The frozen target stays in eval mode on purpose (Target.train), and Lightning's fit loop warns about
-        # every module in eval mode when training starts: silence that one warning for this fit only.
+        # the frozen target stays in eval mode (Target.train): Lightning's warning about it, for this fit only
         self._quiet = warnings.catch_warnings()
         self._quiet.__enter__()
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
-        if self.trainer.is_global_zero and mlflow_loggers(self.trainer.loggers):
-            log_comparison(self.trainer.loggers, *self.comparison())
-
-    def comparison(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """What this fit's run is compared by in MLflow (``tracking.COMPARISON_COLUMNS``): the drafter's family,
-        objective, K and draft vocabulary, the target and its weights' fingerprint, the size of the training
-        data; and that data as the run's dataset input (None outside a ``SpecDataModule``)."""
-        vocab = self.drafter.draft_vocab_size
-        params = {"family": self.drafter.family or type(self.drafter).__name__, "objective": self.objective.label,
-                  "K": self.drafter.block_size, "draft_vocab": vocab if vocab is not None else "full",
-                  "target": self.target_spec, "target_fingerprint": self.target.fingerprint}
-        dm = self.trainer.datamodule
-        if not isinstance(dm, SpecDataModule):
-            return params, None
-        params["train_examples"] = len(dm.train_dataset)
-        return params, dm.dataset_input()
+        if self.trainer.is_global_zero and mlflow_loggers(self.trainer.loggers):  # what runs are compared by
+            dm = self.trainer.datamodule if isinstance(self.trainer.datamodule, SpecDataModule) else None
+            log_comparison(self.trainer.loggers, *comparison_of(self.drafter, self.objective.label, self.target_spec,
+                                                                self.target.fingerprint, dm))
 
     def on_train_end(self) -> None:
         """The optimizer steps reached, as the run's ``steps`` (a time budget may stop a fit before max_steps)."""
@@ -304,8 +244,7 @@ class DraftModule(L.LightningModule):
             logger.log_metrics({"steps": float(self.global_step)}, step=self.global_step)
 
     def teardown(self, stage: str) -> None:
-        self._on_policy = False
-        quiet, self._quiet = self._quiet, None
+        quiet, self._quiet, self._on_policy = self._quiet, None, False
         if quiet is not None:
             quiet.__exit__(None, None, None)
 
@@ -338,17 +277,10 @@ class DraftModule(L.LightningModule):
         opt = build_optimizer(self.drafter, hp.get("optimizer", "adamw"), hp.lr, hp.weight_decay, tuple(hp.betas),
                               hp.get("muon_lr"))
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = int(hp.warmup_ratio * total)
-        self._clock = TrainingClock(total, warmup, time_budget(self.trainer.callbacks))
-        if self._clock_state:  # a resumed run keeps a switch to the time schedule
-            self._clock.load_state_dict(self._clock_state)
+        self._clock = TrainingClock.for_fit(total, hp.warmup_ratio, self.trainer.callbacks, self._clock_state)
         return {"optimizer": opt, "lr_scheduler": lr_schedule(opt, self._clock, hp.min_lr_ratio)}
 
     # ---------------------------------------------------------------------------------------- checkpoints
-    def record_fit(self, record: dict[str, Any]) -> None:
-        """The fit's command and resolved config (``provenance.run_record``, from the CLI), kept in every checkpoint."""
-        self.provenance = record
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The drafter without the target, and what a resumed fit needs (``checkpoint/fit.py``)."""
         self.feature_source.flush()  # a run killed after this checkpoint resumes with these features stored
@@ -358,8 +290,7 @@ class DraftModule(L.LightningModule):
                         None if self._clock is None else self._clock.state_dict(), run)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = read_fit_state(checkpoint, self.state_dict())
-        self._clock_state = state.clock  # restored once configure_optimizers built the clock
-        if state.anchor_seed is not None:  # a resumed run draws the anchors the original would have
-            self._anchor_seed = state.anchor_seed
+        state = read_fit_state(checkpoint, self.state_dict())  # the anchors and clock of the run it resumes
+        self._clock_state = state.clock
+        self._anchor_seed = self._anchor_seed if state.anchor_seed is None else state.anchor_seed
 

@@ -73,6 +73,13 @@ class MuonAdamW(torch.optim.Optimizer):
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
 
+def scale_gradients(module: nn.Module, scale: float) -> None:
+    """Multiply every gradient of ``module``'s parameters by ``scale`` in place (one fused op per device)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale)
+
+
 def check_optimizer_settings(lr: float, weight_decay: float, betas, warmup_ratio: float, min_lr_ratio: float,
                              optimizer: str = "adamw", muon_lr: float | None = None) -> None:
     """Refuse, naming the field, what the optimizer or the schedule would reject later (or silently misuse)."""

@@ -74,6 +74,16 @@ class TrainingClock:
         self.switch: tuple[float, float] | None = None  # (progress, elapsed seconds) when time took over
         self._last_tick: float | None = None  # perf_counter at the previous optimizer step
 
+    @classmethod
+    def for_fit(cls, total: int, warmup_ratio: float, callbacks: list[Any],
+                state: dict[str, Any] | None) -> TrainingClock:
+        """The clock of a fit of ``total`` optimizer steps, on time too when a ``Timer`` callback bounds it
+        (``time_budget``), restored from a checkpoint's ``state`` (a resumed run keeps a switch to time)."""
+        clock = cls(total, int(warmup_ratio * total), time_budget(callbacks))
+        if state:
+            clock.load_state_dict(state)
+        return clock
+
     def run_progress(self, step: int) -> float:
         """Share 0..1 of the run done after ``step`` optimizer steps: by steps, or by time once the remaining steps
         stopped fitting in the time left (then it reaches 1 exactly at ``max_time``)."""

@@ -43,6 +43,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_spec.errors import UserError
 
 if TYPE_CHECKING:
+    from lightning_spec.datamodule import SpecDataModule
+    from lightning_spec.drafters.base import Drafter
     from lightning_spec.target import Target
 
 MLFLOW_RUN_KEY = "mlflow_run_id"  # checkpoint key: the MLflow run that wrote it (continued by `fit --ckpt_path`)
@@ -61,7 +63,7 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 # the experiment tag ``mlflow.sharedViewState.drafters``). MLflow 3.17 follows its GenAI / Model training switch
 # over the experiment kind, so the link also says ``workflowType=machine_learning`` (``runs_link``).
 VIEW_KEY = "drafters"
-COMPARISON_COLUMNS = [  # MLflow column ids: what a drafter researcher sorts by (``DraftModule.comparison_params``)
+COMPARISON_COLUMNS = [  # MLflow column ids: what a drafter researcher sorts by (``comparison_of``)
     "params.`family`", "params.`objective`", "params.`K`", "params.`draft_vocab`", "params.`target`",
     "params.`train_examples`", "metrics.`steps`", "metrics.`val/mal`", "metrics.`val/temp1/mal`",
     "metrics.`val/offline_mal`", "metrics.`val/speedup`", "metrics.`val/auto/speedup`", "tags.`decoding_auto`",
@@ -338,6 +340,20 @@ def log_runs(tracking_uri: str, experiment_name: str, runs: list[dict[str, Any]]
 
 
 # ------------------------------------------------------------------------------------------- what runs compare
+def comparison_of(drafter: Drafter, objective: str, target: str, target_fingerprint: str,
+                  data: SpecDataModule | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """What a fit's run is compared by in MLflow (``COMPARISON_COLUMNS``): the drafter's family, the ``objective``'s
+    label, K and the draft vocabulary, the target and its weights' fingerprint, the size of the training ``data``;
+    and that data as the run's dataset input (None without a ``SpecDataModule``)."""
+    vocab = drafter.draft_vocab_size
+    params = {"family": drafter.family or type(drafter).__name__, "objective": objective, "K": drafter.block_size,
+              "draft_vocab": vocab if vocab is not None else "full", "target": target,
+              "target_fingerprint": target_fingerprint}
+    if data is None:
+        return params, None
+    return {**params, "train_examples": len(data.train_dataset)}, data.dataset_input()
+
+
 def log_comparison(loggers: Iterable[Logger], params: dict[str, Any], data: dict[str, Any] | None) -> None:
     """Record, on each MLflow run of a fit, what drafters are compared by (``COMPARISON_COLUMNS``): ``params``
     under their stable names, and the training ``data`` as the run's dataset input (MLflow's Dataset column:

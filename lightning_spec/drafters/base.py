@@ -292,6 +292,11 @@ def anchor_seeds(run_seed: int, salt: int, index: Tensor) -> Tensor:
     return (index.to(torch.int64) + base) % 2**62
 
 
+def with_anchor_seeds(batch: dict[str, Tensor], run_seed: int, salt: int) -> dict[str, Tensor]:
+    """``batch`` plus ``anchor_seed`` (N,) from its examples' ``index`` (``anchor_seeds``); as it is without one."""
+    return batch if "index" not in batch else {**batch, "anchor_seed": anchor_seeds(run_seed, salt, batch["index"])}
+
+
 def drafter_record(drafter: Drafter, target_spec: str) -> dict[str, Any]:
     """What a checkpoint or an exported folder stores next to the drafter's weights: how to rebuild it (our class
     and its init arguments) and for which target (name, weights fingerprint, vocabulary size)."""

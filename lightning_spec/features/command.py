@@ -15,13 +15,13 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from lightning_spec.errors import UserError
 from lightning_spec.features.source import FeatureSource
-from lightning_spec.features.store import FeatureStore, StoreSpec, human
+from lightning_spec.features.store import FeatureStore, human, store_folder
 from lightning_spec.loaders import collate
 from lightning_spec.progress import progress_bar
 
@@ -31,26 +31,24 @@ if TYPE_CHECKING:
 
 class StoreWriter(Protocol):
     """What the command needs of a fit's module (``DraftModule``, which imports this package: named by what it
-    offers, not imported): its feature source, and the store's spec and folder it would train from."""
+    offers, not imported): its feature source, the target's name, and its hyperparameters' ``feature_store``."""
 
     feature_source: FeatureSource
-
-    def store_spec(self, data_fingerprint: str, examples: int) -> StoreSpec: ...
-
-    def store_directory(self, spec: StoreSpec) -> Path: ...
+    target_spec: str
+    hparams: Any
 
 
 @torch.no_grad()
 def write_store(module: StoreWriter, dm: SpecDataModule, out: str | None = None, batch_size: int = 16,
                 progress: bool = True, echo: Callable[[str], None] = print) -> FeatureStore:
     """Run ``module``'s feature target over every training example of ``dm`` (set up) not yet stored, and write
-    them to the store of ``module.store_spec`` in ``out`` (default: the folder a fit would use), through the
+    them to the store a fit of ``module`` would key, in ``out`` (default: the folder a fit would use), through the
     module's own ``FeatureSource``: the rows a fit would compute, batched here longest first."""
     if batch_size < 1:
         raise UserError(f"--batch_size={batch_size} must be at least 1.")
     examples = dm.train_dataset
-    spec = module.store_spec(dm.fingerprint, len(examples))
-    directory = Path(out).expanduser() if out else module.store_directory(spec)
+    spec = module.feature_source.store_spec(module.target_spec, dm.fingerprint, len(examples))
+    directory = Path(out).expanduser() if out else store_folder(spec, module.hparams.feature_store)
     store = FeatureStore.open(directory, spec, field_name="--out" if out else "model.feature_store", writer="cli")
     source = module.feature_source.with_store(store)
     lengths = [len(examples[i]["input_ids"]) for i in range(len(examples))]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.errors import UserError
-from lightning_spec.features.store import StoreSpec
+from lightning_spec.features.store import StoreSpec, open_training_store, store_folder
 from lightning_spec.target import dtype_name
 
 if TYPE_CHECKING:
@@ -83,6 +83,13 @@ class FeatureSource:
         return StoreSpec(target=target_spec, target_fingerprint=self._target.fingerprint, layers=list(self.layers),
                          data_fingerprint=data_fingerprint, dtype=dtype_name(self.dtype),
                          hidden_size=self._target.hidden_size, examples=examples)
+
+    def for_fit(self, target_spec: str, data_fingerprint: str, examples: int, cache: str, folder: str | None,
+                rank: int) -> FeatureSource:
+        """This source with the store of a fit's ``examples`` (``model.feature_cache``): ``disk``, in ``folder``
+        (``model.feature_store``; None: the cache's folder of the store's key), or ``memory``."""
+        spec = self.store_spec(target_spec, data_fingerprint, examples)
+        return self.with_store(open_training_store(store_folder(spec, folder) if cache == "disk" else None, spec, rank))
 
     def refresh(self) -> None:
         """Read what other ranks or processes wrote to the store since (no store: nothing)."""

@@ -51,6 +51,12 @@ class LossTerms:
 
 
 
+def check_loss_chunk(loss_chunk: int | None) -> None:
+    """``model.loss_chunk`` is a number of anchors >= 1, or None (all anchors at once)."""
+    if loss_chunk is not None and loss_chunk < 1:
+        raise UserError(f"model.loss_chunk is {loss_chunk}; it must be >= 1 anchors, or null for no chunks.")
+
+
 class Objective:
     """An objective composed of a per-slot loss, a block-position weight and an anchor weight.
 
@@ -97,6 +103,14 @@ class Objective:
     @property
     def parts(self) -> tuple[Any, ...]:
         return self.loss, self.position_weight, self.anchor_weight
+
+    def check_fit(self, on_policy: bool) -> None:
+        """Refuse, in one sentence, a fit this objective cannot train: one on rollouts without ``OnPolicyRollouts``."""
+        if self.needs_rollouts and not on_policy:
+            raise UserError(
+                f"model.objective {type(self).__name__} trains on the rounds of on-policy rollouts; add "
+                "lightning_spec.callbacks.OnPolicyRollouts to trainer.callbacks (see experiments/regimes/)."
+            )
 
     @property
     def label(self) -> str:

@@ -194,13 +194,13 @@ def test_training_from_the_store_equals_training_from_live_target_forwards(tiny_
         torch.manual_seed(0)
         module = DraftModule(DFlashDrafter(block_size=3, num_layers=1, num_anchors=6), Objective(KL(), ExpDecay(4.0)),
                              target=tiny_target)
-        batch = collate(examples, pad_id=0)
+        batch, spec = collate(examples, pad_id=0), module.feature_source.store_spec(module.target_spec, "d1", 4)
         if written_by == "fit":  # the first step computes and stores the rows, every later step reads them
-            module.feature_source = module.feature_source.with_store(FeatureStore(module.store_spec("d1", 4)))
+            module.feature_source = module.feature_source.with_store(FeatureStore(spec))
             module.target_features(batch, use_cache=True)
         elif written_by == "command":  # two batches (3 + 1) of their own widths, then the fit opens the folder
             write_store(module, data, str(tmp_path / "store"), batch_size=3, progress=False, echo=lines.append)
-            store = FeatureStore.open(tmp_path / "store", module.store_spec("d1", 4))
+            store = FeatureStore.open(tmp_path / "store", spec)
             module.feature_source = module.feature_source.with_store(store)
         module.feature_source.take_work()
         _, terms = module.draft_step(module.seeded(batch, 0), use_cache=written_by is not None)
