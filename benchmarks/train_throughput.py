@@ -110,16 +110,14 @@ def optimizer(module):
 
 def plain_step(module, batch, step: int, opt, sched, clock: Clock | None = None) -> None:
     """The work of ``DraftModule.training_step`` plus Lightning's optimizer step, in plain PyTorch."""
-    from lightning_spec.metrics import slot_hits
+    from lightning_spec.metrics import global_totals
 
     clock = clock or Clock()
     draft, terms = module.draft_step(module.seeded(batch, step), use_cache=True)
     with clock.phase("objective"):  # the statistics training_step logs belong to the step's own work
         with torch.no_grad():
-            hits = slot_hits(draft, None) & draft.valid
-            stats = torch.cat([terms.num.detach().double().view(1), terms.den.detach().double().view(1),
-                               hits.sum((0, 1)).double(), draft.valid.sum((0, 1)).double()])
-            float(stats[0])
+            hits = draft.slot_hits() & draft.valid
+            float(global_totals(terms.num, terms.den, hits, draft.valid)[0])
     with clock.phase("backward"):
         terms.num.backward()
     with clock.phase("optimizer"):

@@ -91,7 +91,7 @@ class SpecCLI(LightningCLI):
         if isinstance(self.model, DraftModule):
             config = self.config.get(str(self.subcommand), self.config)
             text = mask_uri(self._parser(self.subcommand).dump(config, skip_none=False))
-            self.model.provenance = provenance.run_record(text)  # kept in every checkpoint
+            self.model.record_fit(provenance.run_record(text))
 
     def after_fit(self) -> None:
         """The last lines of ``fit`` (rank 0, after every callback's output): where the checkpoint is and how to

@@ -107,7 +107,7 @@ class DraftModule(L.LightningModule):
         self.feature_source = FeatureSource(self.target, self.drafter.target_layers, dtype=wanted)
         self.objective = objective if objective is not None else Objective()
         self._parent = None if init_from is None else init_weights(self.drafter, init_from, self.target.fingerprint)
-        self.provenance: dict[str, Any] | None = None  # the fit's command and resolved config, set by the CLI
+        self.provenance: dict[str, Any] | None = None  # the fit's command and resolved config (record_fit)
         self._reference = ReferenceDrafter(self.drafter) if self.objective.needs_reference else None  # GRPO's KL
         # what was trained, as plain values MLflow compares runs by (block size, loss, gamma...)
         described = {"drafter": describe(self.drafter), "objective": describe(self.objective)}
@@ -281,6 +281,10 @@ class DraftModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": lr_schedule(opt, self._clock, hp.min_lr_ratio)}
 
     # ---------------------------------------------------------------------------------------- checkpoints
+    def record_fit(self, record: dict[str, Any]) -> None:
+        """The fit's command and resolved config (``provenance.run_record``, from the CLI), kept in every checkpoint."""
+        self.provenance = record
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The drafter without the target, and what a resumed fit needs (``checkpoint/fit.py``)."""
         self.feature_source.flush()  # a run killed after this checkpoint resumes with these features stored

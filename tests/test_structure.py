@@ -223,3 +223,11 @@ def test_the_layer_check_sees_a_climb(tmp_path):
     assert find_cycle(room_imports(package)) == ["drafters", "metrics", "drafters"]
     (package / "metrics.py").write_text("import torch\n")
     assert find_cycle(room_imports(package)) is None
+
+
+def test_the_module_keeps_the_step_the_reduction_and_the_hooks():
+    """``module.py`` (issue 47, item 4): at most 300 lines, and no callback imported; loading, the feature store, the
+    artifacts, the clock and what MLflow compares runs by live in their own rooms."""
+    source = (PACKAGE / "module.py").read_text()
+    assert len(source.splitlines()) <= 300
+    assert "callbacks" not in room_imports().get("module", set())

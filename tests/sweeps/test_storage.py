@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.cli import exit_code, last_error_line
-from helpers.tracking import sweep_runs
+from helpers.tracking import fresh_database, sweep_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -38,12 +38,9 @@ def test_credentials_never_leave_a_sweep_or_its_fit_in_clear(tmp_path, postgres)
 
     name = f"secrets_{uuid.uuid4().hex[:8]}"
     server = sa.engine.make_url(postgres)
-    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f"CREATE DATABASE mlflow_{name}"))
-    storage = server.set(password=SECRET).render_as_string(hide_password=False)
-    tracking = server.set(database=f"mlflow_{name}", password=SECRET).render_as_string(hide_password=False)
-    try:
+    with fresh_database(postgres, f"mlflow_{name}"):
+        storage = server.set(password=SECRET).render_as_string(hide_password=False)
+        tracking = server.set(database=f"mlflow_{name}", password=SECRET).render_as_string(hide_password=False)
         sweep = yaml.safe_load((ROOT / "sweeps" / "tiny.yaml").read_text())
         sweep.update(base=str(TINY), study_name=name, storage=storage, tracking_uri=tracking, sampler="grid",
                      space={"model.drafter.init_args.block_size": {"choices": [2]}},
@@ -69,10 +66,6 @@ def test_credentials_never_leave_a_sweep_or_its_fit_in_clear(tmp_path, postgres)
         fit_config = yaml.safe_load(Path(client.download_artifacts(trial.info.run_id, "config.yaml",
                                                                    str(tmp_path))).read_text())
         assert fit_config["trainer"]["logger"]["init_args"]["tracking_uri"] == masked
-    finally:
-        admin.dispose()
-        with sa.create_engine(server, isolation_level="AUTOCOMMIT").connect() as conn:
-            conn.execute(sa.text(f"DROP DATABASE IF EXISTS mlflow_{name} WITH (FORCE)"))
 
 
 # ------------------------------------------------------------------------------------------- one sentence
@@ -133,16 +126,10 @@ def test_workers_logging_the_same_data_at_once_all_record_it(tmp_path, postgres)
     """Two fits of one experiment (a sweep's two workers) log the same training data set in the same instant: both
     runs record it as their input. MLflow looks the data set up and then inserts it, so without the retry in
     ``log_comparison`` the later insert fails on PostgreSQL's unique key (what failed a CI sweep's trial)."""
-    import sqlalchemy as sa
     from mlflow import MlflowClient
 
-    name = f"datasets_{uuid.uuid4().hex[:8]}"
-    server = sa.engine.make_url(postgres)
-    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f"CREATE DATABASE {name}"))
-    uri = server.set(database=name).render_as_string(hide_password=False)
-    try:
+    with fresh_database(postgres, f"datasets_{uuid.uuid4().hex[:8]}") as url:
+        uri = url.render_as_string(hide_password=False)
         MlflowClient(uri).create_experiment("together")  # the tables and the experiment, as the sweep's parent makes
         (tmp_path / "barrier").mkdir()
         procs = [subprocess.Popen([sys.executable, "-c", DATASET_SCRIPT, uri, str(tmp_path / "barrier"), "2",
@@ -156,7 +143,3 @@ def test_workers_logging_the_same_data_at_once_all_record_it(tmp_path, postgres)
         for run in found:
             assert [(d.dataset.name, d.dataset.digest) for d in run.inputs.dataset_inputs] == [
                 ("sharegpt", "0123456789abcdef")]
-    finally:
-        admin.dispose()
-        with sa.create_engine(server, isolation_level="AUTOCOMMIT").connect() as conn:
-            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))

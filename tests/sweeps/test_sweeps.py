@@ -18,7 +18,7 @@ import torch
 import yaml
 from filelock import FileLock
 from helpers.cli import exit_code
-from helpers.tracking import sweep_runs
+from helpers.tracking import fresh_database, sweep_runs
 
 from lightning_spec.sweeps import (
     TrialReporter,
@@ -381,15 +381,9 @@ def test_an_interrupted_or_killed_sweep_resumes_without_repeating_finished_trial
 def test_two_workers_share_a_postgres_study(tmp_path, postgres):
     """Two `sweep` processes on one study: exactly n_trials=4 trials between them, no number twice, each trial
     exactly one MLflow child run (MLflow in its own fresh PostgreSQL database)."""
-    import sqlalchemy as sa
-
     name = f"workers_{uuid.uuid4().hex[:8]}"
-    server = sa.engine.make_url(postgres)
-    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f"CREATE DATABASE mlflow_{name}"))
-    tracking = server.set(database=f"mlflow_{name}").render_as_string(hide_password=False)
-    try:
+    with fresh_database(postgres, f"mlflow_{name}") as url:
+        tracking = url.render_as_string(hide_password=False)
         space = {"model.lr": {"low": 1.0e-4, "high": 1.0e-2, "log": True}}
         config = sweep_yaml(tmp_path, study_name=name, sampler="random", n_trials=4, space=space,
                             storage=postgres, tracking_uri=tracking)
@@ -415,7 +409,3 @@ def test_two_workers_share_a_postgres_study(tmp_path, postgres):
         assert parent.info.status == "FINISHED" and len(runs) == 5
         assert json.loads(parent.data.tags["best_params"]) == optuna.load_study(
             study_name=name, storage=postgres).best_params
-    finally:
-        admin.dispose()
-        with sa.create_engine(server, isolation_level="AUTOCOMMIT").connect() as conn:
-            conn.execute(sa.text(f"DROP DATABASE IF EXISTS mlflow_{name} WITH (FORCE)"))
