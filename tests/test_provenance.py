@@ -10,7 +10,7 @@ import torch
 import yaml
 from helpers.cli import exit_code
 
-from lightning_spec.checkpoint import load_drafter, read_checkpoint, recorded_fit, save_drafter
+from lightning_spec.checkpoint import load_drafter, read_checkpoint, recorded_fit, save_drafter, write_model_folder
 from lightning_spec.provenance import PROVENANCE_FILE, PROVENANCE_KEY, input_checksums, run_record, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ FIT = ["fit", "-c", str(ROOT / "experiments" / "tiny.yaml"), "--trainer.max_step
        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 
 
-def test_a_drafter_rebuilt_from_its_recorded_config_has_the_same_weights_checksum(in_tmp):
+def test_a_drafter_rebuilt_from_its_recorded_config_has_the_same_weights_checksum(in_tmp, monkeypatch):
     assert exit_code([*FIT, "--trainer.default_root_dir=first"]) == 0
     (first,) = (in_tmp / "first").rglob("last.ckpt")
     fit = read_checkpoint(first)[PROVENANCE_KEY]
@@ -37,6 +37,14 @@ def test_a_drafter_rebuilt_from_its_recorded_config_has_the_same_weights_checksu
     assert record["weights_sha256"] == sha256_file(folder / "drafter.pt")
     assert record["target_fingerprint"] == load_drafter(folder).target.fingerprint
     assert recorded_fit(folder) == fit  # a folder passes its fit's record on
+
+    target = load_drafter(first).target
+    reads, load = [], torch.load  # the logged model's folder reads the checkpoint once: record, weights and fit
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "load", lambda *a, **k: reads.append(a[0]) or load(*a, **k))
+        model = write_model_folder(first, in_tmp / "model", target, "tiny-random")
+    assert [Path(r) for r in reads] == [first]
+    assert json.loads((model.folder / PROVENANCE_FILE).read_text())["fit"] == fit
 
     (in_tmp / "recorded.yaml").write_text(fit["config"])
     assert exit_code(["fit", "--config", "recorded.yaml", "--trainer.default_root_dir=second"]) == 0

@@ -80,7 +80,8 @@ def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) ->
     weights. Returns the parent record a checkpoint of this fit stores (``parent``: path, class, its own parent).
     A head the file's drafter had off (``ADDABLE_HEADS``) may be on in ``drafter``: it keeps its fresh weights."""
     what = "model.init_from"
-    meta, state = read_drafter_state(path, what)
+    artifact = read_drafter_state(path, what)
+    meta, state = artifact.record, artifact.state
     ours = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
     if meta["drafter_class"] != ours:
         raise UserError(
@@ -117,5 +118,5 @@ def load_drafter(path: str | Path, target: Target | str | None = None) -> Drafte
     are read (``load_target(..., layers=False)``: its layers never enter memory), which is all a drafter holds of
     it. ``generate(target, ..., drafter=drafter)`` then binds it to the user's target of the same weights."""
     what = "load_drafter path"
-    meta, state = read_drafter_state(path, what)
-    return bind_drafter(meta, state, target, what)
+    artifact = read_drafter_state(path, what)
+    return bind_drafter(artifact.record, artifact.state, target, what)

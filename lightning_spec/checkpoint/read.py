@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,28 +65,35 @@ def read_own_folder(folder: Path, what: str) -> dict[str, Any]:
     return meta
 
 
-def read_drafter_state(path: str | Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(record, drafter state dict) of a ``.ckpt`` or an exported folder, read without running code. A class path
-    an older version recorded is given as this version names it (``drafters.RENAMED``)."""
-    meta, state = _read_drafter_state(Path(path), what)
-    if isinstance(meta.get("drafter_class"), str):
-        meta = {**meta, "drafter_class": class_path_now(meta["drafter_class"])}
-    return meta, state
+@dataclass(frozen=True)
+class Artifact:
+    """A drafter artifact read once: its ``record`` (class, init arguments, target), the drafter's ``state`` dict, and
+    ``fit``, the record of the fit that trained it (``provenance.py``; None where none was recorded)."""
+
+    record: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    fit: dict[str, Any] | None
 
 
-def _read_drafter_state(path: Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_drafter_state(path: str | Path, what: str) -> Artifact:
+    """The ``Artifact`` of a ``.ckpt`` or an exported folder, its file read once and without running code. A class
+    path an older version recorded is given as this version names it (``drafters.RENAMED``)."""
+    path = Path(path)
     if path.is_dir() and is_serving_folder(path):  # an exported serving layout (ours, speculators', SGLang's)
-        return read_serving_folder(path, what)
-    if path.is_dir():
-        meta = read_own_folder(path, what)
+        (meta, state), fit = read_serving_folder(path, what), _folder_fit(path)
+    elif path.is_dir():
+        meta, fit = read_own_folder(path, what), _folder_fit(path)
         try:
             state = torch.load(path / "drafter.pt", map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
             raise UserError(f"{what} '{path / 'drafter.pt'}' is not a readable weights file ({err}).") from None
-        return meta, state
-    ckpt = read_checkpoint(path, what)
-    state = {k[len("drafter.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
-    return ckpt[CKPT_KEY], state
+    else:
+        ckpt = read_checkpoint(path, what)
+        meta, fit = ckpt[CKPT_KEY], ckpt.get(PROVENANCE_KEY)
+        state = {k[len("drafter.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
+    if isinstance(meta.get("drafter_class"), str):
+        meta = {**meta, "drafter_class": class_path_now(meta["drafter_class"])}
+    return Artifact(meta, state, fit)
 
 
 def recorded_target(path: str | Path, what: str = "checkpoint") -> tuple[str, TargetOptions]:
@@ -104,7 +112,10 @@ def recorded_fit(path: str | Path) -> dict[str, Any] | None:
     """The record of the fit that trained the drafter in ``path`` (``provenance.py``): a checkpoint's own, a
     folder's ``provenance.json``'s ``fit``; None where none was recorded (a checkpoint written before it was)."""
     path = Path(path)
-    if path.is_dir():
-        file = path / PROVENANCE_FILE
-        return json.loads(file.read_text()).get("fit") if file.is_file() else None
-    return read_checkpoint(path, "checkpoint").get(PROVENANCE_KEY)
+    return _folder_fit(path) if path.is_dir() else read_checkpoint(path, "checkpoint").get(PROVENANCE_KEY)
+
+
+def _folder_fit(folder: Path) -> dict[str, Any] | None:
+    """The ``fit`` of a folder's ``provenance.json`` (None without one: a folder another tool wrote)."""
+    file = folder / PROVENANCE_FILE
+    return json.loads(file.read_text()).get("fit") if file.is_file() else None

@@ -15,8 +15,8 @@ import torch
 from lightning_spec.assets import resolve_target_folder
 from lightning_spec.checkpoint.formats import codec_for, vllm_speculative_config
 from lightning_spec.checkpoint.formats.common import SIDECAR, Codec
-from lightning_spec.checkpoint.load import bind_drafter, load_drafter
-from lightning_spec.checkpoint.read import read_drafter_state, recorded_fit
+from lightning_spec.checkpoint.load import bind_drafter
+from lightning_spec.checkpoint.read import read_drafter_state
 from lightning_spec.drafters.base import Drafter, drafter_record
 from lightning_spec.errors import UserError
 from lightning_spec.provenance import PROVENANCE_FILE, folder_record
@@ -106,8 +106,9 @@ def write_model_folder(ckpt: str | Path, folder: Path, target: Target, target_sp
     speculators layout where the family exports (vLLM serves it), else our own (``save_drafter``) with the reason,
     a ``README.md`` card saying which and how to load or serve it, and the fit's provenance. The drafter is read
     from the file, not a module: whole even if FSDP sharded it."""
-    drafter = load_drafter(ckpt, target=target)
-    fit, family, k = recorded_fit(ckpt), drafter.family or type(drafter).__name__, drafter.block_size
+    artifact = read_drafter_state(ckpt, "checkpoint")  # read once: the record, the weights, the fit's record
+    drafter = bind_drafter(artifact.record, artifact.state, target, "checkpoint")
+    fit, family, k = artifact.fit, drafter.family or type(drafter).__name__, drafter.block_size
     try:
         exported = export_drafter(drafter, folder, "speculators", target_spec, parent={"path": str(ckpt)}, fit=fit)
         serving = exported.serving
@@ -141,10 +142,11 @@ def export_checkpoint(ckpt: str, out: str, format: str = "speculators",  # noqa:
             DFlash).
         target_path: the verifier path written into the config (default: the target's local folder).
     """
-    record, state = read_drafter_state(ckpt, "export --ckpt")  # read once: the record and the weights
-    drafter = bind_drafter(record, state, None, "export --ckpt")
+    artifact = read_drafter_state(ckpt, "export --ckpt")  # read once: the record, the weights, the fit's record
+    record = artifact.record
+    drafter = bind_drafter(record, artifact.state, None, "export --ckpt")
     parent = {"path": str(ckpt), "drafter_class": record["drafter_class"], "parent": record.get("parent")}
-    exported = export_drafter(drafter, out, format, record["target"], target_path, parent, recorded_fit(ckpt))
+    exported = export_drafter(drafter, out, format, record["target"], target_path, parent, artifact.fit)
     print(f"export: wrote {type(drafter).__name__} (K={drafter.block_size}) as {format} to {exported.folder}")
     if exported.serving is not None:
         print(f'serve: vllm.LLM(model="{exported.verifier}", speculative_config={json.dumps(exported.serving)})')
