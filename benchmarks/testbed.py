@@ -42,15 +42,18 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from learning_curve import FAMILY_CONFIGS, losses, run  # this folder is on sys.path when the script runs
+from lightning_spec.data.rollout_archive import SUFFIX as ARCHIVE_SUFFIX
 from objective_memory import cpu_name
 from serve_target import ROOT, start, stop
 
 LS = [sys.executable, "-m", "lightning_spec"]
+KEPT = ROOT / "regenerated"  # regenerations kept in the repository (gzip-compressed token ids and their record)
 # --target tiny-random: the packaged tiny random target at toy sizes, for the recipe's test (seconds, not hours)
 TINY = ["--model.target=tiny-random", "--model.drafter.init_args.draft_vocab_size=64",
         "--model.drafter.init_args.block_size=4", "--data.batch_size=4", "--trainer.log_every_n_steps=1"]
@@ -66,16 +69,16 @@ def step(name: str, cmd: list[str], logs: Path, cpu: dict[str, float] | None = N
 
 
 def sharegpt_answers(regen: Path, path: Path) -> int:
-    """ShareGPT's own first answers to the prompts the target answered in ``regen``, as a JSONL of conversations,
-    each cut to the regeneration's ``max_new_tokens`` tokens as the target's answers were: equal answer budgets."""
-    from transformers import AutoTokenizer
-
+    """ShareGPT's own first answers to the prompts the target answered in ``regen`` (a rollouts folder or a kept
+    archive), as a JSONL of conversations, each cut to the regeneration's ``max_new_tokens`` tokens as the target's
+    answers were: equal answer budgets."""
     from lightning_spec.data.prompts import opening
     from lightning_spec.data.rollouts import load_rollouts
     from lightning_spec.data.sources import load_source
+    from lightning_spec.target_loading import load_tokenizer
 
     ds, meta = load_rollouts(regen)
-    ids, tokenizer = set(ds["prompt_id"]), AutoTokenizer.from_pretrained(meta["tokenizer"])
+    ids, tokenizer = set(ds["prompt_id"]), load_tokenizer(meta["target"])
     rows = []
     for row in load_source("sharegpt", limit=None):
         if row["id"] in ids:
@@ -125,28 +128,67 @@ def train(name: str, overlay: list[str], out: Path, logs: Path, cpu: dict[str, f
     return checkpoint
 
 
+def kept_path(args: argparse.Namespace) -> Path:
+    """Where the regeneration of ``--regenerate N`` prompts is kept in the repository (``--kept`` overrides it)."""
+    return Path(args.kept) if args.kept else KEPT / f"{args.target}-sharegpt-greedy-{args.regenerate}{ARCHIVE_SUFFIX}"
+
+
+def check_kept(kept: Path, args: argparse.Namespace) -> None:
+    """A kept regeneration must be what ``--regenerate`` asks for: the target, greedy, the prompt count and the
+    answer budget; anything else is one sentence naming the option."""
+    from lightning_spec.data.rollout_archive import read_header
+
+    meta = read_header(kept)["rollouts"]
+    prompts = read_header(kept)["rows"] // max(1, meta.get("n_per_prompt", 1))
+    wanted = {"target": args.target, "temperature": 0.0, "prompts": args.regenerate,
+              "max_new_tokens": args.max_new_tokens}
+    found = {"target": meta.get("target"), "temperature": float(meta["sampling"]["temperature"]), "prompts": prompts,
+             "max_new_tokens": meta.get("max_new_tokens")}
+    for name, value in wanted.items():
+        if found[name] != value:
+            raise SystemExit(f"[testbed] {kept} holds {name} {found[name]!r}, not the {value!r} this run asks for; "
+                             "pass the --regenerate/--max-new-tokens it was drawn with, or another --kept path.")
+
+
 def regenerate(args: argparse.Namespace, out: Path, logs: Path, summary: dict) -> Path:
-    """The target's greedy answers to ``--regenerate`` ShareGPT prompts, drawn by vLLM's server (started for this
-    step only)."""
-    regen = out / "sharegpt-regen"
-    if (regen / "rollouts.json").exists():
-        return regen
-    serve = argparse.Namespace(python=args.python, target="smollm2-135m-instruct", name=None, port=args.port,
-                               dtype="float32", max_model_len=2048, max_num_seqs=args.concurrency, kv_gb=4,
-                               start_timeout=600, log=str(logs / "vllm.log"))
-    logs.mkdir(parents=True, exist_ok=True)
-    proc, url = start(serve)
-    try:
-        text = step("sharegpt-regen", [*LS, "rollouts", "--backend=server", f"--server_url={url}",
-                                       f"--concurrency={args.concurrency}", "--sources=[sharegpt]",
-                                       f"--prompts_per_source={args.regenerate}", "--max_prompt_tokens=256",
-                                       "--max_turns=1", "--temperature=0", f"--max_new_tokens={args.max_new_tokens}",
-                                       f"--out={regen}"], logs)
-    finally:
-        stop(proc)
-    rate = re.search(r"at ([0-9.]+) tokens/s", text)
-    summary["regeneration_tokens_per_s"] = float(rate.group(1)) if rate else None
-    return regen
+    """The target's greedy answers to ``--regenerate`` ShareGPT prompts: the kept archive when the repository has it
+    (nothing is drawn), else drawn by vLLM's server (started for this step only, in ``--serve-dtype``) into
+    ``<out>/sharegpt-regen`` and packed into the kept archive, with how it was drawn, for the next machine."""
+    from lightning_spec.data.rollout_archive import write_archive
+
+    kept = kept_path(args)
+    if kept.exists():
+        check_kept(kept, args)
+        return kept
+    regen, log = out / "sharegpt-regen", logs / "sharegpt-regen.log"
+    if not (regen / "rollouts.json").exists():
+        serve = argparse.Namespace(python=args.python, target="smollm2-135m-instruct", name=None, port=args.port,
+                                   dtype=args.serve_dtype, max_model_len=2048, max_num_seqs=args.concurrency,
+                                   kv_gb=4, start_timeout=600, log=str(logs / "vllm.log"))
+        logs.mkdir(parents=True, exist_ok=True)
+        proc, url = start(serve)
+        try:
+            step("sharegpt-regen", [*LS, "rollouts", "--backend=server", f"--server_url={url}",
+                                    f"--concurrency={args.concurrency}", "--sources=[sharegpt]",
+                                    f"--prompts_per_source={args.regenerate}", "--max_prompt_tokens=256",
+                                    "--max_turns=1", "--temperature=0", f"--max_new_tokens={args.max_new_tokens}",
+                                    f"--out={regen}"], logs)
+        finally:
+            stop(proc)
+    rate = re.findall(r"at ([0-9.]+) tokens/s", log.read_text()) if log.exists() else []
+    summary["regeneration_tokens_per_s"] = float(rate[-1]) if rate else None
+    version = subprocess.run([args.python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True).stdout.strip() or None
+    from lightning_spec.target_loading import load_target
+
+    write_archive(regen, kept, target=load_target(args.target), provenance={
+        "engine": {"name": "vllm", "version": version, "dtype": args.serve_dtype, "max_num_seqs": args.concurrency,
+                   "concurrency": args.concurrency, "max_prompt_tokens": 256, "max_turns": 1},
+        "cpu": cpu_name(), "tokens_per_s": summary["regeneration_tokens_per_s"],
+        "drawn_by": "benchmarks/testbed.py --regenerate"})
+    print(f"[testbed] the regeneration is kept in {kept} ({kept.stat().st_size / 1e6:.1f} MB): commit it, and the "
+          "next machine trains on it without vLLM", flush=True)
+    return kept
 
 
 def speed_goals(modes: list[dict]) -> dict:
@@ -166,19 +208,56 @@ def speed_goals(modes: list[dict]) -> dict:
                           if m["mode"].startswith("auto")), None)}
 
 
-def compare_sharegpt(args, out: Path, evaluation: Path, regenerated: Path, logs: Path, cpu: dict) -> dict:
-    """The same fit on ShareGPT's answers to the same prompts, and the paired offline comparison."""
+def compare_sharegpt(args, out: Path, regenerated_source: Path, regenerated: Path, logs: Path, cpu: dict) -> dict:
+    """The same fit on ShareGPT's answers to the same prompts (and with ``--mixed`` on both sets of answers), and the
+    paired offline comparison on the target's greedy answers to MT-Bench, HumanEval and MMATH (``--eval-prompts``
+    each): MAL overall and per domain with paired 95% CIs against the ShareGPT arm, and acceptance per slot."""
     answers = out / "sharegpt-answers.jsonl"
     if not answers.exists():
-        sharegpt_answers(out / "sharegpt-regen", answers)
-    checkpoint = train("drafter-sharegpt", recipe(args, answers, args.store and f"{args.store}-sharegpt"), out, logs,
-                       cpu, args.tracking_uri)
+        sharegpt_answers(regenerated_source, answers)
+    arms = {"sharegpt": train("drafter-sharegpt", recipe(args, answers, args.store and f"{args.store}-sharegpt"), out,
+                              logs, cpu, args.tracking_uri),
+            "regenerated": regenerated}
+    if args.mixed:
+        arms["mixed"] = train("drafter-mixed", recipe(args, f"{regenerated_source}, {answers}",
+                                                      args.store and f"{args.store}-mixed"), out, logs, cpu,
+                              args.tracking_uri)
+    heldout = out / "heldout-greedy"
+    if not (heldout / "rollouts.json").exists():
+        step("heldout-greedy", [*LS, "rollouts", f"--target={args.target}", "--sources=[mt-bench, humaneval, mmath]",
+                                f"--prompts_per_source={args.eval_prompts}", "--temperature=0",
+                                f"--max_new_tokens={args.eval_tokens}", "--batch_size=16", f"--out={heldout}",
+                                "--progress=false"], logs, cpu)
     report = out / "regeneration_vs_sharegpt.json"
-    step("offline-sharegpt", [*LS, "evaluate", "--mode=offline", f"--rollouts={evaluation}",
-                              f"--drafters=[{checkpoint}, {regenerated}]", "--names=[sharegpt, regenerated]",
-                              f"--output={report}", "--progress=false"], logs)
+    step("offline-sharegpt", [*LS, "evaluate", "--mode=offline", f"--rollouts={heldout}",
+                              f"--drafters=[{', '.join(map(str, arms.values()))}]", f"--names=[{', '.join(arms)}]",
+                              "--baseline=sharegpt", f"--output={report}", "--progress=false"], logs)
     result = json.loads(report.read_text())
-    return {"arms": {name: arm["mal"] for name, arm in result["arms"].items()}, "comparison": result["comparison"]}
+    return {"rollouts": result["comparison"]["rows"],
+            "arms": {name: {"mal": arm["mal"], "mal_by_domain": arm["mal_by_domain"],
+                            "accept_rate": arm["accept_rate"][:2]} for name, arm in result["arms"].items()},
+            "cpu_hours": {name: (cpu.get(f"features-{step_name}", 0.0) + cpu.get(f"fit-{step_name}", 0.0)) / 3600
+                          for name, step_name in (("sharegpt", "drafter-sharegpt"), ("regenerated", "drafter"),
+                                                  ("mixed", "drafter-mixed")) if name in arms},
+            "comparison": result["comparison"]}
+
+
+def comparison_table(result: dict, cpu: str) -> str:
+    """The own-answers comparison as markdown rows: MAL per arm overall and per domain, its paired difference from
+    the ShareGPT arm with the 95% CI, AR_1 and AR_2, and the arm's CPU-hours (store + fit)."""
+    comparison = result["comparison"]
+    lines = [f"exact offline MAL on {result['rollouts']} greedy held-out rollouts ({cpu}); Δ paired against sharegpt",
+             "| arm | MAL | Δ [95% CI] | " + " | ".join(comparison["by_domain"]) + " | AR_1 | AR_2 | CPU-h |",
+             "|---" * (6 + len(comparison["by_domain"])) + "|"]
+    for name, arm in result["arms"].items():
+        row = comparison["arms"][name]
+        delta = "-" if name == comparison["baseline"] else \
+            f"{row['delta_mal']:+.3f} [{row['delta_mal_ci'][0]:+.3f}, {row['delta_mal_ci'][1]:+.3f}]"
+        domains = [f"{comparison['by_domain'][d][name]['mal']:.3f}" for d in comparison["by_domain"]]
+        rates = [f"{r:.3f}" for r in arm["accept_rate"]]
+        lines.append(f"| {name} | {arm['mal']:.3f} | {delta} | {' | '.join(domains)} | {' | '.join(rates)} | "
+                     f"{result['cpu_hours'].get(name, 0.0):.2f} |")
+    return "\n".join(lines)
 
 
 def goals(summary: dict, native: bool) -> str:
@@ -228,12 +307,25 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8012)
     parser.add_argument("--compare-sharegpt", action="store_true",
                         help="with --regenerate: also train on ShareGPT's answers to the same prompts")
+    parser.add_argument("--mixed", action="store_true",
+                        help="with --compare-sharegpt: a third arm trained on both the target's and ShareGPT's answers")
+    parser.add_argument("--kept", help="the kept regeneration (.rollouts.jsonl.gz) to train on or to write (default: "
+                                       "regenerated/<target>-sharegpt-greedy-<N>.rollouts.jsonl.gz)")
+    parser.add_argument("--serve-dtype", choices=["float32", "bfloat16"],
+                        help="vLLM's dtype for drawing a regeneration (default: bfloat16 where the CPU multiplies it "
+                             "natively, else float32)")
     parser.add_argument("--no-speed", action="store_true", help="skip step 6 (it wants a machine doing nothing else)")
     args = parser.parse_args()
-    if args.regenerate and args.target != "smollm2-135m-instruct":
-        parser.error("--regenerate serves the packaged SmolLM2 through vLLM: drop --target or --regenerate.")
+    from lightning_spec.target_loading import native_bf16
+
+    args.serve_dtype = args.serve_dtype or ("bfloat16" if native_bf16() else "float32")
+    if args.regenerate and args.target != "smollm2-135m-instruct" and not Path(kept_path(args)).exists():
+        parser.error("--regenerate draws through vLLM serving the packaged SmolLM2: drop --target, or pass --kept "
+                     "with a regeneration of this target.")
     if args.compare_sharegpt and not args.regenerate:
         parser.error("--compare-sharegpt compares regenerated answers with ShareGPT's: pass --regenerate N too.")
+    if args.mixed and not args.compare_sharegpt:
+        parser.error("--mixed is the third arm of --compare-sharegpt: pass --compare-sharegpt too.")
     out = Path(args.out).resolve()
     logs = out / "logs"
     previous = out / "summary.json"  # a rerun keeps the figures of the steps it skips
@@ -269,8 +361,6 @@ def main() -> None:
                           for name, arm in result["arms"].items()}
     summary["offline_accept_rate"] = result["arms"]["chain"]["accept_rate"]
     save()
-    from lightning_spec.target_loading import native_bf16
-
     for dtype in ([] if args.no_speed else ["float32"] + (["bfloat16"] if native_bf16() else [])):
         table = out / f"speed-{dtype}.json"
         text = step(f"speed-{dtype}", [sys.executable, "benchmarks/decode_speed.py", f"--drafter={checkpoint}",
@@ -281,7 +371,9 @@ def main() -> None:
         save()
         print(text[text.find("every mode of our engine"):][:2500])
     if args.compare_sharegpt:
-        summary["regeneration_vs_sharegpt"] = compare_sharegpt(args, out, evaluation, checkpoint, logs, cpu)
+        summary["regeneration_vs_sharegpt"] = compare_sharegpt(args, out, sources, checkpoint, logs, cpu)
+        save()
+        print(comparison_table(summary["regeneration_vs_sharegpt"], summary["cpu"]))
     summary["minutes"] = (time.perf_counter() - started) / 60  # this run's: a resumed recipe skips what was done
     save()
     print(json.dumps({k: v for k, v in summary.items() if k != "cpu_seconds"}, indent=2))

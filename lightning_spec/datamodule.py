@@ -306,15 +306,17 @@ class SpecDataModule(L.LightningDataModule):
         val_set = set(val_idx)
         return [i for i in range(len(keys)) if i not in val_set], sorted(val_set)
 
-    def check_trained_for(self, target_fingerprint: str, target_spec: str, block_size: int) -> None:
+    def check_trained_for(self, target_fingerprints: tuple[str, ...], target_spec: str, block_size: int) -> None:
         """Refuse, in one sentence, data a fit of this target and block size cannot train on: rollouts of other
-        target weights (target-regenerated SFT holds for the same weights only), or a block no example holds."""
+        target weights (target-regenerated SFT holds for the same weights only; ``Target.fingerprints``), or a block
+        no example holds."""
         for meta in self.rollout_meta:
-            if meta.get("target_fingerprint") != target_fingerprint:
+            if meta.get("target_fingerprint") not in target_fingerprints:
                 raise UserError(
                     f"data.train_sources '{meta['folder']}' holds rollouts of target '{meta.get('target')}' with "
                     f"weight fingerprint {meta.get('target_fingerprint')}, but model.target has fingerprint "
-                    f"{target_fingerprint}; regenerate them with `lightning-spec rollouts --target {target_spec} ...`."
+                    f"{target_fingerprints[0]}; regenerate them with `lightning-spec rollouts --target {target_spec} "
+                    "...`."
                 )
         self.check_block_size(block_size)
 

@@ -106,7 +106,7 @@ class DraftModule(L.LightningModule):
         # training features: the target's (or its copy's in feature_dtype), through the store setup opens
         self.feature_source = FeatureSource(self.target, self.drafter.target_layers, dtype=wanted)
         self.objective = objective if objective is not None else Objective()
-        self._parent = None if init_from is None else init_weights(self.drafter, init_from, self.target.fingerprint)
+        self._parent = None if init_from is None else init_weights(self.drafter, init_from, self.target.fingerprints)
         self.provenance: dict[str, Any] | None = None  # the fit's command and resolved config (record_fit)
         self._reference = ReferenceDrafter(self.drafter) if self.objective.needs_reference else None  # GRPO's KL
         # what was trained, as plain values MLflow compares runs by (block size, loss, gamma...)
@@ -127,7 +127,7 @@ class DraftModule(L.LightningModule):
         dm = self.trainer.datamodule if self._trainer is not None else None
         if not isinstance(dm, SpecDataModule):  # plain dataloaders (Python use): nothing of the data to check
             return
-        dm.check_trained_for(self.target.fingerprint, self.target_spec, self.drafter.block_size)
+        dm.check_trained_for(self.target.fingerprints, self.target_spec, self.drafter.block_size)
         if stage != "fit":
             return
         if not bool(self.drafter.vocab.ready):  # a reduced draft vocabulary: the data's top tokens

@@ -14,6 +14,7 @@ import copy
 import gc
 import hashlib
 import inspect
+import json
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -224,15 +225,29 @@ class Target(nn.Module):
 
     @property
     def fingerprint(self) -> str:
-        """Name + config + a checksum of the weights: keys feature caches and rollouts to these exact weights."""
+        """Name + config + a checksum of the weights: keys feature caches, rollouts and drafters to these exact
+        weights. The config is hashed without where it was loaded from (``_name_or_path``) and the transformers
+        version that wrote it, so the same weights have the same fingerprint on every machine."""
         if self._fingerprint is None:
-            h = hashlib.sha256(self.name.encode())
-            h.update(self.config.to_json_string(use_diff=False).encode())
-            for p in self.model.parameters():  # cheap: a few strided values per tensor, in fp64
-                flat = p.detach().reshape(-1)
-                h.update(flat[:: max(1, flat.numel() // 64)].double().cpu().numpy().tobytes())
-            self._fingerprint = h.hexdigest()[:16]
+            config = json.loads(self.config.to_json_string(use_diff=False))
+            for where in ("_name_or_path", "transformers_version"):
+                config.pop(where, None)
+            self._fingerprint = self._weights_hash(json.dumps(config, sort_keys=True))
         return self._fingerprint
+
+    @property
+    def fingerprints(self) -> tuple[str, str]:
+        """``fingerprint`` and the one versions before 2026-12 recorded, which hashed the config's folder path too (a
+        rollouts folder, store or checkpoint of that age matches it on the machine and cache path it was made on)."""
+        return self.fingerprint, self._weights_hash(self.config.to_json_string(use_diff=False))
+
+    def _weights_hash(self, config: str) -> str:
+        h = hashlib.sha256(self.name.encode())
+        h.update(config.encode())
+        for p in self.model.parameters():  # cheap: a few strided values per tensor, in fp64
+            flat = p.detach().reshape(-1)
+            h.update(flat[:: max(1, flat.numel() // 64)].double().cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
 
     def check_layers(self, layers: list[int]) -> None:
         bad = [layer for layer in layers if not 0 <= layer < self.num_layers]
@@ -453,4 +468,4 @@ def live_target(fingerprint: str | None) -> Target | None:
     if fingerprint is None:
         return None
     gc.collect()  # a dropped target kept only by a reference cycle (a finished Trainer's module) is not the user's
-    return next((t for t in list(_LIVE) if t.fingerprint == fingerprint), None)
+    return next((t for t in list(_LIVE) if fingerprint in t.fingerprints), None)

@@ -86,3 +86,29 @@ def test_a_load_resolves_the_target_spec_once(monkeypatch, layers):
         assert target.cast(torch.bfloat16).folder == target.folder
     source = loading.TargetSource.of("tiny-random")
     assert loading.load_tokenizer(source) is not None and calls["resolve"] == 2  # a resolved source: no third
+
+
+def test_the_fingerprint_is_the_weights_not_the_folder_they_were_loaded_from(monkeypatch, tmp_path):
+    """Rollouts kept in the repository (regenerated/) are checked against the fingerprint of the target that trains
+    on them: the same weights loaded from another cache folder (another machine, another $HOME) must match. The
+    earlier fingerprint, which hashed the config's folder path, still matches on the machine that recorded it."""
+    from lightning_spec.data.rollouts import check_compatible
+    from lightning_spec.sampling import SamplingConfig
+
+    here = load_target("tiny-random")
+    monkeypatch.setenv("LIGHTNING_SPEC_CACHE", str(tmp_path / "elsewhere"))
+    there = load_target("tiny-random")
+    assert here.config._name_or_path != there.config._name_or_path
+    assert here.fingerprint == there.fingerprint  # the same weights, wherever they were built
+    assert here.fingerprints[1] != there.fingerprints[1]  # the earlier fingerprint hashed the path
+    greedy = SamplingConfig()
+    for recorded in here.fingerprints:  # a rollouts folder of either age, on the machine that drew it
+        check_compatible({"target_fingerprint": recorded, "target": "tiny-random", "sampling": greedy.to_dict()},
+                         here, greedy)
+    with pytest.raises(ValueError, match="were drawn from target"):
+        check_compatible({"target_fingerprint": here.fingerprints[1], "target": "tiny-random",
+                          "sampling": greedy.to_dict()}, there, greedy)
+    with torch.no_grad():
+        there.model.lm_head.weight[0, 0] += 1.0
+    there._fingerprint = None
+    assert there.fingerprint != here.fingerprint  # and other weights are another target

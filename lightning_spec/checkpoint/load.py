@@ -74,10 +74,11 @@ def added_heads(drafter: Drafter, recorded: dict[str, Any]) -> tuple[str, ...]:
     return tuple(prefix for arg, prefix in ADDABLE_HEADS.items() if ours.get(arg) and not recorded.get(arg))
 
 
-def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) -> dict[str, Any]:
+def init_weights(drafter: Drafter, path: str | Path, target_fingerprints: tuple[str, ...]) -> dict[str, Any]:
     """Start a fit from a trained drafter (``model.init_from``): its weights only, not its optimizer, schedule or
     step. The file must hold the same drafter class with weights of the same shapes, trained for the same target
-    weights. Returns the parent record a checkpoint of this fit stores (``parent``: path, class, its own parent).
+    weights (``Target.fingerprints``). Returns the parent record a checkpoint of this fit stores (``parent``: path,
+    class, its own parent).
     A head the file's drafter had off (``ADDABLE_HEADS``) may be on in ``drafter``: it keeps its fresh weights."""
     what = "model.init_from"
     artifact = read_drafter_state(path, what)
@@ -88,11 +89,11 @@ def init_weights(drafter: Drafter, path: str | Path, target_fingerprint: str) ->
             f"{what} '{path}' holds a {meta['drafter_class']} but model.drafter is a {ours}; set model.drafter to the "
             "class (and sizes) the file was trained with."
         )
-    if meta.get("target_fingerprint") not in (None, target_fingerprint):
+    if meta.get("target_fingerprint") not in (None, *target_fingerprints):
         raise UserError(
             f"{what} '{path}' was trained for target '{meta.get('target')}' (weights fingerprint "
-            f"{meta.get('target_fingerprint')}), not for model.target (fingerprint {target_fingerprint}); start from "
-            "a drafter of this target."
+            f"{meta.get('target_fingerprint')}), not for model.target (fingerprint {target_fingerprints[0]}); start "
+            "from a drafter of this target."
         )
     added = added_heads(drafter, meta["drafter_config"])
     try:

@@ -27,6 +27,8 @@ from torch import Tensor
 
 from lightning_spec.data.engines import Conversation, Engine, LocalEngine, Regenerated, ServerEngine, Turns
 from lightning_spec.data.prompts import select_prompts
+from lightning_spec.data.rollout_archive import SUFFIX as ARCHIVE_SUFFIX
+from lightning_spec.data.rollout_archive import write_archive
 from lightning_spec.data.rollouts import (
     COLUMNS,
     FEATURES,
@@ -478,6 +480,9 @@ class Rollouts:
         target_dtype: dtype of the local target: float32 on CPU, bfloat16 on GPUs, auto: bf16 where native.
         device: where the local target runs (cpu, cuda, cuda:1, ...).
         progress: print the work ahead and an estimate, and show the progress bar.
+        archive: also pack the finished folder into this ``.rollouts.jsonl.gz`` file (token ids, text and record,
+            gzip-compressed: a few MB per thousand answers), which fit, evaluate and the testbed read in the
+            folder's place, so a regeneration can be kept in a repository instead of redrawn.
     """
 
     out: str
@@ -501,6 +506,7 @@ class Rollouts:
     target_dtype: str = "float32"
     device: str = "cpu"
     progress: bool = True
+    archive: str | None = None
 
     # The fields above are the command's flags and YAML keys (``lightning-spec rollouts``, ``cli.run_command``);
     # the methods below group them: the prompt source, the engine, and how the rollouts are drawn.
@@ -517,8 +523,11 @@ class Rollouts:
         prompts = select_prompts(model.tokenizer, sources, self.prompts_per_source, self.seed, self.max_prompt_tokens,
                                  chat_template_kwargs=model.chat_template_kwargs)
         engine = server if server is not None else LocalEngine(model, self.batch_size)
-        return generate_rollouts(model, prompts, self.draw(sampling, model.chat_template_kwargs), self.out,
-                                 engine=engine, batch_size=self.batch_size, sources=sources, progress=self.progress)
+        drawn = generate_rollouts(model, prompts, self.draw(sampling, model.chat_template_kwargs), self.out,
+                                  engine=engine, batch_size=self.batch_size, sources=sources, progress=self.progress)
+        if self.archive:
+            print(f"rollouts: packed into {write_archive(self.out, self.archive, target=model)}")
+        return drawn
 
     def check(self) -> None:
         """Refuse a prompt selection that cannot be made, before anything is loaded."""
@@ -528,6 +537,8 @@ class Rollouts:
             raise UserError("--sources is empty; name at least one, e.g. '[mt-bench, humaneval, mmath]'.")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise UserError(f"--max_prompt_tokens={self.max_prompt_tokens} must be at least 1, or null for no limit.")
+        if self.archive and not self.archive.endswith(ARCHIVE_SUFFIX):
+            raise UserError(f"--archive {self.archive} must end with {ARCHIVE_SUFFIX}; rename it.")
 
     def source(self) -> list[Source]:
         """The prompt sources (``--sources``), as ``Source`` entries."""

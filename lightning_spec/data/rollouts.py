@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import torch
 
+from lightning_spec.data.rollout_archive import is_archive, unpacked
 from lightning_spec.errors import UserError
 from lightning_spec.sampling import SamplingConfig
 
@@ -78,14 +79,20 @@ def describe_sampling(s: dict[str, Any]) -> str:
 
 
 def is_rollouts_folder(path: str | os.PathLike) -> bool:
-    """A folder written by ``generate_rollouts`` (finished or not)."""
+    """A folder written by ``generate_rollouts`` (finished or not), or a finished one packed into an archive
+    (``rollout_archive.py``), which reads the same."""
     path = Path(path).expanduser()
+    if is_archive(path):
+        return True
     return path.is_dir() and ((path / META_FILE).is_file() or (path / SHARD_DIR / RUN_FILE).is_file())
 
 
 def load_rollouts(folder: str | os.PathLike) -> tuple[datasets.Dataset, dict[str, Any]]:
-    """The rollouts dataset of ``folder`` and its ``rollouts.json`` metadata."""
+    """The rollouts dataset of ``folder`` (or of an archive, unpacked once into the cache) and its ``rollouts.json``
+    metadata."""
     path = Path(folder).expanduser()
+    if is_archive(path):
+        path = unpacked(path)
     if not (path / META_FILE).is_file():
         if (path / SHARD_DIR / RUN_FILE).is_file():
             raise UserError(
@@ -112,7 +119,7 @@ def check_compatible(meta: dict[str, Any], target: Target, sampling: SamplingCon
     in the message (default: ``meta["folder"]`` when present).
     """
     where = folder or meta.get("folder") or "this rollouts set"
-    if meta.get("target_fingerprint") != target.fingerprint:
+    if meta.get("target_fingerprint") not in target.fingerprints:
         raise UserError(
             f"rollouts in {where} were drawn from target '{meta.get('target')}' (fingerprint "
             f"{meta.get('target_fingerprint')}); this run uses '{target.name}' (fingerprint {target.fingerprint}) — "

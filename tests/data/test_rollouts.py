@@ -1,6 +1,7 @@
 """Target rollouts: batched left-padded decoding equals ``generate``, seeded per rollout, resumable after a kill,
 refused under another target or sampling config, and usable as training data (target-regenerated SFT)."""
 
+import gzip
 import json
 import shutil
 
@@ -13,9 +14,11 @@ from lightning_spec.data import engines as E
 from lightning_spec.data import prompt_ids
 from lightning_spec.data import rollout_writer as W
 from lightning_spec.data import rollouts as R
+from lightning_spec.data.rollout_archive import read_header, unpacked, write_archive
 from lightning_spec.data.rollout_writer import Draw, generate_rollouts, rollout_seed
-from lightning_spec.data.rollouts import check_compatible, load_rollouts
+from lightning_spec.data.rollouts import check_compatible, is_rollouts_folder, load_rollout_set, load_rollouts
 from lightning_spec.datamodule import SpecDataModule
+from lightning_spec.errors import UserError
 
 # Openings of very different lengths, so one batch mixes short and long prompts (left padding is exercised).
 TEXTS = [
@@ -429,3 +432,104 @@ def test_a_batch_of_one_is_generate_on_the_fast_path(tiny_target, prompts, monke
     monkeypatch.setattr(Target, "forward_left_padded", padded)
     (tokens, finished), = sample_batch(tiny_target, [prompt], [3], SAMPLED, 12)
     assert tokens == want and finished == (tokens[-1] in set(tiny_target.eos_token_ids))
+
+
+# ------------------------------------------------------------------------------- a folder packed into one file
+# A rollouts folder packed into one .rollouts.jsonl.gz file (kept in the repository for the testbed's regenerated
+# answers) reads exactly as the folder: the same rows, the same record, the same training examples.
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_SPEC_CACHE", str(tmp_path / "cache"))
+
+
+def test_an_archive_reads_as_its_folder_row_for_row(sft_folder, tmp_path, own_cache):
+    folder, _ = sft_folder
+    path = write_archive(folder, tmp_path / "kept.rollouts.jsonl.gz", provenance={"server": {"dtype": "bfloat16"}})
+    assert is_rollouts_folder(path) and not is_rollouts_folder(tmp_path / "missing.rollouts.jsonl.gz")
+    (ds, meta), (packed, packed_meta) = load_rollouts(folder), load_rollouts(path)
+    assert packed.to_list() == ds.to_list() and packed.features == ds.features and packed_meta == meta
+    header = read_header(path)
+    assert header["rows"] == len(ds) and header["provenance"] == {"server": {"dtype": "bfloat16"}}
+    assert header["rollouts"]["target_fingerprint"] == meta["target_fingerprint"]
+    assert load_rollout_set(path).response_ids == load_rollout_set(folder).response_ids
+    again = write_archive(folder, tmp_path / "again.rollouts.jsonl.gz", provenance={"server": {"dtype": "bfloat16"}})
+    assert again.read_bytes() == path.read_bytes()  # deterministic: a repacked folder shows no diff
+    assert unpacked(path) == unpacked(again)  # unpacked once, by content
+
+
+def test_a_fit_trains_on_an_archive_as_on_its_folder(sft_folder, tmp_path, own_cache):
+    folder, eval_file = sft_folder
+    path = write_archive(folder, tmp_path / "kept.rollouts.jsonl.gz")
+
+    def examples(source):
+        dm = SpecDataModule(
+            target="tiny-random",
+            train_sources=[str(source)],
+            eval_sources=[eval_file],
+            train_limit=None,
+            max_length=100,
+            val_fraction=0.2,
+            eval_prompts_per_domain=1,
+        )
+        dm.setup("fit")
+        return sorted(
+            (e["id"], e["input_ids"].tolist(), e["loss_mask"].tolist()) for e in [*dm.train_dataset, *dm.val_dataset]
+        ), dm.rollout_meta[0]
+
+    (rows, meta), (packed_rows, packed_meta) = examples(folder), examples(path)
+    assert packed_rows == rows and len(rows) > 0
+    assert packed_meta["target_fingerprint"] == meta["target_fingerprint"] and packed_meta["folder"] == str(path)
+
+
+def test_a_bad_name_or_a_truncated_archive_is_one_sentence(sft_folder, tmp_path, own_cache):
+    folder, _ = sft_folder
+    with pytest.raises(UserError, match=r"ends with \.rollouts\.jsonl\.gz"):
+        write_archive(folder, tmp_path / "kept.jsonl.gz")
+    path = write_archive(folder, tmp_path / "kept.rollouts.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        lines = f.readlines()
+    with gzip.open(tmp_path / "cut.rollouts.jsonl.gz", "wt") as f:
+        f.writelines(lines[:-1])
+    with pytest.raises(UserError, match="truncated"):
+        load_rollouts(tmp_path / "cut.rollouts.jsonl.gz")
+    with gzip.open(tmp_path / "old.rollouts.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"archive": 99}) + "\n")
+    with pytest.raises(UserError, match="not a rollouts archive of format 1"):
+        load_rollouts(tmp_path / "old.rollouts.jsonl.gz")
+
+
+def test_the_rollouts_command_packs_what_it_drew(tiny_target, tmp_path, own_cache):
+    from lightning_spec.data.rollout_writer import Rollouts
+
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"say {i}"}]} for i in range(3)]
+    )
+    command = Rollouts(
+        out=str(tmp_path / "r"),
+        target="tiny-random",
+        sources=[prompts],
+        temperature=0,
+        max_new_tokens=4,
+        progress=False,
+        archive=str(tmp_path / "r.rollouts.jsonl.gz"),
+    )
+    drawn = command.run()
+    assert load_rollouts(tmp_path / "r.rollouts.jsonl.gz")[0].to_list() == drawn.to_list()
+    with pytest.raises(UserError, match="--archive x.gz must end with .rollouts.jsonl.gz"):
+        Rollouts(out=str(tmp_path / "s"), archive="x.gz").check()
+
+
+def test_an_archive_records_the_fingerprint_every_machine_computes(sft_folder, tiny_target, tmp_path, own_cache):
+    """A folder drawn before the fingerprint left the folder path out records the path-dependent one; packed with its
+    target, the archive records the one another machine computes; packed with other weights, it is refused."""
+    folder, _ = sft_folder
+    meta = json.loads((folder / "rollouts.json").read_text())
+    (folder / "rollouts.json").write_text(json.dumps({**meta, "target_fingerprint": tiny_target.fingerprints[1]}))
+    path = write_archive(folder, tmp_path / "kept.rollouts.jsonl.gz", target=tiny_target)
+    assert read_header(path)["rollouts"]["target_fingerprint"] == tiny_target.fingerprint
+    from conftest import random_llama
+
+    with pytest.raises(UserError, match="pack it with the target it was drawn from"):
+        write_archive(folder, tmp_path / "other.rollouts.jsonl.gz", target=random_llama())

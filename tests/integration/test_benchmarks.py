@@ -182,3 +182,31 @@ def test_testbed_recipe_trains_scores_times_and_resumes(tmp_path):
     rerun = json.loads((out / "summary.json").read_text())
     assert rerun["cpu_seconds"]["features-drafter"] == summary["cpu_seconds"]["features-drafter"]  # what it cost
     assert rerun["offline"] == summary["offline"]  # the evaluation was not redone for the same checkpoint
+
+
+def test_testbed_trains_on_a_kept_regeneration_and_compares_it_with_sharegpts_answers(tmp_path):
+    """``--regenerate N --compare-sharegpt --mixed`` on the tiny target, from a kept archive (no vLLM): the target's
+    answers, ShareGPT's answers to the same prompts (cut to the same budget) and both, each fitted, compared on the
+    held-out greedy rollouts of three domains, paired; an archive of other settings is one sentence."""
+    kept, out = tmp_path / "tiny.rollouts.jsonl.gz", tmp_path / "testbed"
+    subprocess.run([sys.executable, "-m", "lightning_spec", "rollouts", "--target=tiny-random", "--sources=[sharegpt]",
+                    "--prompts_per_source=6", "--max_prompt_tokens=256", "--max_turns=1", "--temperature=0",
+                    "--max_new_tokens=8", f"--out={tmp_path / 'regen'}", f"--archive={kept}", "--progress=false"],
+                   check=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    args = ("--target", "tiny-random", "--out", str(out), "--max-length", "256", "--steps", "2", "--eval-prompts", "2",
+            "--eval-tokens", "8", "--no-speed", "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--kept", str(kept), "--max-new-tokens", "8")
+    env = {"LIGHTNING_SPEC_CACHE": str(tmp_path / "cache")}
+    text = run_benchmark("testbed.py", *args, "--regenerate", "6", "--compare-sharegpt", "--mixed", env=env)
+    assert "[testbed] sharegpt-regen" not in text  # the kept archive was read, nothing drawn
+    answers = [json.loads(line) for line in (out / "sharegpt-answers.jsonl").read_text().splitlines()]
+    assert 0 < len(answers) <= 6 and all(a["messages"][-1]["role"] == "assistant" for a in answers)
+    result = json.loads((out / "summary.json").read_text())["regeneration_vs_sharegpt"]
+    assert set(result["arms"]) == {"sharegpt", "regenerated", "mixed"} and result["rollouts"] == 6  # 3 domains x 2
+    assert set(result["comparison"]["by_domain"]) == {"chat", "code", "math"}
+    assert result["comparison"]["baseline"] == "sharegpt" and all(len(a["accept_rate"]) == 2
+                                                                 for a in result["arms"].values())
+    assert "| regenerated |" in text and "| mixed |" in text
+    failed = subprocess.run([sys.executable, "benchmarks/testbed.py", *args, "--regenerate", "5"], cwd=ROOT,
+                            capture_output=True, text=True, env={**os.environ, **env})
+    assert failed.returncode != 0 and "holds prompts 6, not the 5 this run asks for" in failed.stderr

@@ -372,7 +372,7 @@ def test_init_from_adds_the_head_to_a_drafter_trained_without_it(diverse_target,
     folder = save_drafter(plain, tmp_path / "plain", diverse_target.name)
     child = make_block_drafter(diverse_target, block_size=3, seed=2, length_head=True)
     fresh = {k: v.clone() for k, v in child.state_dict().items() if k.startswith("length.")}
-    parent = init_weights(child, folder, diverse_target.fingerprint)
+    parent = init_weights(child, folder, diverse_target.fingerprints)
     assert parent["path"] == str(folder)
     got = child.state_dict()
     assert all(torch.equal(v, got[k]) for k, v in plain.state_dict().items())  # the trained drafter's weights
@@ -381,10 +381,10 @@ def test_init_from_adds_the_head_to_a_drafter_trained_without_it(diverse_target,
     # of other sizes into one with the head
     headed = save_drafter(child, tmp_path / "headed", diverse_target.name)
     with pytest.raises(ValueError, match=r"does not fit model.drafter .*length\."):
-        init_weights(make_block_drafter(diverse_target, block_size=3), headed, diverse_target.fingerprint)
+        init_weights(make_block_drafter(diverse_target, block_size=3), headed, diverse_target.fingerprints)
     with pytest.raises(ValueError, match="does not fit model.drafter"):
         init_weights(make_block_drafter(diverse_target, block_size=3, num_layers=2, length_head=True), folder,
-                     diverse_target.fingerprint)
+                     diverse_target.fingerprints)
 
 
 def test_the_overlay_fits_the_head_on_the_quickstart():
