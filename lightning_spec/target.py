@@ -14,7 +14,6 @@ import copy
 import gc
 import hashlib
 import inspect
-import json
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -225,26 +224,26 @@ class Target(nn.Module):
 
     @property
     def fingerprint(self) -> str:
-        """Name + config + a checksum of the weights: keys feature caches, rollouts and drafters to these exact
-        weights. The config is hashed without where it was loaded from (``_name_or_path``) and the transformers
-        version that wrote it, so the same weights have the same fingerprint on every machine."""
+        """The target's name, architecture and a checksum of its weights (every parameter's name, shape and a few
+        strided values): keys feature caches, rollouts and drafters to these exact weights. Nothing else of the config
+        enters it (not the folder it was loaded from, not the attributes a transformers release adds), so the same
+        weights have the same fingerprint on every machine and after an upgrade."""
         if self._fingerprint is None:
-            config = json.loads(self.config.to_json_string(use_diff=False))
-            for where in ("_name_or_path", "transformers_version"):
-                config.pop(where, None)
-            self._fingerprint = self._weights_hash(json.dumps(config, sort_keys=True))
+            self._fingerprint = self._weights_hash(self.config.model_type, names=True)
         return self._fingerprint
 
     @property
     def fingerprints(self) -> tuple[str, str]:
-        """``fingerprint`` and the one versions before 2026-12 recorded, which hashed the config's folder path too (a
-        rollouts folder, store or checkpoint of that age matches it on the machine and cache path it was made on)."""
+        """``fingerprint`` and the one versions before 2026-12 recorded, which hashed the whole config, its folder path
+        included (a rollouts folder, store or checkpoint of that age matches it where it was made)."""
         return self.fingerprint, self._weights_hash(self.config.to_json_string(use_diff=False))
 
-    def _weights_hash(self, config: str) -> str:
+    def _weights_hash(self, config: str, names: bool = False) -> str:
         h = hashlib.sha256(self.name.encode())
         h.update(config.encode())
-        for p in self.model.parameters():  # cheap: a few strided values per tensor, in fp64
+        for name, p in self.model.named_parameters():  # cheap: a few strided values per tensor, in fp64
+            if names:
+                h.update(f"{name}{tuple(p.shape)}".encode())
             flat = p.detach().reshape(-1)
             h.update(flat[:: max(1, flat.numel() // 64)].double().cpu().numpy().tobytes())
         return h.hexdigest()[:16]

@@ -4,6 +4,7 @@ refused under another target or sampling config, and usable as training data (ta
 import gzip
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -533,3 +534,28 @@ def test_an_archive_records_the_fingerprint_every_machine_computes(sft_folder, t
 
     with pytest.raises(UserError, match="pack it with the target it was drawn from"):
         write_archive(folder, tmp_path / "other.rollouts.jsonl.gz", target=random_llama())
+
+
+KEPT = Path(__file__).resolve().parents[2] / "regenerated"
+
+
+@pytest.mark.parametrize("path", sorted(KEPT.glob("*.rollouts.jsonl.gz")), ids=lambda p: p.name)
+def test_every_kept_regeneration_is_whole_small_and_says_how_it_was_drawn(path):
+    header = read_header(path)
+    assert path.stat().st_size <= 20e6  # the repository's allowance for kept data
+    meta, drawn = header["rollouts"], header["provenance"]
+    assert meta["target"] == "smollm2-135m-instruct" and meta["sampling"]["temperature"] == 0
+    assert {"name", "version", "dtype"} <= set(drawn["engine"]) and drawn["cpu"]
+    with gzip.open(path, "rt") as f:
+        assert sum(1 for _ in f) == header["rows"] + 1  # not truncated
+
+
+@pytest.mark.slow  # loads SmolLM2
+def test_the_kept_regeneration_matches_the_packaged_target_on_this_machine():
+    """The archive recorded SmolLM2's fingerprint where it was drawn; a fit here (another cache path on CI) must
+    compute the same one, or every testbed run on the kept answers is refused."""
+    from lightning_spec import load_target
+
+    target = load_target("smollm2-135m-instruct")
+    for path in KEPT.glob("*.rollouts.jsonl.gz"):
+        assert read_header(path)["rollouts"]["target_fingerprint"] == target.fingerprint, path.name
