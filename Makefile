@@ -105,10 +105,10 @@ regenerate: setup serve-setup
 # MAL per CPU-hour (EAGLE-3 on ~5.6k ShareGPT conversations, 4000 steps; experiments/testbed.yaml), its feature store
 # in the cache folder, then exact offline MAL on the 80 MT-Bench greedy rollouts and real decoding speed against plain
 # decoding and n-gram lookup, set against issue 33's goals. Resumable: rerun after a kill. With
-# TESTBED_ARGS="--regenerate 400" it trains on SmolLM2's answers drawn by vLLM instead (the serving venv is built).
+# TESTBED_ARGS="--regenerate 5638" it trains on SmolLM2's own answers, kept in regenerated/ (another count is drawn by
+# vLLM, after `make serve-setup`).
 TESTBED_OUT ?= testbed
 TESTBED_ARGS ?=
 
 testbed: setup
-	$(if $(findstring --regenerate,$(TESTBED_ARGS)),$(MAKE) serve-setup)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/testbed.py --out $(TESTBED_OUT) --python $(SERVE_VENV)/bin/python $(TESTBED_ARGS)

@@ -4,7 +4,7 @@ here, trained once, scored exactly and timed against plain decoding and n-gram l
     .venv/bin/python benchmarks/testbed.py                              # the curve's recipe, into ./testbed
     .venv/bin/python benchmarks/testbed.py --steps 8000                 # longer
     .venv/bin/python benchmarks/testbed.py --regenerate 400 --family dflash --steps 600 --max-length 512  # the old one
-    .venv/bin/python benchmarks/testbed.py --regenerate 400 --compare-sharegpt   # does regeneration help?
+    .venv/bin/python benchmarks/testbed.py --regenerate 5638 --compare-sharegpt --steps 2000   # do own answers help?
 
 The recipe (defaults): EAGLE-3 (``experiments/drafters/eagle3.yaml`` over the quickstart: 1 layer, K = 8, the
 2048-token draft head, KL with the quickstart's decay) on ShareGPT's own conversations, the first 8000 rows read
@@ -17,9 +17,12 @@ recipe over the same data reads it) and is skipped when its output is there, so 
 
 1. ``mtbench-greedy``: the target's greedy answers to the 80 MT-Bench prompts (``--eval-tokens`` each), drawn by our
    own engine so that they are exactly what plain greedy decoding gives: the exact offline evaluation's rollouts;
-2. with ``--regenerate N`` only, ``sharegpt-regen``: the target's greedy answers to N ShareGPT prompts (first turns of
-   at most 256 tokens, ``--max-new-tokens`` each), drawn by vLLM's server (``serve_target.py``, ``make
-   serve-setup``), trained on instead of ShareGPT's answers (400 answers take ~15 min on 2 cores);
+2. with ``--regenerate N`` only: the target's greedy answers to N ShareGPT prompts (first turns of at most 256
+   tokens, ``--max-new-tokens`` each), trained on instead of ShareGPT's answers. They are read from the kept archive
+   ``regenerated/<target>-sharegpt-greedy-<N>.rollouts.jsonl.gz`` (``--kept``) when the repository has it (5,638
+   are kept); otherwise vLLM's server draws them into ``sharegpt-regen`` (``serve_target.py``, ``make serve-setup``;
+   bf16 where the CPU multiplies it natively: 5.6k answers take ~32 min on a 2-core AMX Xeon) and they are packed
+   into that archive, to be committed;
 3. the feature store (``lightning-spec features``; the cache folder's, or ``--store``);
 4. ``fit``: ``--steps`` steps, no time budget, no decoding during training;
 5. exact offline MAL on ``mtbench-greedy``, as a chain and as trees (``lightning-spec evaluate --mode offline``);
@@ -30,8 +33,9 @@ recipe over the same data reads it) and is skipped when its output is there, so 
 
 With ``--compare-sharegpt`` (docs/reproductions.md, "Training on the target's own answers beats the dataset's answers
 to the same prompts") the same drafter, objective and steps also train on ShareGPT's own answers to the regenerated
-prompts, cut to the same token budget (``sharegpt-answers.jsonl``), and the two are compared on ``mtbench-greedy``,
-paired over prompts.
+prompts, cut to the same token budget (``sharegpt-answers.jsonl``), and the arms are compared on the target's greedy
+answers to 80 MT-Bench, 80 HumanEval and 80 MMATH prompts (``heldout-greedy``), paired over prompts, per domain, with
+AR_1 and AR_2 and each arm's CPU-hours; ``--mixed`` adds an arm trained on both sets of answers.
 
 The figures go to stdout and ``<out>/summary.json`` (with the CPU-seconds of every step, from the children's
 rusage); the logs of every step to ``<out>/logs``.
@@ -162,6 +166,10 @@ def regenerate(args: argparse.Namespace, out: Path, logs: Path, summary: dict) -
         return kept
     regen, log = out / "sharegpt-regen", logs / "sharegpt-regen.log"
     if not (regen / "rollouts.json").exists():
+        if not Path(args.python).exists():
+            raise SystemExit(f"[testbed] no kept regeneration of {args.regenerate} prompts ({kept}) and no vLLM at "
+                             f"{args.python} to draw one: run `make serve-setup`, or pass --regenerate with a kept "
+                             "count (ls regenerated/).")
         serve = argparse.Namespace(python=args.python, target="smollm2-135m-instruct", name=None, port=args.port,
                                    dtype=args.serve_dtype, max_model_len=2048, max_num_seqs=args.concurrency,
                                    kv_gb=4, start_timeout=600, log=str(logs / "vllm.log"))

@@ -237,20 +237,18 @@ def sft_folder(tiny_target, prompts, tmp_path):
     return folder, eval_file
 
 
+def trained_on(source, eval_file) -> tuple[SpecDataModule, list[dict]]:
+    """The data module of a fit on ``source`` (100 tokens per example, a fifth held out) and all its examples."""
+    dm = SpecDataModule(target="tiny-random", train_sources=[str(source)], eval_sources=[eval_file], train_limit=None,
+                        max_length=100, val_fraction=0.2, eval_prompts_per_domain=1)
+    dm.setup("fit")
+    return dm, [*dm.train_dataset, *dm.val_dataset]
+
+
 def test_datamodule_trains_on_rollouts_with_the_response_masked_in(sft_folder, prompts):
     folder, eval_file = sft_folder
     ds, _ = load_rollouts(folder)
-    dm = SpecDataModule(
-        target="tiny-random",
-        train_sources=[str(folder)],
-        eval_sources=[eval_file],
-        train_limit=None,
-        max_length=100,
-        val_fraction=0.2,
-        eval_prompts_per_domain=1,
-    )
-    dm.setup("fit")
-    examples = [*dm.train_dataset, *dm.val_dataset]
+    dm, examples = trained_on(folder, eval_file)
     by_id = {f"{r['prompt_id']}#{r['sample']}": r for r in ds}
     assert sorted(e["id"] for e in examples) == sorted(k for k in by_id if not k.startswith("p1#"))  # held out
     assert len(by_id["p2#0"]["prompt_ids"]) + len(by_id["p2#0"]["response_ids"]) > 100  # one is truncated
@@ -463,25 +461,12 @@ def test_an_archive_reads_as_its_folder_row_for_row(sft_folder, tmp_path, own_ca
 def test_a_fit_trains_on_an_archive_as_on_its_folder(sft_folder, tmp_path, own_cache):
     folder, eval_file = sft_folder
     path = write_archive(folder, tmp_path / "kept.rollouts.jsonl.gz")
-
-    def examples(source):
-        dm = SpecDataModule(
-            target="tiny-random",
-            train_sources=[str(source)],
-            eval_sources=[eval_file],
-            train_limit=None,
-            max_length=100,
-            val_fraction=0.2,
-            eval_prompts_per_domain=1,
-        )
-        dm.setup("fit")
-        return sorted(
-            (e["id"], e["input_ids"].tolist(), e["loss_mask"].tolist()) for e in [*dm.train_dataset, *dm.val_dataset]
-        ), dm.rollout_meta[0]
-
-    (rows, meta), (packed_rows, packed_meta) = examples(folder), examples(path)
-    assert packed_rows == rows and len(rows) > 0
-    assert packed_meta["target_fingerprint"] == meta["target_fingerprint"] and packed_meta["folder"] == str(path)
+    rows = {}
+    for source in (folder, path):
+        dm, examples = trained_on(source, eval_file)
+        rows[source] = sorted((e["id"], e["input_ids"].tolist(), e["loss_mask"].tolist()) for e in examples)
+        assert dm.rollout_meta[0]["folder"] == str(source)
+    assert rows[path] == rows[folder] and len(rows[folder]) > 0
 
 
 def test_a_bad_name_or_a_truncated_archive_is_one_sentence(sft_folder, tmp_path, own_cache):
