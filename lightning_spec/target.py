@@ -95,12 +95,35 @@ class TargetOutput:
     last_hidden: Tensor  # (N, T, H) final normed hidden state: logits = lm_head(last_hidden)
 
 
+class WeightsHash:
+    """A target's weights fingerprint, fed one parameter at a time (``Target.fingerprints`` over the loaded model; a
+    head-only load over the files, never holding more than one layer tensor): the name and the architecture
+    (``model_type``), then each parameter's name, shape and 64 strided values in fp64. Nothing else of the config
+    enters it: not the folder it was loaded from (``_name_or_path``), not the attributes a transformers release adds.
+    The earlier recipe (the whole config's JSON, then the same values) is kept beside it for files that recorded it."""
+
+    def __init__(self, name: str, config: Any) -> None:
+        self.now, self.before = hashlib.sha256(name.encode()), hashlib.sha256(name.encode())
+        self.now.update(str(config.model_type).encode())
+        self.before.update(config.to_json_string(use_diff=False).encode())
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        flat = tensor.reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)].double().cpu().numpy().tobytes()
+        self.now.update(f"{name}{tuple(tensor.shape)}".encode() + sample)
+        self.before.update(sample)
+
+    def digests(self) -> tuple[str, str]:
+        """(fingerprint, the earlier one)."""
+        return self.now.hexdigest()[:16], self.before.hexdigest()[:16]
+
+
 class Target(nn.Module):
     """A frozen HF causal LM. Eval mode, grads off, never saved in a drafter checkpoint."""
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, name: str | None = None,
-                 options: TargetOptions | None = None, fingerprint: str | None = None, decode: str = "fast",
-                 folder: str | None = None) -> None:
+                 options: TargetOptions | None = None, fingerprints: tuple[str, str] | None = None,
+                 decode: str = "fast", folder: str | None = None) -> None:
         super().__init__()
         check_decode(decode)
         self.decode = decode  # how decoding forwards run (``DECODE_PATHS``); assign another to switch
@@ -110,7 +133,7 @@ class Target(nn.Module):
         self.options = options or TargetOptions()
         self.folder = folder  # what it was loaded from (a local folder or a hub id); None: a model built in Python
         self._cache_kw = "cache" if "cache" in inspect.signature(self.base.forward).parameters else "past_key_values"
-        self._fingerprint: str | None = fingerprint
+        self._fingerprints = fingerprints  # ``fingerprints``, computed on first use (given by a head-only load)
         self.origin: str | None = None  # ``converted``: the fingerprint of the weights this copy was cast from
         self._casts: dict[torch.dtype, Target] = {}  # ``cast``: its copies in other dtypes
         self._layers_loaded = not any(p.is_meta for p in self.base.parameters())  # False: head-only (export)
@@ -224,29 +247,20 @@ class Target(nn.Module):
 
     @property
     def fingerprint(self) -> str:
-        """The target's name, architecture and a checksum of its weights (every parameter's name, shape and a few
-        strided values): keys feature caches, rollouts and drafters to these exact weights. Nothing else of the config
-        enters it (not the folder it was loaded from, not the attributes a transformers release adds), so the same
-        weights have the same fingerprint on every machine and after an upgrade."""
-        if self._fingerprint is None:
-            self._fingerprint = self._weights_hash(self.config.model_type, names=True)
-        return self._fingerprint
+        """The target's name, architecture and a checksum of its weights (``WeightsHash``): keys feature caches,
+        rollouts and drafters to these exact weights, the same on every machine and after a transformers upgrade."""
+        return self.fingerprints[0]
 
     @property
     def fingerprints(self) -> tuple[str, str]:
         """``fingerprint`` and the one versions before 2026-12 recorded, which hashed the whole config, its folder path
         included (a rollouts folder, store or checkpoint of that age matches it where it was made)."""
-        return self.fingerprint, self._weights_hash(self.config.to_json_string(use_diff=False))
-
-    def _weights_hash(self, config: str, names: bool = False) -> str:
-        h = hashlib.sha256(self.name.encode())
-        h.update(config.encode())
-        for name, p in self.model.named_parameters():  # cheap: a few strided values per tensor, in fp64
-            if names:
-                h.update(f"{name}{tuple(p.shape)}".encode())
-            flat = p.detach().reshape(-1)
-            h.update(flat[:: max(1, flat.numel() // 64)].double().cpu().numpy().tobytes())
-        return h.hexdigest()[:16]
+        if self._fingerprints is None:
+            weights = WeightsHash(self.name, self.config)
+            for name, p in self.model.named_parameters():
+                weights.add(name, p.detach())
+            self._fingerprints = weights.digests()
+        return self._fingerprints
 
     def check_layers(self, layers: list[int]) -> None:
         bad = [layer for layer in layers if not 0 <= layer < self.num_layers]

@@ -6,7 +6,6 @@ final norm and the LM head). The ``Target`` it returns, and its options, are ``t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import warnings
@@ -20,7 +19,7 @@ from torch import Tensor, nn
 from lightning_spec.assets import PACKAGED_TARGETS, resolve_target_folder
 from lightning_spec.cpu_kernels import SHARED_KV_SDPA, register_shared_kv_sdpa
 from lightning_spec.errors import UserError
-from lightning_spec.target import Target, TargetOptions, check_decode
+from lightning_spec.target import Target, TargetOptions, WeightsHash, check_decode
 
 
 def _unknown_target(spec: str, err: BaseException) -> UserError:
@@ -163,20 +162,20 @@ def load_target(
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **attention, **options.loading())
             model = model.to(device)
         else:
-            model, fingerprint = heads
+            model, fingerprints = heads
     except (OSError, ValueError) as err:  # transformers reports an unknown name as a failed download
         raise _unknown_target(spec, err) from None
     if options.attn_implementation is None and getattr(model.config, "_attn_implementation", None) == "sdpa" \
             and layers and register_shared_kv_sdpa():
         model.set_attn_implementation(SHARED_KV_SDPA)  # same outputs, faster verify forwards on CPU
     return Target(model, tokenizer=load_tokenizer(source), name=spec, options=options,
-                  fingerprint=None if heads is None else fingerprint, decode=decode, folder=folder)
+                  fingerprints=None if heads is None else fingerprints, decode=decode, folder=folder)
 
 
 def _heads_only(spec: str, folder: str, dtype: torch.dtype, attention: dict[str, Any],
-                options: TargetOptions) -> tuple[nn.Module, str] | None:
+                options: TargetOptions) -> tuple[nn.Module, tuple[str, str]] | None:
     """(the model on the meta device with its embedding, final norm and LM head read from the safetensors files,
-    the weights fingerprint ``Target.fingerprint`` would compute) without holding more than one tensor of the rest
+    the weights fingerprints ``Target.fingerprints`` would compute) without holding more than one tensor of the rest
     in memory at a time. Local folders and the hub cache (``snapshot_download``'s files) alike. None, with a
     warning, where the weights are not safetensors under the model's own parameter names: load it whole then."""
     from safetensors import safe_open
@@ -213,13 +212,10 @@ def _heads_only(spec: str, folder: str, dtype: torch.dtype, attention: dict[str,
                 if name not in loaded:
                     loaded[name] = nn.Parameter(read(name), requires_grad=False)
                 setattr(module, pname, loaded[name])
-        h = hashlib.sha256(spec.encode())  # Target.fingerprint's recipe, one tensor at a time
-        h.update(config.to_json_string(use_diff=False).encode())
+        weights = WeightsHash(spec, config)  # Target.fingerprints, one tensor at a time
         for name, param in model.named_parameters():
-            flat = (param.detach() if name in loaded else read(name)).reshape(-1)  # the heads are already read
-            h.update(flat[:: max(1, flat.numel() // 64)].double().numpy().tobytes())
-            del flat
-    return model, h.hexdigest()[:16]
+            weights.add(name, param.detach() if name in loaded else read(name))  # the heads are already read
+    return model, weights.digests()
 
 
 def _safetensors_files(folder: str, options: TargetOptions) -> list[Path]:

@@ -102,7 +102,7 @@ def test_the_fingerprint_is_the_weights_not_the_folder_they_were_loaded_from(mon
     assert here.fingerprint == there.fingerprint  # the same weights, wherever they were built
     assert here.fingerprints[1] != there.fingerprints[1]  # the earlier fingerprint hashed the path
     there.config.attribute_a_later_release_adds, there.config.transformers_version = 1, "99.0"
-    there._fingerprint = None
+    there._fingerprints = None
     assert there.fingerprint == here.fingerprint  # nor does a transformers upgrade change it
     greedy = SamplingConfig()
     for recorded in here.fingerprints:  # a rollouts folder of either age, on the machine that drew it
@@ -113,5 +113,5 @@ def test_the_fingerprint_is_the_weights_not_the_folder_they_were_loaded_from(mon
                           "sampling": greedy.to_dict()}, there, greedy)
     with torch.no_grad():
         there.model.lm_head.weight[0, 0] += 1.0
-    there._fingerprint = None
+    there._fingerprints = None
     assert there.fingerprint != here.fingerprint  # and other weights are another target
