@@ -142,8 +142,9 @@ def check_kept(kept: Path, args: argparse.Namespace) -> None:
     answer budget; anything else is one sentence naming the option."""
     from lightning_spec.data.rollout_archive import read_header
 
-    meta = read_header(kept)["rollouts"]
-    prompts = read_header(kept)["rows"] // max(1, meta.get("n_per_prompt", 1))
+    header = read_header(kept)
+    meta = header["rollouts"]
+    prompts = header["rows"] // max(1, meta.get("n_per_prompt", 1))
     wanted = {"target": args.target, "temperature": 0.0, "prompts": args.regenerate,
               "max_new_tokens": args.max_new_tokens}
     found = {"target": meta.get("target"), "temperature": float(meta["sampling"]["temperature"]), "prompts": prompts,
