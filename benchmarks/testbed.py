@@ -160,6 +160,7 @@ def regenerate(args: argparse.Namespace, out: Path, logs: Path, summary: dict) -
     (nothing is drawn), else drawn by vLLM's server (started for this step only, in ``--serve-dtype``) into
     ``<out>/sharegpt-regen`` and packed into the kept archive, with how it was drawn, for the next machine."""
     from lightning_spec.data.rollout_archive import write_archive
+    from lightning_spec.target_loading import load_target
 
     kept = kept_path(args)
     if kept.exists():
@@ -188,8 +189,6 @@ def regenerate(args: argparse.Namespace, out: Path, logs: Path, summary: dict) -
     summary["regeneration_tokens_per_s"] = float(rate[-1]) if rate else None
     version = subprocess.run([args.python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                              text=True).stdout.strip() or None
-    from lightning_spec.target_loading import load_target
-
     write_archive(regen, kept, target=load_target(args.target), provenance={
         "engine": {"name": "vllm", "version": version, "dtype": args.serve_dtype, "max_num_seqs": args.concurrency,
                    "concurrency": args.concurrency, "max_prompt_tokens": 256, "max_turns": 1},
