@@ -36,6 +36,7 @@ FORMAT = 1
 
 
 def is_archive(path: str | os.PathLike) -> bool:
+    """An existing file named ``*.rollouts.jsonl.gz``."""
     path = Path(path).expanduser()
     return path.name.endswith(SUFFIX) and path.is_file()
 

@@ -542,5 +542,7 @@ def test_the_kept_regeneration_matches_the_packaged_target_on_this_machine():
     from lightning_spec import load_target
 
     target = load_target("smollm2-135m-instruct")
-    for path in KEPT.glob("*.rollouts.jsonl.gz"):
+    kept = sorted(KEPT.glob("*.rollouts.jsonl.gz"))
+    assert kept, "regenerated/ holds no kept regeneration: the testbed's --regenerate 5638 would draw it again"
+    for path in kept:
         assert read_header(path)["rollouts"]["target_fingerprint"] == target.fingerprint, path.name
