@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/learning_curve.py                          # every line of the grid (many hours)
     .venv/bin/python benchmarks/learning_curve.py --lines base vocab8192   # some lines
     .venv/bin/python benchmarks/learning_curve.py --max-steps 1000         # every line, points up to 1000 steps
+    .venv/bin/python benchmarks/learning_curve.py --lines len512 --steps 2000   # one point of one line
     .venv/bin/python benchmarks/learning_curve.py --report-only --docs docs   # the table, and the plot in docs/
 
 One start, the quickstart's exportable DFlash (``experiments/quickstart.yaml``: 1 layer, K = 8, a 2048-token draft
@@ -349,6 +350,8 @@ def main() -> None:
     parser.add_argument("--out", default="curve", help="where stores, runs, points and logs go (resumable)")
     parser.add_argument("--lines", nargs="*", help=f"the lines to run (default all): {[line.id for line in LINES]}")
     parser.add_argument("--max-steps", type=int, help="only the points of at most this many steps")
+    parser.add_argument("--steps", type=int, nargs="*", help="only the points of exactly these budgets (a line's "
+                        "last point without its shorter ones, e.g. --lines len512 --steps 2000)")
     parser.add_argument("--target", default="smollm2-135m-instruct",
                         help="tiny-random: the packaged tiny target and a seconds-long grid (the benchmark's test)")
     parser.add_argument("--eval-prompts", type=int, default=80, help="per domain (MT-Bench has 80)")
@@ -370,7 +373,7 @@ def main() -> None:
             if args.lines and line.id not in args.lines:
                 continue
             for steps in line.steps:
-                if args.max_steps is None or steps <= args.max_steps:
+                if (args.max_steps is None or steps <= args.max_steps) and (not args.steps or steps in args.steps):
                     point(line, steps, rollouts, settings)
     report(settings, Path(args.docs).resolve() if args.docs else None)
 

@@ -146,6 +146,8 @@ def test_learning_curve_trains_each_knob_from_one_store_resumes_and_reports(tmp_
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = run_benchmark("learning_curve.py", *args)  # every point is on disk: nothing is trained again
     assert "[curve] fit-" not in again and "[curve] store-" not in again and "| vocabfull | 2 |" in again
+    one = run_benchmark("learning_curve.py", *args[:-4], "--lines", "base", "--steps", "4")  # one budget alone
+    assert "[curve] fit-dflash-rows24-len64-v64-d1-k4-s4" in one and "| base | 4 |" in one and "-s2" not in one
 
 
 def test_testbed_recipe_trains_scores_times_and_resumes(tmp_path):
