@@ -142,6 +142,9 @@ class DraftOutput:
             or, for large ones, a ``Head`` evaluated per chunk like the logits (a second branch's logits).
         drafted: (N, A) slots the drafter submits from that anchor at decode time (a prefix scheduler or length
             head cuts blocks); None: all K.
+        sparse: the logits are -inf outside a per-slot candidate set (DFlash2's selector draws from its top-k):
+            a loss that needs every token's probability (CE on a gold token outside the set, KL) is infinite there,
+            so only losses that declare ``reads_candidates`` train such a drafter (``objectives.SelectorCE``).
     """
 
     def __init__(
@@ -155,6 +158,7 @@ class DraftOutput:
         head: Head | None = None,
         aux: dict[str, Tensor] | None = None,
         drafted: Tensor | None = None,
+        sparse: bool = False,
     ) -> None:
         if logits is None and (hidden is None or head is None):
             raise ValueError("DraftOutput needs logits, or hidden and head.")
@@ -162,6 +166,7 @@ class DraftOutput:
         self.labels, self.valid, self.anchors = labels, valid, anchors
         self.aux = aux if aux is not None else {}
         self.drafted = drafted
+        self.sparse = sparse
 
     @property
     def logits(self) -> Tensor:
@@ -199,7 +204,7 @@ class DraftOutput:
             logits = self.head(hidden, index)
         aux = {k: v(hidden, index) if callable(v) else take(v) for k, v in self.aux.items()}
         return DraftOutput(logits, take(self.labels), take(self.valid), take(self.anchors), hidden=hidden, aux=aux,
-                           drafted=take(self.drafted))
+                           drafted=take(self.drafted), sparse=self.sparse)
 
     @torch.no_grad()
     def slot_hits(self, chunk: int | None = None) -> Tensor:

@@ -32,6 +32,7 @@ EXEMPT: dict[tuple[str, str], str] = {
     ("lightning_spec/drafters/domino.py", "DominoDrafter.__init__"): "schema: `model.drafter`",
     ("lightning_spec/drafters/d2sd.py", "D2SDDrafter.__init__"): "schema: `model.drafter`",
     ("lightning_spec/drafters/peagle.py", "PEagleDrafter.__init__"): "schema: `model.drafter`",
+    ("lightning_spec/drafters/dflash2.py", "DFlash2Drafter.__init__"): "schema: `model.drafter`",
     # the command dataclasses: their fields are the command's flags and YAML keys (cli.run_command)
     ("lightning_spec/evaluation/cli.py", "Evaluate"): "schema: `lightning-spec evaluate`",
     ("lightning_spec/data/rollout_writer.py", "Rollouts"): "schema: `lightning-spec rollouts`",

@@ -79,12 +79,15 @@ def init_weights(drafter: Drafter, path: str | Path, target_fingerprints: tuple[
     step. The file must hold the same drafter class with weights of the same shapes, trained for the same target
     weights (``Target.fingerprints``). Returns the parent record a checkpoint of this fit stores (``parent``: path,
     class, its own parent).
-    A head the file's drafter had off (``ADDABLE_HEADS``) may be on in ``drafter``: it keeps its fresh weights."""
+    A head the file's drafter had off (``ADDABLE_HEADS``) may be on in ``drafter``: it keeps its fresh weights. A family
+    may start from another's file (``Drafter.warm_start_from``: DFlash2 from DFlash); the weights that file lacks
+    (``warm_start_fresh``) keep their start."""
     what = "model.init_from"
     artifact = read_drafter_state(path, what)
     meta, state = artifact.record, artifact.state
     ours = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
-    if meta["drafter_class"] != ours:
+    warm = meta["drafter_class"] != ours and meta["drafter_class"] in drafter.warm_start_from  # DFlash2 from DFlash
+    if meta["drafter_class"] != ours and not warm:
         raise UserError(
             f"{what} '{path}' holds a {meta['drafter_class']} but model.drafter is a {ours}; set model.drafter to the "
             "class (and sizes) the file was trained with."
@@ -96,9 +99,11 @@ def init_weights(drafter: Drafter, path: str | Path, target_fingerprints: tuple[
             "from a drafter of this target."
         )
     added = added_heads(drafter, meta["drafter_config"])
+    fresh = drafter.warm_start_fresh if warm else ()
     try:
-        loaded = drafter.load_state_dict(with_target_weights(meta, state, drafter), strict=not added)
-        stray = [k for k in loaded.missing_keys if not k.startswith(added)] + list(loaded.unexpected_keys)
+        loaded = drafter.load_state_dict(with_target_weights(meta, state, drafter), strict=not (added or fresh))
+        stray = [k for k in loaded.missing_keys if not k.startswith(added) and not any(f in k for f in fresh)]
+        stray += list(loaded.unexpected_keys)
         if stray:
             raise RuntimeError(f"Error(s) in loading state_dict:\n\tMissing or unexpected key(s): {stray}.")
     except RuntimeError as err:

@@ -9,6 +9,7 @@ YAML overlays under experiments/drafters/ and the export codecs read it instead 
 from lightning_spec.drafters.base import Anchors, Drafter, DraftOutput, DraftVocab
 from lightning_spec.drafters.d2sd import D2SDDrafter
 from lightning_spec.drafters.dflash import DFlashDrafter
+from lightning_spec.drafters.dflash2 import DFlash2Drafter
 from lightning_spec.drafters.dfly import DFlyDrafter
 from lightning_spec.drafters.domino import DominoDrafter
 from lightning_spec.drafters.dspark import DSparkDrafter
@@ -21,8 +22,8 @@ from lightning_spec.drafters.specblock import SpecBlockDrafter
 FAMILIES: dict[str, type[Drafter]] = {
     cls.family: cls
     for cls in (
-        DFlashDrafter, DSparkDrafter, D2SDDrafter, DFlyDrafter, DominoDrafter, Eagle3Drafter, MedusaDrafter,
-        MTPDrafter, PEagleDrafter, SpecBlockDrafter,
+        DFlashDrafter, DFlash2Drafter, DSparkDrafter, D2SDDrafter, DFlyDrafter, DominoDrafter, Eagle3Drafter,
+        MedusaDrafter, MTPDrafter, PEagleDrafter, SpecBlockDrafter,
     )
 }
 
@@ -52,7 +53,7 @@ def family_class(drafter: Drafter) -> type[Drafter] | None:
     return cls if type(drafter) is cls else None
 
 __all__ = [
-    "FAMILIES", "RENAMED", "Anchors", "BlockDrafter", "D2SDDrafter", "DFlashDrafter", "DFlyDrafter", "DominoDrafter",
-    "DSparkDrafter", "DraftOutput", "DraftVocab", "Drafter", "Eagle3Drafter", "MTPDrafter", "MedusaDrafter",
-    "PEagleDrafter", "SpecBlockDrafter", "VPDrafter", "class_path_now", "family_class",
+    "FAMILIES", "RENAMED", "Anchors", "BlockDrafter", "D2SDDrafter", "DFlash2Drafter", "DFlashDrafter", "DFlyDrafter",
+    "DominoDrafter", "DSparkDrafter", "DraftOutput", "DraftVocab", "Drafter", "Eagle3Drafter", "MTPDrafter",
+    "MedusaDrafter", "PEagleDrafter", "SpecBlockDrafter", "VPDrafter", "class_path_now", "family_class",
 ]

@@ -200,6 +200,15 @@ class Drafter(nn.Module, Proposer):
         ``state.length``: at most ``block_size`` tokens, drawn from the distributions it records."""
         raise NotImplementedError(f"{type(self).__name__} must implement propose")
 
+    #: Classes (module paths) whose checkpoints this family may start from (``model.init_from``), and the fragments
+    #: naming the weights those lack, which keep their fresh start (DFlash2 from DFlash). None by default.
+    warm_start_from: tuple[str, ...] = ()
+    warm_start_fresh: tuple[str, ...] = ()
+
+    #: True when the training forward's logits are -inf outside each slot's candidates (``DraftOutput.sparse``:
+    #: DFlash2 draws from its selector's top-k); only losses that declare ``reads_candidates`` train it.
+    sparse_logits: bool = False
+
     #: True when no slot reads the tokens drafted before it (a block drafted in parallel, heads side by side):
     #: every slot's distribution then comes from one call (``position_logits``). What the slots depend on, which
     #: training reads too (on-policy rounds supervise every rejected slot, GRPO's credit); a family whose trees are

@@ -151,7 +151,7 @@ class ParallelBlockDrafter(Drafter):
         hidden, self.rope_theta = shape.hidden, shape.rope_theta
         self.fc = nn.Linear(len(self.target_layers) * hidden, hidden, bias=False)
         self.ctx_norm = RMSNorm(hidden, shape.eps)
-        self.layers = nn.ModuleList(DraftLayer(shape, self.qk_norm) for _ in range(self.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(shape) for _ in range(self.num_layers))
         self.norm = RMSNorm(hidden, shape.eps)
         # one learned mask vector per slot (DFlash shares one mask token; identical at init, so this starts
         # as DFlash and lets the residual stream know which offset it predicts), or DFlash's one shared vector
@@ -171,6 +171,10 @@ class ParallelBlockDrafter(Drafter):
                 for layer in (self.length.down, self.length.res, self.length.out):
                     nn.init.normal_(layer.weight, std=0.02)
                     nn.init.zeros_(layer.bias)
+
+    def make_layer(self, shape: TargetShape) -> DraftLayer:
+        """One draft layer of the target's shape (DFlash2 wraps its sublayers in convolutions)."""
+        return DraftLayer(shape, self.qk_norm)
 
     @torch.no_grad()
     def _init_weights(self, target: Target) -> None:

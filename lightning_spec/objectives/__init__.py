@@ -6,7 +6,8 @@ Losses ℓ: CE, KL, ReverseKL, TV, JSD, LK, LKAlpha, BernoulliKL, TVMinusOne (E2
 Block-position weights b: Uniform, ExpDecay, Geometric, AUFSupport, ValidPrefix, DPACE, E2EWeight, WTVWeight,
 EALWeight, EDRReach, PositionProduct (a product of weights), VPDecay (D²SD's variable prefix). Anchor weights a:
 AnchorUniform, EDROccupancy. Aux-head losses: ConfidenceBCE (DSpark), RankOrdinal (SpecBlock's rank head),
-LengthMSE (AdaFlash's length head). AdaFlashLoss: AdaFlash's CE on the target argmax + reverse KL.
+LengthMSE (AdaFlash's length head), SelectorCE (DFlash2's path selector over a dense base loss). AdaFlashLoss:
+AdaFlash's CE on the target argmax + reverse KL.
 Objectives: Objective (the template), the ready-made pairs E2E, WTV, EAL and EDR, Mixture (weighted sums), and GRPO
 (policy gradient on simulated acceptance). On-policy: DraftOPD (replays the rounds of the live drafter's rollouts).
 Every part is called as ``part(draft, ctx)``: the drafter's ``DraftOutput`` and the module's ``StepContext``.
@@ -33,6 +34,7 @@ from lightning_spec.objectives.losses import (
 )
 from lightning_spec.objectives.objective import E2E, EAL, WTV, LossTerms, Mixture, Objective, TargetInfo
 from lightning_spec.objectives.rank import RankOrdinal
+from lightning_spec.objectives.selector import SelectorCE
 from lightning_spec.objectives.two_branch import TwoBranchCE
 from lightning_spec.objectives.vp import VPDecay
 from lightning_spec.objectives.weights import (
@@ -55,7 +57,8 @@ __all__ = [
     "AUFSupport", "AnchorUniform", "AnchorWeight", "BernoulliKL", "CE", "ConfidenceBCE", "DPACE", "DraftOPD", "E2E",
     "E2EWeight", "EAL", "EALWeight", "EDR", "EDRCost", "EDROccupancy", "EDRReach", "ExpDecay", "GRPO", "Geometric",
     "JSD", "KL", "LK", "LKAlpha", "Loss", "LossTerms", "Mixture", "NegProb", "Objective", "PerAnchor",
-    "PositionProduct", "PositionWeight", "RankOrdinal", "ReverseKL", "StepContext", "TV", "TVMinusOne", "TargetInfo",
+    "PositionProduct", "PositionWeight", "RankOrdinal", "ReverseKL", "SelectorCE", "StepContext", "TV", "TVMinusOne",
+    "TargetInfo",
     "TwoBranchCE", "Uniform", "ValidPrefix", "VPDecay", "WTV", "WTVWeight",
     "AdaFlashLoss", "LengthMSE",
 ]

@@ -20,7 +20,11 @@ from lightning_spec.sampling import SamplingConfig
 
 
 class Loss(Part):
-    """A per-slot loss. ``needs_target`` asks the module for target logits at every slot (``Part``)."""
+    """A per-slot loss. ``needs_target`` asks the module for target logits at every slot (``Part``).
+    ``reads_candidates``: the loss is defined on logits that are -inf outside a candidate set (``DraftOutput.sparse``,
+    DFlash2's selector); ``Objective`` refuses a sparse draft to any other loss."""
+
+    reads_candidates: bool = False
 
     def __call__(self, draft: DraftOutput, ctx: StepContext) -> Tensor:  # (N, A, K)
         raise NotImplementedError

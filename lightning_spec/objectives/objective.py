@@ -145,6 +145,12 @@ class Objective:
     def sums(self, draft: DraftOutput, ctx: StepContext) -> list[tuple[Tensor, Tensor]]:
         """[(num, den)] of this objective on ``draft`` (one pair; a mixture has one per component). Both are
         sums over anchors, except the ``sequences`` normaliser, which ``__call__`` takes from the whole batch."""
+        if draft.sparse and not self.loss.reads_candidates:
+            raise UserError(
+                f"loss {type(self.loss).__name__} needs every token's draft probability, but this drafter's logits "
+                "cover only each slot's candidates (DFlash2's selector); use lightning_spec.objectives.SelectorCE, "
+                "which trains the selector and takes this loss as its base (experiments/drafters/dflash2.yaml)."
+            )
         mask = self.slot_mask(draft, ctx)  # (N, A, K)
         valid = mask.float()
         ell = self.loss(draft, ctx)  # (N, A, K)

@@ -9,6 +9,7 @@ import torch
 from helpers.decoding import MAX_NEW, argmax_reference
 from lightning_spec.drafters import (
     D2SDDrafter,
+    DFlash2Drafter,
     DFlashDrafter,
     DFlyDrafter,
     DominoDrafter,
@@ -19,12 +20,15 @@ from lightning_spec.drafters import (
     PEagleDrafter,
     SpecBlockDrafter,
 )
-from lightning_spec.objectives import CE, Objective
+from lightning_spec.objectives import CE, Objective, SelectorCE
 
 FAMILIES = {
     "dflash": lambda k: DFlashDrafter(block_size=k, num_layers=1, num_anchors=64),
     # DFlash as served (qk norms, one shared mask token: what `lightning-spec export` writes for vLLM)
     "dflash_served": lambda k: DFlashDrafter(block_size=k, num_layers=1, num_anchors=64, qk_norm=True, mask_token_id=1),
+    # DFlash2: the convolutions and the selector (a rank-8 selector over each slot's 4 best tokens)
+    "dflash2": lambda k: DFlash2Drafter(block_size=k, num_layers=1, num_anchors=64, conv_group_size=8, selector_rank=8,
+                                        selector_top_k=4),
     "dfly": lambda k: DFlyDrafter(block_size=k, num_layers=1, num_anchors=64, hidden_correction=True),
     "dspark": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16),
     "dspark_rnn": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov="rnn", markov_rank=16),
@@ -42,6 +46,11 @@ FAMILIES = {
     "d2sd": lambda k: D2SDDrafter(block_size=k, num_layers=1, num_anchors=64),
     "specblock": lambda k: SpecBlockDrafter(block_size=2 * k, blocks=2, num_layers=2, num_anchors=64, rank_width=32),
 }
+
+
+def own_objective(drafter) -> Objective:
+    """CE, or for a drafter that draws from a candidate set (DFlash2's selector) SelectorCE with CE as its base."""
+    return Objective(SelectorCE() if drafter.sparse_logits else CE())
 
 
 def build(family: str, target, k: int, seed: int = 0):
@@ -87,8 +96,9 @@ def fit_to_greedy_continuations(target, drafter, prompts, steps: int = 40):
     batch = {"input_ids": ids, "loss_mask": mask}
     features = target(ids, layers=drafter.target_layers, logits=False).features  # (N, S, F)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    objective = own_objective(drafter)
     for _ in range(steps):
-        terms = Objective(CE())(drafter(batch, features))
+        terms = objective(drafter(batch, features))
         opt.zero_grad()
         (terms.num / terms.den).backward()
         opt.step()

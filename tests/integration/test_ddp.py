@@ -152,6 +152,7 @@ FAMILY_OBJECTIVES = {
         _part("Objective", loss=_part("ConfidenceBCE"), position_weight=_part("ExpDecay", gamma=4.0)),
     ], weights=[0.1, 1.8, 1.0]),
     "domino": _part("Objective", loss=_part("TwoBranchCE"), position_weight=_part("ExpDecay", gamma=4.0)),
+    "dflash2": _part("Objective", loss=_part("SelectorCE"), position_weight=_part("ExpDecay", gamma=4.0)),
     # SpecBlock's loss with one normaliser for both parts and no frequency cap: the paper's per-batch class counts
     # (RankOrdinal's cap) depend on how a batch is split, so 2 ranks cannot equal 1 process with them
     "specblock": _part("Mixture", objectives=[
