@@ -15,7 +15,9 @@ from it, every line at a few step budgets:
 - ``len512``: conversations cut at 512 tokens instead of 160 (more tokens per conversation);
 - ``vocab8192``, ``vocabfull``: the draft vocabulary (2048 covers ~78% of SmolLM2's greedy MT-Bench tokens);
 - ``layers2``, ``k16``: depth (2 drafter layers) and block size (16 slots);
-- ``eagle3``: EAGLE-3 (``experiments/drafters/eagle3.yaml``), the family most of the anchors use.
+- ``eagle3``: EAGLE-3 (``experiments/drafters/eagle3.yaml``), the family most of the anchors use;
+- ``dflash2``: DFlash2 (``experiments/drafters/dflash2.yaml``): the start's DFlash with the convolutions and the path
+  selector, trained with ``SelectorCE`` over the start's KL, on the start's store.
 
 Every fit reads the target's features from a feature store written once per (family's layers, rows, max_length)
 (``lightning-spec features``), trains exactly its steps (the cosine schedule ends there, no time budget) and
@@ -51,7 +53,9 @@ from objective_memory import cpu_name  # this folder is on sys.path when the scr
 
 ROOT = Path(__file__).resolve().parents[1]
 LS = [sys.executable, "-m", "lightning_spec"]
-FAMILY_CONFIGS = {"dflash": [], "eagle3": ["-c", "experiments/drafters/eagle3.yaml"]}
+FAMILY_CONFIGS = {"dflash": [], "dflash2": ["-c", "experiments/drafters/dflash2.yaml"],
+                  "eagle3": ["-c", "experiments/drafters/eagle3.yaml"]}
+BLOCK_FAMILIES = ("dflash", "dflash2")  # DFlash's layers and target layers: one store, num_layers a knob
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,9 @@ class Knobs:
     def store(self) -> str:
         """The store a point reads: the target layers the drafter reads (DFlash spreads them over the target by its
         depth, hence ``d<layers>``) and the data decide it; the vocabulary and K do not."""
-        depth = f"-d{self.layers}" if self.family == "dflash" else ""
-        return f"{self.family}{depth}-rows{self.rows or 'all'}-len{self.max_length}"
+        if self.family in BLOCK_FAMILIES:  # DFlash2 reads DFlash's target layers: the same store
+            return f"dflash-d{self.layers}-rows{self.rows or 'all'}-len{self.max_length}"
+        return f"{self.family}-rows{self.rows or 'all'}-len{self.max_length}"
 
     def name(self, steps: int) -> str:
         return (f"{self.family}-rows{self.rows or 'all'}-len{self.max_length}-v{self.vocab or 'full'}-d{self.layers}"
@@ -82,7 +87,7 @@ class Knobs:
                f"--data.max_length={self.max_length}",
                f"--model.drafter.init_args.draft_vocab_size={'null' if self.vocab is None else self.vocab}",
                f"--model.drafter.init_args.block_size={self.block}"]
-        if self.family == "dflash":
+        if self.family in BLOCK_FAMILIES:
             out.append(f"--model.drafter.init_args.num_layers={self.layers}")
         return out
 
@@ -108,6 +113,7 @@ LINES = [
     Line("layers2", "depth", Knobs(layers=2), (500, 1000, 2000)),
     Line("k16", "depth", Knobs(block=16), (500, 1000)),
     Line("eagle3", "family", Knobs(family="eagle3"), (500, 1000, 2000)),
+    Line("dflash2", "family", Knobs(family="dflash2"), (500, 1000, 2000)),
     Line("eagle3-rows8000", "family and data", Knobs(family="eagle3", rows=8000), (2000, 4000)),
 ]
 # The same grid on the packaged tiny random target, for the benchmark's test: seconds, not hours.
