@@ -28,6 +28,7 @@ from lightning_spec.cli import main
 from lightning_spec.datamodule import SpecDataModule
 from lightning_spec.drafters import (
     Anchors,
+    DFlash2Drafter,
     DFlashDrafter,
     DSparkDrafter,
     Eagle3Drafter,
@@ -52,6 +53,8 @@ EXPORTABLE = {  # name -> (drafter, the formats that hold it)
                                        norm_before_fc=True), ("speculators",)),
     "dflash": (lambda k: DFlashDrafter(block_size=k, num_layers=2, num_anchors=64, draft_vocab_size=48, qk_norm=True,
                                       mask_token_id=5), ("speculators", "sglang")),
+    "dflash2": (lambda k: DFlash2Drafter(block_size=k, num_layers=2, num_anchors=64, qk_norm=True, mask_token_id=5,
+                                         conv_group_size=8, selector_rank=8, selector_top_k=4), ("speculators",)),
     "dspark": (lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, draft_vocab_size=48, qk_norm=True,
                                        mask_token_id=5, markov_rank=16), ("speculators",)),
     "dspark_rnn": (lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, draft_vocab_size=48,
@@ -159,14 +162,28 @@ def test_serving_fields_carry_the_conventions(name, trained_exportable, diverse_
         assert layer["model_type"] == "qwen3" and "layers.1.self_attn.q_norm.weight" in tensors
         mask = torch.load(tmp_path / "s" / "mask_embedding.pt", weights_only=True)
         assert mask["mask_token_id"] == 5 and torch.equal(mask["embedding"], drafter.mask_embedding[0].detach())
+    elif name == "dflash2":  # DFlash's folder plus the four fields vLLM's update_dflash2 reads, and their tensors
+        assert config["architectures"] == ["DFlash2DraftModel"] and config["speculators_model_type"] == "dflash2"
+        assert config["block_size"] == drafter.block_size + 1 and config["sample_from_anchor"] is False
+        assert {k: config[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == {
+            "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+        for i in range(2):
+            assert tensors[f"layers.{i}.attention_conv.base_kernel"].shape == (2, 2, diverse_target.hidden_size)
+            assert f"layers.{i}.mlp_conv.kernel_projection.weight" in tensors
+        sel = drafter.selector
+        assert torch.equal(tensors["candidate_selector.predecessor_codebook"], sel.predecessor_codebook.weight.detach())
+        assert tensors["candidate_selector.successor_codebook"].shape == (diverse_target.vocab_size, 8)
+        projection = tensors["candidate_selector.hidden_projection.weight"]
+        assert torch.equal(projection, sel.hidden_projection.weight.detach())
     elif name == "peagle":  # vLLM 0.32's peagle type: the EAGLE-3 layout plus what its parallel drafting reads
         assert config["speculators_model_type"] == "peagle" and config["parallel_drafting"] is True
         assert config["speculators_config"]["algorithm"] == "peagle" and "fc_norm" not in config
         assert config["mask_token_id"] == 5 and config["norm_before_fc"] is True and "input_norm.weight" in tensors
         assert torch.equal(tensors["mask_hidden"], drafter.mask_hidden.detach())  # (1, F): before fc, as vLLM's
         assert tensors["mask_hidden"].shape == (1, drafter.fc.in_features)
-    if name in ("eagle3_1", "eagle3_norm_before_fc", "peagle"):  # SGLang's: EAGLE-3 as published
-        says = "formats that can: speculators" if name == "peagle" else "export it in the speculators format"
+    if name in ("eagle3_1", "eagle3_norm_before_fc", "peagle", "dflash2"):  # SGLang's: EAGLE-3 and DFlash as published
+        own = name in ("peagle", "dflash2")  # no SGLang codec at all
+        says = "formats that can: speculators" if own else "export it in the speculators format"
         with pytest.raises(UserError, match=says):
             export_drafter(drafter, tmp_path / "g", "sglang")
         return
@@ -233,9 +250,15 @@ def test_what_a_format_cannot_express_is_refused_in_one_sentence(diverse_target,
     medusa.bind(diverse_target)
     with pytest.raises(ValueError, match=r"A MedusaDrafter cannot be written in the speculators format \(this "
                                          r"package has no codec for it in any format yet; the exportable families "
-                                         r"are DFlashDrafter, DSparkDrafter, Eagle3Drafter, MTPDrafter, "
-                                         r"PEagleDrafter\)\."):
+                                         r"are DFlash2Drafter, DFlashDrafter, DSparkDrafter, Eagle3Drafter, "
+                                         r"MTPDrafter, PEagleDrafter\)\."):
         export_drafter(medusa, tmp_path / "x")
+    narrow = DFlash2Drafter(block_size=3, qk_norm=True, mask_token_id=1, conv_group_size=8, draft_vocab_size=48,
+                            selector_top_k=4)
+    narrow.bind(diverse_target)
+    with pytest.raises(ValueError, match=r"cannot be written as DFlash2: train it with drafter\.draft_vocab_size: "
+                                         r"null \(vLLM's selector codebooks"):
+        export_drafter(narrow, tmp_path / "narrow")
     dspark = DSparkDrafter(block_size=3, num_layers=1, markov_rank=8, qk_norm=True, mask_token_id=1)
     dspark.bind(diverse_target)
     with pytest.raises(ValueError, match=r"A DSparkDrafter cannot be written in the sglang format \(formats that "
@@ -384,8 +407,8 @@ def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    classes = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel",
-               "mtp": "MTPDraftModel"}
+    classes = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
+               "dspark": "DSparkDraftModel", "mtp": "MTPDraftModel"}
     for name, folder in folders.items():
         report = found[folder]
         assert report["class"] == classes[name.split("_")[0]], (name, report)
@@ -563,3 +586,15 @@ def test_a_peagle_folder_is_vllms_peagle_type_and_the_earlier_layout_still_reads
     normed.on_vocab_chosen()
     with pytest.raises(UserError, match=r"PEagleDrafter\(fc_norm=True\) has no field in the speculators peagle"):
         export_drafter(normed, tmp_path / "normed", "speculators")
+
+
+def test_a_dflash2_folder_without_its_selector_fields_is_refused(trained_exportable, diverse_target, tmp_path):
+    """A DFlash2 folder whose config.json lost a selector or convolution field (a tool that rewrote it as DFlash) is
+    refused naming the field, never read as a DFlash2 with defaults."""
+    folder = export_drafter(trained_exportable("dflash2"), tmp_path / "d", "speculators").folder
+    config = json.loads((folder / "config.json").read_text())
+    for field in ("selector_top_k", "conv_group_size"):
+        dropped = {k: v for k, v in config.items() if k != field}
+        (folder / "config.json").write_text(json.dumps(dropped))
+        with pytest.raises(UserError, match=rf"is a DFlash2 folder without {field} in config.json"):
+            load_drafter(folder, target=diverse_target)

@@ -29,6 +29,9 @@ FAMILIES = {
     # DFlash2: the convolutions and the selector (a rank-8 selector over each slot's 4 best tokens)
     "dflash2": lambda k: DFlash2Drafter(block_size=k, num_layers=1, num_anchors=64, conv_group_size=8, selector_rank=8,
                                         selector_top_k=4),
+    # DFlash2 as the speculators format holds it (DFlash's served layout, the full vocabulary)
+    "dflash2_served": lambda k: DFlash2Drafter(block_size=k, num_layers=1, num_anchors=64, qk_norm=True,
+                                               mask_token_id=1, conv_group_size=8, selector_rank=8, selector_top_k=4),
     "dfly": lambda k: DFlyDrafter(block_size=k, num_layers=1, num_anchors=64, hidden_correction=True),
     "dspark": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov_rank=16),
     "dspark_rnn": lambda k: DSparkDrafter(block_size=k, num_layers=1, num_anchors=64, markov="rnn", markov_rank=16),

@@ -1,5 +1,6 @@
-"""The speculators format (vllm-project/speculators 0.9): EAGLE-3, DFlash, DSpark and MTP. vLLM serves the first
-three from it (DSpark only in its model runner V2); it has no loader for the format's MTP.
+"""The speculators format (vllm-project/speculators 0.9): EAGLE-3, P-EAGLE, DFlash, DFlash2, DSpark and MTP. vLLM
+serves all but MTP from it (DSpark and DFlash2's selector only in its model runner V2); it has no loader for the
+format's MTP.
 
 A folder holds ``config.json`` (``speculators_model_type``, ``transformer_layer_config`` — the drafter's decoder
 layers as an HF config —, the family's fields and ``speculators_config`` {algorithm, proposal_methods, verifier})
@@ -30,6 +31,12 @@ vLLM (``make serve-check``), DSpark's and MTP's against the speculators library'
   token and one shared by the rest, which the export repeats. The confidence head has no per-slot temperatures in
   the format: the raw head is written and the STS temperatures go to ``dspark_calibration.json``. (The speculators
   library itself loads the verifier's embedding over the shipped one: there the mask is the token's embedding.)
+* DFlash2 is DFlash's folder plus ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and
+  ``selector_top_k`` (vLLM's ``update_dflash2`` copies the four into ``dflash_config``), each layer's
+  ``attention_conv`` / ``mlp_conv`` tensors and ``candidate_selector.{predecessor,successor}_codebook`` (V, r) with
+  ``candidate_selector.hidden_projection.weight``; vLLM serves it with method ``dflash``, choosing the selector's walk
+  by the ``DFlash2DraftModel`` architecture. Its candidates index the target's vocabulary, so the draft vocabulary
+  must be the whole of it.
 * MTP is one Qwen3 layer (``mtp_layers.0.*``) over the target's final-normed last hidden state, full vocabulary,
   its input projection over [RMSNorm(embedding); RMSNorm(state)] (ours is [state; embedding]: the two column
   halves swap), each step reading the previous step's normed output (``normed_chain``). Our stream also holds an
@@ -44,7 +51,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_spec.checkpoint.formats.common import layer_config, read_json, record, take, vocab_ids, vocab_tensors
-from lightning_spec.drafters import DFlashDrafter, Drafter, DSparkDrafter, Eagle3Drafter, MTPDrafter, PEagleDrafter
+from lightning_spec.drafters import (
+    DFlash2Drafter,
+    DFlashDrafter,
+    Drafter,
+    DSparkDrafter,
+    Eagle3Drafter,
+    MTPDrafter,
+    PEagleDrafter,
+)
 from lightning_spec.drafters.eagle import EagleDrafter
 from lightning_spec.errors import UserError
 
@@ -417,6 +432,74 @@ class DSparkCodec(DFlashCodec):
         return torch.tensor(temps, dtype=torch.float32)
 
 
+# ------------------------------------------------------------------------------------------------ DFlash2
+class DFlash2Codec(DFlashCodec):
+    """DFlash2Drafter <-> speculators ``dflash2`` (vLLM's ``DFlash2DraftModel``, method ``dflash``): DFlash's backbone
+    and names, plus each layer's ``attention_conv`` / ``mlp_conv`` (``base_kernel``, ``kernel_projection``) and the
+    ``candidate_selector``'s two codebooks and projection, over the target's full vocabulary."""
+
+    algorithm = "dflash2"
+    vllm = "dflash"
+    serving_note = ("vLLM 0.32 walks DFlash2's selector in its model runner V2 only (a GPU, or a CPU with Triton's "
+                    "CPU backend); its V1 runner loads the folder and drafts each slot's unary argmax, as DFlash.")
+    family = "DFlash2"
+    recipe = "experiments/drafters/dflash2.yaml with drafter.draft_vocab_size: null"
+    CONVS = ("attention_conv", "mlp_conv")
+
+    def check(self, d) -> None:
+        super().check(d)
+        require_options(d, {"draft_vocab_size": (d.draft_vocab_size is None, "null (vLLM's selector codebooks and "
+                                                 "candidates cover the target's whole vocabulary)")},
+                        self.family, self.recipe)
+
+    def extra_names(self, num_layers: int) -> dict[str, str]:
+        """Our convolution and selector keys -> the format's."""
+        names = {f"layers.{i}.{conv}.{p}": f"layers.{i}.{conv}.{p}" for i in range(num_layers) for conv in self.CONVS
+                 for p in ("base_kernel", "kernel_projection.weight")}
+        names.update({f"selector.{c}.weight": f"candidate_selector.{c}"
+                      for c in ("predecessor_codebook", "successor_codebook")})
+        names["selector.hidden_projection.weight"] = "candidate_selector.hidden_projection.weight"
+        return names
+
+    def tensors(self, d) -> dict[str, torch.Tensor]:
+        state = d.state_dict()
+        out = {**super().tensors(d), **{theirs: state[ours].float() for ours, theirs in
+                                         self.extra_names(d.num_layers).items()}}
+        return out
+
+    def config(self, d, verifier: str) -> dict[str, Any]:
+        config = super().config(d, verifier)
+        config.update({
+            "architectures": ["DFlash2DraftModel"],
+            "speculators_model_type": "dflash2",
+            "conv_kernel_size": d.conv_kernel_size,
+            "conv_group_size": d.conv_group_size,
+            "selector_rank": d.selector_rank,
+            "selector_top_k": d.selector_top_k,
+            "speculators_config": speculators_config("dflash2", d.block_size, verifier, d.target),
+        })
+        return config
+
+    def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
+             what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        what = f"{what} '{folder}'"
+        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+                   if config.get(k) is None]
+        if missing:
+            raise UserError(f"{what} is a DFlash2 folder without {', '.join(missing)} in config.json; a server would "
+                            "fall back to its defaults or drop the selector: write them.")
+        if config.get("sample_from_anchor"):
+            raise UserError(f"{what} is a DFlash2 drafter that samples from the anchor; DFlash2Drafter drafts after "
+                            "it.")
+        ours, state, vocab_size = self.backbone(config, tensors, folder, what)
+        ours.update(block_size=int(config["block_size"]) - 1,
+                    **{k: int(config[k]) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                    "selector_top_k")})
+        state.update(take(tensors, self.extra_names(ours["num_layers"]), what))
+        rec = record(DFlash2Drafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
+        return from_target(rec, state), state
+
+
 # ------------------------------------------------------------------------------------------------ MTP
 class MTPCodec:
     """MTPDrafter <-> speculators ``mtp``: one Qwen3 MTP layer, ``mtp_layers.0.*``; the embedding and the head are
@@ -538,7 +621,7 @@ def mask_vector(folder: Path, mask_id: int, tensors: dict[str, torch.Tensor], wh
 
 # family name (``drafters.FAMILIES``) -> its codec
 CODECS: dict[str, Any] = {"eagle3": Eagle3Codec(), "peagle": PEagleCodec(), "dflash": DFlashCodec(),
-                          "dspark": DSparkCodec(), "mtp": MTPCodec()}
+                          "dflash2": DFlash2Codec(), "dspark": DSparkCodec(), "mtp": MTPCodec()}
 
 
 def codec_of_config(config: dict) -> Any | None:
