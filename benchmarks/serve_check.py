@@ -21,7 +21,9 @@ MAL is counted the same way on every side: new tokens per target forward. Our en
 last prompt token (its prefill stops before it: decoding/engine.py); vLLM's prefill covers the whole prompt and
 gives the first token, then drafts: so for vLLM a prompt costs drafts + 1 forwards. ``accepted`` are the draft
 tokens the target accepted (vLLM's ``spec_decode_num_accepted_tokens``). Exit code 1 when any output differs from
-plain vLLM greedy or |MAL_vLLM - MAL_ours| > 0.05. DSpark's prefix scheduler is off on our side: vLLM submits the
+plain vLLM greedy, |MAL_vLLM - MAL_ours| > 0.05, or vLLM built the drafter's
+configuration otherwise than the exported config.json says (``checkpoint.served_mismatches``: each dropped or
+rewritten field printed in one sentence naming it). DSpark's prefix scheduler is off on our side: vLLM submits the
 whole block unless its adaptive verification (its own rule over the raw confidence head) is on.
 """
 
@@ -41,7 +43,7 @@ import torch
 from decode_speed import mt_bench_prompts  # benchmarks/ is on sys.path when a script here runs
 from lightning_spec import SamplingConfig, generate, load_drafter, load_target, offline_rounds
 from lightning_spec.assets import resolve_target_folder
-from lightning_spec.checkpoint import export_drafter, vllm_speculative_config
+from lightning_spec.checkpoint import export_drafter, served_fields, served_mismatches, vllm_speculative_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # family -> the overlays on the quickstart that train its exportable drafter
@@ -50,6 +52,8 @@ FAMILIES = {  # family -> the overlays on the quickstart that train its exportab
     "dspark": ["experiments/drafters/dspark.yaml", "experiments/drafters/dspark_export.yaml"],
     "eagle3_1": ["experiments/drafters/eagle3_1.yaml"],  # EAGLE-3 with fc_norm and norm_output
     "peagle": ["experiments/drafters/peagle.yaml"],  # served as EAGLE-3 with parallel_drafting
+    # DFlash2 on the full vocabulary; vLLM walks its selector in the model runner V2 only (docs/serving.md)
+    "dflash2": ["experiments/drafters/dflash2.yaml", "experiments/drafters/dflash2_export.yaml"],
 }
 DEFAULT_FAMILIES = ["eagle3", "dflash"]  # what vLLM serves on a CPU without Triton
 TOLERANCE = 0.05
@@ -144,7 +148,11 @@ def main() -> None:
         mal_vllm = sum(map(len, spec["tokens"])) / (spec["drafts"] + len(prompts))
         mal_ours = sum(len(g.tokens) for g in ours) / sum(g.rounds for g in ours)
         mal_offline = n_tokens / float(offline.sum())
-        ok &= same_vllm == len(prompts) and abs(mal_vllm - mal_ours) <= TOLERANCE
+        # what vLLM built of the drafter, field by field against the folder: a dropped or rewritten field fails
+        mismatched = served_mismatches(served_fields(export), spec.get("built") or {})
+        for sentence in mismatched:
+            print(f"serve-check: {family}: {sentence}")
+        ok &= same_vllm == len(prompts) and abs(mal_vllm - mal_ours) <= TOLERANCE and not mismatched
         rows.append({
             "family": family, "K": k, "prompts": len(prompts), "identical_vllm": same_vllm, "identical_ours": same_ours,
             "mal_vllm": mal_vllm, "mal_ours": mal_ours, "mal_offline": mal_offline,
@@ -152,22 +160,27 @@ def main() -> None:
             "accepted_per_position_vllm": spec["accepted_per_position"],
             "tps_vllm_plain": plain_tps, "tps_vllm_spec": sum(map(len, spec["tokens"])) / sum(spec["seconds"]),
             "tps_ours_spec": sum(len(g.tokens) for g in ours) / sum(g.seconds for g in ours),
+            "config_mismatches": mismatched, "proposer_vllm": (spec.get("built") or {}).get("proposer"),
         })
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"\nserve-check: {target_name} target, float32 on both sides, greedy, {len(prompts)} MT-Bench "
           f"prompts x {args.max_new_tokens} new tokens, {cpu}, {torch.get_num_threads()} threads for ours")
     print("| drafter | K | identical to plain vLLM (vLLM spec / ours) | MAL vLLM | MAL ours | MAL offline | "
-          "|Δ| vLLM-ours | accepted vLLM / ours | tokens/s vLLM plain | vLLM spec | ours spec |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "|Δ| vLLM-ours | accepted vLLM / ours | tokens/s vLLM plain | vLLM spec | ours spec | config as built | "
+          "vLLM proposer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         n = r["prompts"]
         print(f"| {r['family']} | {r['K']} | {r['identical_vllm']}/{n} / {r['identical_ours']}/{n} "
               f"| {r['mal_vllm']:.3f} | {r['mal_ours']:.3f} | {r['mal_offline']:.3f} "
               f"| {abs(r['mal_vllm'] - r['mal_ours']):.3f} | {r['accepted_vllm']:.0f} / {r['accepted_ours']} "
-              f"| {r['tps_vllm_plain']:.1f} | {r['tps_vllm_spec']:.1f} | {r['tps_ours_spec']:.1f} |")
+              f"| {r['tps_vllm_plain']:.1f} | {r['tps_vllm_spec']:.1f} | {r['tps_ours_spec']:.1f} "
+              f"| {'same' if not r['config_mismatches'] else str(len(r['config_mismatches'])) + ' fields differ'} "
+              f"| {r['proposer_vllm']} |")
     (work / "serve_check.json").write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=1))
     print(f"\nserve-check: {'PASSED' if ok else 'FAILED'} (all outputs identical to plain vLLM greedy, "
-          f"|MAL_vLLM - MAL_ours| <= {TOLERANCE}); details in {work / 'serve_check.json'}")
+          f"|MAL_vLLM - MAL_ours| <= {TOLERANCE}, every served field as exported); details in "
+          f"{work / 'serve_check.json'}")
     raise SystemExit(0 if ok else 1)
 
 

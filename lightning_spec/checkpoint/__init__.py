@@ -20,7 +20,13 @@ The layers go one way: ``write`` uses ``load`` and ``read``; ``fit`` and ``load`
 """
 
 from lightning_spec.checkpoint.classes import build, describe, drafter_classes
-from lightning_spec.checkpoint.formats import FORMATS, codec_for, vllm_speculative_config
+from lightning_spec.checkpoint.formats import (
+    FORMATS,
+    codec_for,
+    served_fields,
+    served_mismatches,
+    vllm_speculative_config,
+)
 from lightning_spec.checkpoint.load import init_weights, load_drafter
 from lightning_spec.checkpoint.read import (
     CKPT_KEY,
@@ -41,5 +47,5 @@ from lightning_spec.checkpoint.write import (
 
 __all__ = ["CKPT_KEY", "FORMATS", "Artifact", "Exported", "ModelFolder", "build", "codec_for", "describe",
            "drafter_classes", "export_checkpoint", "export_drafter", "init_weights", "load_drafter", "read_checkpoint",
-           "read_drafter_state", "recorded_fit", "recorded_target", "save_drafter", "vllm_speculative_config",
-           "write_model_folder"]
+           "read_drafter_state", "recorded_fit", "recorded_target", "save_drafter", "served_fields",
+           "served_mismatches", "vllm_speculative_config", "write_model_folder"]

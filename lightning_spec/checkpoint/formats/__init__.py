@@ -61,6 +61,37 @@ def vllm_speculative_config(drafter: Drafter, folder: str | Path, codec: Codec |
             **codec.vllm_options}
 
 
+def served_fields(folder: str | Path) -> dict[str, Any]:
+    """What vLLM must build from a speculators ``folder``: its codec's ``served`` of the folder's config.json, dotted
+    paths into vLLM's speculative config (``method``, ``num_speculative_tokens``, ``parallel_drafting``) and, under
+    ``draft.``, into the draft model's config -> values. Empty for a family vLLM has no method for (MTP)."""
+    config = read_json(Path(folder) / "config.json", "served folder")
+    codec = speculators.codec_of_config(config)
+    return codec.served(config) if codec is not None and codec.vllm else {}
+
+
+def served_mismatches(expected: dict[str, Any], built: dict[str, Any]) -> list[str]:
+    """One sentence per field that vLLM built otherwise than the folder says, or not at all: ``expected`` from
+    ``served_fields``, ``built`` what the engine holds ({method, num_speculative_tokens, parallel_drafting, draft: the
+    draft model's config as a dict}, ``benchmarks/serve_vllm.py``). A server that drops or rewrites a field serves
+    another drafter than the one trained (vLLM once dropped EAGLE-3.1's norms without an error)."""
+    out = []
+    for path, want in expected.items():
+        node: Any = built
+        for key in path.split("."):
+            node = node.get(key, _MISSING) if isinstance(node, dict) else _MISSING
+            if node is _MISSING:
+                break
+        if node is _MISSING:
+            out.append(f"vLLM built no {path} (the folder says {want!r}): it dropped the field.")
+        elif node != want:
+            out.append(f"vLLM built {path} = {node!r} where the folder says {want!r}: it rewrote the field.")
+    return out
+
+
+_MISSING = object()
+
+
 def is_serving_folder(folder: Path) -> bool:
     """True when ``folder`` holds a serving layout (a config.json this package can map), not save_drafter's."""
     return (folder / "config.json").is_file() and not (folder / "drafter.json").is_file()

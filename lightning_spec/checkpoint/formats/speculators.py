@@ -36,7 +36,7 @@ vLLM (``make serve-check``), DSpark's and MTP's against the speculators library'
   ``attention_conv`` / ``mlp_conv`` tensors and ``candidate_selector.{predecessor,successor}_codebook`` (V, r) with
   ``candidate_selector.hidden_projection.weight``; vLLM serves it with method ``dflash``, choosing the selector's walk
   by the ``DFlash2DraftModel`` architecture. Its candidates index the target's vocabulary, so the draft vocabulary
-  must be the whole of it.
+  must be the whole of it, and the folder has no ``d2t`` / ``t2d`` (the speculators library's DFlash2 has none).
 * MTP is one Qwen3 layer (``mtp_layers.0.*``) over the target's final-normed last hidden state, full vocabulary,
   its input projection over [RMSNorm(embedding); RMSNorm(state)] (ours is [state; embedding]: the two column
   halves swap), each step reading the previous step's normed output (``normed_chain``). Our stream also holds an
@@ -146,6 +146,15 @@ class Eagle3Codec:
         }
         return config, self.tensors(d), {}
 
+    def served(self, config: dict) -> dict[str, Any]:
+        """What vLLM 0.32 must build from this folder's ``config`` (``update_eagle3``): its speculative config's
+        fields and, under ``draft.``, the draft model config's, as dotted paths -> values."""
+        return {"method": "eagle3", "num_speculative_tokens": proposal_tokens(config, 0),
+                "draft.architectures": ["Eagle3LlamaForCausalLM"], "draft.draft_vocab_size": config["draft_vocab_size"],
+                "draft.eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"],
+                **{f"draft.{flag}": config[flag] for flag in ("norm_before_residual", "norm_before_fc", "fc_norm",
+                                                              "norm_output")}}
+
     def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         what = f"{what} '{folder}'"
@@ -215,6 +224,14 @@ class PEagleCodec(Eagle3Codec):
         for name in ("fc_norm", "norm_output"):  # not P-EAGLE fields in the format (check refuses them on)
             config.pop(name)
         return config, tensors, extra
+
+    def served(self, config: dict) -> dict[str, Any]:
+        """As EAGLE-3's (``update_peagle``): parallel drafting on, the mask token as vLLM's ``pard_token``."""
+        return {"method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": proposal_tokens(config, 0),
+                "draft.architectures": ["PeagleLlamaForCausalLM"], "draft.draft_vocab_size": config["draft_vocab_size"],
+                "draft.eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"],
+                "draft.pard_token": config["mask_token_id"], "draft.norm_before_fc": config["norm_before_fc"],
+                "draft.norm_before_residual": config["norm_before_residual"]}
 
     def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -289,6 +306,15 @@ class DFlashCodec:
 
     def write(self, d: DFlashDrafter, verifier: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, Any]]:
         return self.config(d, verifier), self.tensors(d), {"mask_embedding.pt": mask_file(d)}
+
+    def served(self, config: dict) -> dict[str, Any]:
+        """What vLLM 0.32 must build from this folder (``update_dflash``): the block's mask token, the target layers
+        (0-indexed there), a bidirectional block, drafts after the anchor."""
+        block = {"mask_token_id": config["mask_token_id"], "sample_from_anchor": False, "causal": False,
+                 "target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]]}
+        return {"method": "dflash", "num_speculative_tokens": proposal_tokens(config, 0),
+                "draft.architectures": ["DFlashDraftModel"], "draft.draft_vocab_size": config["draft_vocab_size"],
+                **{f"draft.dflash_config.{k}": v for k, v in block.items()}}
 
     def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -378,6 +404,15 @@ class DSparkCodec(DFlashCodec):
         temps = {"confidence_temperature": d.confidence_temperature.detach().float().cpu().tolist()}
         return self.config(d, verifier), self.tensors(d), {"mask_embedding.pt": mask_file(d), self.calibration: temps}
 
+    def served(self, config: dict) -> dict[str, Any]:
+        """What vLLM 0.32 must build from this folder (``update_dspark``): its fields on the draft config itself."""
+        fields = ("draft_vocab_size", "mask_token_id", "markov_rank", "markov_head_type", "block_size",
+                  "sample_from_anchor", "enable_confidence_head", "confidence_head_with_markov")
+        return {"method": "dspark", "num_speculative_tokens": proposal_tokens(config, 0),
+                "draft.architectures": ["Qwen3DSparkModel"],
+                "draft.target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]],
+                **{f"draft.{k}": config[k] for k in fields}}
+
     def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         what = f"{what} '{folder}'"
@@ -433,6 +468,9 @@ class DSparkCodec(DFlashCodec):
 
 
 # ------------------------------------------------------------------------------------------------ DFlash2
+SELECTOR_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 class DFlash2Codec(DFlashCodec):
     """DFlash2Drafter <-> speculators ``dflash2`` (vLLM's ``DFlash2DraftModel``, method ``dflash``): DFlash's backbone
     and names, plus each layer's ``attention_conv`` / ``mlp_conv`` (``base_kernel``, ``kernel_projection``) and the
@@ -463,9 +501,8 @@ class DFlash2Codec(DFlashCodec):
 
     def tensors(self, d) -> dict[str, torch.Tensor]:
         state = d.state_dict()
-        out = {**super().tensors(d), **{theirs: state[ours].float() for ours, theirs in
-                                         self.extra_names(d.num_layers).items()}}
-        return out
+        out = {k: v for k, v in super().tensors(d).items() if k not in ("d2t", "t2d")}  # the full vocabulary: no map
+        return {**out, **{theirs: state[ours].float() for ours, theirs in self.extra_names(d.num_layers).items()}}
 
     def config(self, d, verifier: str) -> dict[str, Any]:
         config = super().config(d, verifier)
@@ -479,6 +516,12 @@ class DFlash2Codec(DFlashCodec):
             "speculators_config": speculators_config("dflash2", d.block_size, verifier, d.target),
         })
         return config
+
+    def served(self, config: dict) -> dict[str, Any]:
+        """DFlash's, under the ``DFlash2DraftModel`` architecture, with the four fields ``update_dflash2`` copies into
+        ``dflash_config`` (a server that drops one serves DFlash2's backbone without its selector or convolutions)."""
+        fields = {f"draft.dflash_config.{k}": config[k] for k in SELECTOR_FIELDS}
+        return {**super().served(config), "draft.architectures": ["DFlash2DraftModel"], **fields}
 
     def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
