@@ -382,6 +382,26 @@ SERVE_PYTHON = Path(__file__).resolve().parents[2] / ".venv-serve" / "bin" / "py
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
+def untrained_exports(tmp_path: Path, target, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """name -> the speculators folder of every ``EXPORTABLE`` drafter but ``skip``, untrained on ``target``: a
+    reduced vocabulary drawn at random, a block drafter's mask moved off its start (the token's row)."""
+    folders = {}
+    for name, (make, _) in EXPORTABLE.items():
+        if name in skip:
+            continue
+        torch.manual_seed(0)
+        drafter = make(3)
+        drafter.bind(target)
+        if not drafter.vocab.full:
+            drafter.vocab.set_from_counts(torch.rand(target.vocab_size))
+            drafter.on_vocab_chosen()
+        if isinstance(drafter, ParallelBlockDrafter):
+            with torch.no_grad():
+                drafter.mask_embedding.add_(0.1)
+        folders[name] = str(export_drafter(drafter, tmp_path / name, "speculators").folder)
+    return folders
+
+
 def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
     """Every family we write in the speculators format loads with the library's own classes: no weight missing or
     unexpected, every shipped tensor held as written but one: the library loads the verifier's embedding over a
@@ -392,20 +412,9 @@ def test_the_speculators_library_loads_every_export(tmp_path, tiny_target):
 
     if not SERVE_PYTHON.is_file():
         pytest.skip("the serving venv (.venv-serve, `make serve-setup`) that has the speculators library is absent")
-    folders = {}
-    for name, (make, _) in EXPORTABLE.items():
-        if name == "peagle":  # written for vLLM's parallel drafting (EAGLE-3 + mask_hidden); the library's own
-            continue  # P-EAGLE class reads another config (para_depths, ptd_token_id): vLLM is the check there
-        torch.manual_seed(0)
-        drafter = make(3)
-        drafter.bind(tiny_target)
-        if not drafter.vocab.full:
-            drafter.vocab.set_from_counts(torch.rand(tiny_target.vocab_size))
-            drafter.on_vocab_chosen()
-        if isinstance(drafter, ParallelBlockDrafter):  # a learned mask, not its start (the token's row)
-            with torch.no_grad():
-                drafter.mask_embedding.add_(0.1)
-        folders[name] = str(export_drafter(drafter, tmp_path / name, "speculators").folder)
+    # P-EAGLE is written for vLLM's parallel drafting (EAGLE-3 + mask_hidden); the library's own P-EAGLE class reads
+    # another config (para_depths, ptd_token_id): vLLM is the check there
+    folders = untrained_exports(tmp_path, tiny_target, skip=("peagle",))
     run = subprocess.run([str(SERVE_PYTHON), str(FIXTURES / "speculators_load.py"), *folders.values()],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -613,17 +622,7 @@ def test_what_vllm_builds_of_every_export_is_what_the_folder_says(tmp_path, tiny
 
     if not SERVE_PYTHON.is_file():
         pytest.skip("the serving venv (.venv-serve, `make serve-setup`) that has vLLM is absent")
-    folders = {}
-    for name, (make, _) in EXPORTABLE.items():
-        if name == "mtp":  # vLLM has no method for the speculators MTP format: nothing is served
-            continue
-        torch.manual_seed(0)
-        drafter = make(3)
-        drafter.bind(tiny_target)
-        if not drafter.vocab.full:
-            drafter.vocab.set_from_counts(torch.rand(tiny_target.vocab_size))
-            drafter.on_vocab_chosen()
-        folders[name] = str(export_drafter(drafter, tmp_path / name, "speculators").folder)
+    folders = untrained_exports(tmp_path, tiny_target, skip=("mtp",))  # vLLM has no method for speculators MTP
     run = subprocess.run([str(SERVE_PYTHON), str(FIXTURES / "vllm_built_config.py"), *folders.values()],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
