@@ -33,6 +33,7 @@ SHAPES = {  # one decoder layer where a family takes a count; MTP's modules and 
     "dflash": {"num_layers": 1}, "dfly": {"num_layers": 1}, "dspark": {"num_layers": 1}, "domino": {"num_layers": 1},
     "d2sd": {"num_layers": 1}, "mtp": {"num_modules": 1}, "specblock": {"num_layers": 1, "blocks": 2},
     "peagle": {"mask_token_id": 1},  # any token: its embedding's values do not change the cost
+    "dflash2": {"num_layers": 1, "selector_rank": 64},  # experiments/drafters/dflash2.yaml's selector
 }
 
 
