@@ -1,12 +1,31 @@
 """A stand-in for benchmarks/serve_vllm.py that decodes with our own engine, so tests/integration/test_benchmarks.py
 can run benchmarks/serve_check.py end to end without vLLM. It answers in serve_vllm.py's JSON and counts the way vLLM
-does: the prefill gives the first token, then one draft per verification forward (so drafts = our rounds - 1)."""
+does: the prefill gives the first token, then one draft per verification forward (so drafts = our rounds - 1). What
+it "built" is what the folder says vLLM must build (``checkpoint.served_fields``), less the dotted field named by
+$STANDIN_DROP: a faithful engine, or one that drops a field."""
 
 import argparse
 import json
+import os
 import time
 
 from lightning_spec import generate, load_drafter, load_target
+from lightning_spec.checkpoint import served_fields
+
+
+def built(folder: str, drop: str | None) -> dict:
+    """``served_fields`` of ``folder`` nested as vLLM's configs are, without the field ``drop``."""
+    out: dict = {}
+    for path, value in served_fields(folder).items():
+        if path == drop:
+            continue
+        node = out
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--job", required=True)
@@ -28,4 +47,5 @@ for ids in job["prompts"]:
     accepted += sum(out.accept_lengths)
 json.dump({"tokens": tokens, "seconds": seconds, "load_seconds": 0.0, "drafts": drafts,
            "draft_tokens": drafts * (spec or {}).get("num_speculative_tokens", 0), "accepted": accepted,
-           "accepted_per_position": []}, open(args.out, "w"))
+           "accepted_per_position": [],
+           "built": built(spec["model"], os.environ.get("STANDIN_DROP")) if spec else None}, open(args.out, "w"))

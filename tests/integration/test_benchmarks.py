@@ -103,6 +103,17 @@ def test_serve_check_runs_end_to_end_with_a_standin_engine(tmp_path, tiny_target
     for row in rows:  # MAL vLLM (the stand-in's count) = ours = offline: one accounting on every side
         cells = [c.strip() for c in row.split("|")]
         assert cells[4] == cells[5] == cells[6] and float(cells[4]) > 1.2, row
+        assert cells[12] == "same", row  # what the engine built is what each folder says
+    # an engine that drops a field the folder says: the check fails naming it, outputs and MAL agreeing
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "STANDIN_DROP": "draft.dflash_config.mask_token_id"}
+    dropped = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_check.py"), "--serve-python",
+                              sys.executable, "--serve-script", str(ROOT / "tests" / "helpers" / "serve_standin.py"),
+                              "--target", "tiny-random", "--work", str(tmp_path), "--prompts", "2", "--max-new-tokens",
+                              "8", "--threads", "1", "--families", "dflash"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert dropped.returncode == 1 and "serve-check: FAILED" in dropped.stdout, dropped.stdout[-2000:]
+    assert ("serve-check: dflash: vLLM built no draft.dflash_config.mask_token_id (the folder says 1): it dropped the "
+            "field.") in dropped.stdout
 
 
 def test_gpu_check_runs_its_cpu_parts(tmp_path):
