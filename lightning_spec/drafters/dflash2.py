@@ -124,16 +124,18 @@ class CandidateSelector(nn.Module):
         """unary (..., Vd) -> the top-k values and draft ids (..., k), best first."""
         return unary.topk(self.top_k, dim=-1)
 
-    def scores(self, top: Tensor, ids: Tensor, hidden: Tensor, previous: Tensor) -> Tensor:
-        """s(c | p) of the candidates: top, ids (..., k); hidden (..., H); previous (...,) target ids -> (..., k)."""
-        left = self.predecessor_codebook(previous) * self.hidden_projection(hidden)  # (..., r)
+    def scores(self, top: Tensor, ids: Tensor, projected: Tensor, previous: Tensor) -> Tensor:
+        """s(c | p) of the candidates: top, ids (..., k); the slot's projected state P h (..., r); previous (...,)
+        target ids -> (..., k)."""
+        left = self.predecessor_codebook(previous) * projected  # (..., r)
         pair = (self.successor_codebook(ids) @ left[..., None].to(self.successor_codebook.weight.dtype))[..., 0]
         return top + pair.to(top.dtype)
 
     def sparse_logits(self, unary: Tensor, hidden: Tensor, previous: Tensor) -> Tensor:
         """The selector's logits over the draft vocabulary, -inf outside the candidates: (..., Vd)."""
         top, ids = self.candidates(unary)
-        return torch.full_like(unary, float("-inf")).scatter(-1, ids, self.scores(top, ids, hidden, previous))
+        scores = self.scores(top, ids, self.hidden_projection(hidden), previous)
+        return torch.full_like(unary, float("-inf")).scatter(-1, ids, scores)
 
 
 class DFlash2Drafter(ChainedBlockDrafter):
@@ -235,7 +237,7 @@ class DFlash2Drafter(ChainedBlockDrafter):
         if carry is None:
             unary = self.head(hidden)  # (K, Vd)
             top, ids = self.selector.candidates(unary)  # (K, k)
-            carry = (unary, top, ids)
-        unary, top, ids = carry
-        scores = self.selector.scores(top[t : t + 1], ids[t : t + 1], hidden[t : t + 1], previous)  # (1, k)
+            carry = (unary, top, ids, self.selector.hidden_projection(hidden))  # ..., P h (K, r)
+        unary, top, ids, projected = carry
+        scores = self.selector.scores(top[t : t + 1], ids[t : t + 1], projected[t : t + 1], previous)  # (1, k)
         return torch.full_like(unary[t : t + 1], float("-inf")).scatter(-1, ids[t : t + 1], scores), carry
