@@ -188,15 +188,21 @@ class ParallelBlockDrafter(Drafter):
     @torch.no_grad()
     def _copy_target_layers(self, target: Target) -> None:
         """Draft layer i <- target layer L - num_layers + i (HF Llama/Qwen names: q/k/v/o_proj, gate/up/down_proj,
-        input_layernorm, post_attention_layernorm)."""
+        input_layernorm, post_attention_layernorm, and Qwen3's q_norm/k_norm where the target has them: a Llama
+        target has none, and the drafter's stay ones). A family's own sublayer wrappers (DFlash2's convolutions) keep
+        their start."""
         hf_name = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
-        hf_name.update({m: f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        hf_name.update({m: f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")})
         hf_name.update({m: f"mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")})
         for layer, src in zip(self.layers, list(target.base.layers)[-self.num_layers :]):
             src_params = dict(src.named_parameters())
             for name, p in layer.named_parameters():
                 module, _, leaf = name.partition(".")
+                if module not in hf_name:
+                    continue
                 key = f"{hf_name[module]}.{leaf}"
+                if module in ("q_norm", "k_norm") and key not in src_params:
+                    continue
                 if key not in src_params or src_params[key].shape != p.shape:
                     raise UserError(
                         f"drafter.init_from_target: target parameter {key} is missing or shaped differently from the "

@@ -205,3 +205,19 @@ def test_errors_name_the_field_and_the_fix(diverse_target):
         DFlash2Drafter(block_size=4, conv_kernel_size=6)
     with pytest.raises(UserError, match="drafter.selector_top_k=200 exceeds the draft vocabulary \\(96 tokens\\)"):
         bound(DFlash2Drafter, diverse_target, block_size=4, conv_group_size=8, selector_top_k=200)
+
+
+def test_init_from_target_copies_the_layers_and_leaves_the_convolutions_and_qk_norms_at_their_start(diverse_target):
+    """``init_from_target`` on a Llama target: the draft layer's projections and norms are the target's last layer's,
+    DFlash2's convolutions stay the identity and the q/k norms (which a Llama layer lacks) stay ones; it once failed
+    on both names."""
+    last = dict(list(diverse_target.base.layers)[-1].named_parameters())
+    for cls, extra in ((DFlashDrafter, {}), (DFlash2Drafter, DFLASH2)):
+        drafter = bound(cls, diverse_target, block_size=4, num_layers=1, qk_norm=True, init_from_target=True, **extra)
+        layer = drafter.layers[0]
+        assert torch.equal(layer.q_proj.weight, last["self_attn.q_proj.weight"])
+        assert torch.equal(layer.down_proj.weight, last["mlp.down_proj.weight"])
+        assert torch.equal(layer.q_norm.weight, torch.ones_like(layer.q_norm.weight))
+        if cls is DFlash2Drafter:
+            x = torch.randn(1, 5, diverse_target.hidden_size)
+            torch.testing.assert_close(layer.attention_conv.prepare(x, 5)[0], x)
