@@ -201,7 +201,7 @@ class Drafter(nn.Module, Proposer):
         raise NotImplementedError(f"{type(self).__name__} must implement propose")
 
     #: Classes (module paths) whose checkpoints this family may start from (``model.init_from``), and the fragments
-    #: naming the weights those lack, which keep their fresh start (DFlash2 from DFlash). None by default.
+    #: naming the weights those lack, which keep their fresh start (DFlash2 from DFlash). Empty by default.
     warm_start_from: tuple[str, ...] = ()
     warm_start_fresh: tuple[str, ...] = ()
 

@@ -467,7 +467,7 @@ class DSparkCodec(DFlashCodec):
 
 
 # ------------------------------------------------------------------------------------------------ DFlash2
-SELECTOR_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+SELECTOR_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # config.json's own
 
 
 class DFlash2Codec(DFlashCodec):
@@ -525,8 +525,7 @@ class DFlash2Codec(DFlashCodec):
     def read(self, config: dict, tensors: dict[str, torch.Tensor], folder: Path, sidecar: dict | None,
              what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         what = f"{what} '{folder}'"
-        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-                   if config.get(k) is None]
+        missing = [k for k in SELECTOR_FIELDS if config.get(k) is None]
         if missing:
             raise UserError(f"{what} is a DFlash2 folder without {', '.join(missing)} in config.json; a server would "
                             "fall back to its defaults or drop the selector: write them.")
@@ -534,9 +533,7 @@ class DFlash2Codec(DFlashCodec):
             raise UserError(f"{what} is a DFlash2 drafter that samples from the anchor; DFlash2Drafter drafts after "
                             "it.")
         ours, state, vocab_size = self.backbone(config, tensors, folder, what)
-        ours.update(block_size=int(config["block_size"]) - 1,
-                    **{k: int(config[k]) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                    "selector_top_k")})
+        ours.update(block_size=int(config["block_size"]) - 1, **{k: int(config[k]) for k in SELECTOR_FIELDS})
         state.update(take(tensors, self.extra_names(ours["num_layers"]), what))
         rec = record(DFlash2Drafter, ours, verifier_of(config), vocab_size, sidecar, config_format(config))
         return from_target(rec, state), state
