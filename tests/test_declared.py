@@ -56,7 +56,7 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("lightning_spec/evaluation/report.py", 'getattr(out, "isatty"', "an output stream"),
     ("lightning_spec/adaptation.py", 'hasattr(input_ids, "keys")', "a tokenizer's BatchEncoding"),
     ("lightning_spec/checkpoint/formats/common.py", "getattr(cfg, ", "HF config"),
-    ("lightning_spec/checkpoint/formats/speculators.py", 'getattr(target.config, "architectures"', "HF config"),
+    ("lightning_spec/checkpoint/formats/common.py", 'getattr(target.config, "architectures"', "HF config"),
     ("lightning_spec/drafters/layers.py", "getattr(cfg, ", "HF config"),
     ("lightning_spec/drafters/layers.py", 'getattr(target.base, "norm"', "HF decoder"),
     ("lightning_spec/drafters/layers.py", 'getattr(final_norm, "weight"', "HF decoder's norm"),

@@ -1,16 +1,21 @@
-"""What every serving codec shares: the HF layer config of a drafter's layers, the vocabulary maps, JSON reading."""
+"""What every serving codec shares: the HF layer config of a drafter's layers, the vocabulary maps, JSON reading, and
+the speculators format's common fields (``speculators_config``, its proposal count and verifier), which both its
+modules (``speculators.py``, ``speculators_block.py``) and the SGLang codecs built on them read."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from lightning_spec.drafters import class_path_now
 from lightning_spec.drafters.base import Drafter
 from lightning_spec.errors import UserError
+
+if TYPE_CHECKING:
+    from lightning_spec.target import Target
 
 SIDECAR = "lightning_spec.json"  # our exact record next to a serving layout (class, init arguments, target)
 
@@ -110,3 +115,47 @@ def record(cls: type, config: dict[str, Any], target: str, vocab_size: int, side
         return {**sidecar, "drafter_class": path, "format": fmt}
     return {"drafter_class": path, "drafter_config": config, "target": target, "target_vocab_size": vocab_size,
             "target_fingerprint": None, "format": fmt, "parent": None}
+
+
+# ------------------------------------------------------------------------------- the speculators format's fields
+VERSION = "0.9.0"  # the speculators release whose format this writes
+
+MLP = {"gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+ATTN = {m: f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+
+
+def speculators_config(algorithm: str, tokens: int, verifier: str, target: Target) -> dict[str, Any]:
+    archs = list(getattr(target.config, "architectures", None) or [type(target.model).__name__])
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier, "architectures": archs},
+    }
+
+
+def proposal_tokens(config: dict, default: int) -> int:
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
+    return int(methods[0].get("speculative_tokens", default)) if methods else default
+
+
+def verifier_of(config: dict) -> str:
+    return str(((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or "")
+
+
+def require_options(d: Drafter, wanted: dict[str, tuple[bool, str]], family: str, recipe: str) -> None:
+    """Refuse, in one sentence, a drafter whose options the family's layout cannot hold: ``wanted`` maps an init
+    argument to (whether the drafter has what the layout needs, the value it needs and why)."""
+    bad = [f"drafter.{name}: {why}" for name, (ok, why) in wanted.items() if not ok]
+    if bad:
+        raise UserError(
+            f"This {type(d).__name__} cannot be written as {family}: train it with {'; '.join(bad)} ({recipe} sets "
+            "them)."
+        )
+
+
+def config_format(config: dict) -> str:
+    """Which layout a config.json (or the speculators-shaped view of an SGLang one) came in: the record says."""
+    return "speculators" if "speculators_model_type" in config else "sglang"

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from lightning_spec.checkpoint.formats.common import layer_config
-from lightning_spec.checkpoint.formats.speculators import DFlashCodec, Eagle3Codec
+from lightning_spec.checkpoint.formats.speculators import Eagle3Codec
+from lightning_spec.checkpoint.formats.speculators_block import DFlashCodec
 from lightning_spec.drafters import DFlashDrafter, Drafter, Eagle3Drafter
 from lightning_spec.errors import UserError
 
